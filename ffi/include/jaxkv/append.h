@@ -1,0 +1,110 @@
+// Appending new tokens to a linear cache, shared by the CPU and CUDA handlers.
+//
+// The cache is a stack of layers [L, B, 2, H, S, D]; k and v are [B, H, T, D]. For each active row
+// b, K/V half kv and head h, the first n = min(T, new_lengths[b]) tokens land at positions
+// lengths[b] .. lengths[b] + n - 1. Both sides of that copy are contiguous byte runs, so the whole
+// op is a set of (b, kv, h) spans whose offsets and sizes come from device data; positions past S
+// are dropped, never written.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "jaxkv/common.h"
+
+namespace jaxkv {
+
+struct AppendParams {
+  char* cache;                  // [L, B, 2, H, S, D]
+  const char* k;                // [B, H, T, D]
+  const char* v;                // [B, H, T, D]
+  const int32_t* lengths;       // [B] write position of each row
+  const int32_t* new_lengths;   // [B] tokens to write per row, or null: all T
+  const int32_t* active;        // [] rows [0, active) are written
+  const int32_t* layer;         // [] layer index into the stack
+  int32_t num_layers, batch, heads, capacity, tokens;
+  int32_t token_bytes;          // head_dim * element size
+
+  JAXKV_HD int64_t spans() const { return int64_t{batch} * 2 * heads; }
+};
+
+// Where span `i` = (b, kv, h) copies from and to, and how many bytes; bytes == 0 when nothing is
+// written (inactive row, out-of-range layer, full row).
+struct AppendSpan {
+  const char* src;
+  char* dst;
+  int64_t bytes;
+};
+
+JAXKV_HD AppendSpan append_span(const AppendParams& p, int64_t i) {
+  const int64_t b = i / (2 * p.heads);
+  const int64_t kvh = i % (2 * p.heads);
+  const int64_t kv = kvh / p.heads, h = kvh % p.heads;
+  AppendSpan s{nullptr, nullptr, 0};
+  const int32_t layer = *p.layer;
+  if (b >= *p.active || layer < 0 || layer >= p.num_layers) return s;
+  const int64_t pos = p.lengths[b];
+  int64_t n = p.new_lengths ? p.new_lengths[b] : p.tokens;
+  if (n > p.tokens) n = p.tokens;
+  if (pos < 0 || pos >= p.capacity || n <= 0) return s;
+  if (n > p.capacity - pos) n = p.capacity - pos;  // tokens past max_seq_len are dropped
+  const int64_t tb = p.token_bytes;
+  const int64_t head_stride = int64_t{p.capacity} * tb;
+  const int64_t row_stride = 2 * p.heads * head_stride;
+  s.dst = p.cache + (int64_t{layer} * p.batch + b) * row_stride + kvh * head_stride + pos * tb;
+  s.src = (kv ? p.v : p.k) + (b * p.heads + h) * int64_t{p.tokens} * tb;
+  s.bytes = n * tb;
+  return s;
+}
+
+// Binding of the "jaxkv_append" target after the platform's context arguments.
+template <class Binding>
+auto bind_append(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()          // k [B, H, T, D]
+      .template Arg<ffi::AnyBuffer>()          // v [B, H, T, D]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // lengths [B]: first position written
+      .template Arg<ffi::Buffer<ffi::S32>>()   // new_lengths [B], or [0]: all T tokens
+      .template Arg<ffi::Buffer<ffi::S32>>()   // active_batch_size []
+      .template Arg<ffi::Buffer<ffi::S32>>()   // layer_idx []
+      .template Arg<ffi::AnyBuffer>()          // cache [L, B, 2, H, S, D] (used through the alias)
+      .template Ret<ffi::AnyBuffer>();         // cache, aliased to the input
+}
+
+// Fills AppendParams from the buffers (shapes were validated in Python; re-checked here).
+inline ffi::ErrorOr<AppendParams> make_append_params(
+    ffi::AnyBuffer& k, ffi::AnyBuffer& v, ffi::Buffer<ffi::S32>& lengths,
+    ffi::Buffer<ffi::S32>& new_lengths, ffi::Buffer<ffi::S32>& active,
+    ffi::Buffer<ffi::S32>& layer, ffi::Result<ffi::AnyBuffer>& cache) {
+  constexpr const char* op = "append";
+  auto elem = element_bytes(cache->element_type(), op);
+  if (elem.has_error()) return ffi::Unexpected(elem.error());
+  auto cd = cache->dimensions();
+  auto kd = k.dimensions();
+  if (cd.size() != 6 || kd.size() != 4 || cd[2] != 2) return ffi::Unexpected(invalid(op, "bad ranks"));
+  if (k.element_type() != cache->element_type() || v.element_type() != cache->element_type())
+    return ffi::Unexpected(invalid(op, "k/v dtype differs from the cache"));
+  if (kd[0] != cd[1] || kd[1] != cd[3] || kd[3] != cd[5] || v.size_bytes() != k.size_bytes())
+    return ffi::Unexpected(invalid(op, "k/v shape does not match the cache"));
+  if (static_cast<int64_t>(lengths.element_count()) != cd[1] ||
+      (new_lengths.element_count() != 0 &&
+       static_cast<int64_t>(new_lengths.element_count()) != cd[1]))
+    return ffi::Unexpected(invalid(op, "lengths must have one entry per row"));
+  AppendParams p;
+  p.cache = static_cast<char*>(cache->untyped_data());
+  p.k = static_cast<const char*>(k.untyped_data());
+  p.v = static_cast<const char*>(v.untyped_data());
+  p.lengths = lengths.typed_data();
+  p.new_lengths = new_lengths.element_count() ? new_lengths.typed_data() : nullptr;
+  p.active = active.typed_data();
+  p.layer = layer.typed_data();
+  p.num_layers = static_cast<int32_t>(cd[0]);
+  p.batch = static_cast<int32_t>(cd[1]);
+  p.heads = static_cast<int32_t>(cd[3]);
+  p.capacity = static_cast<int32_t>(cd[4]);
+  p.tokens = static_cast<int32_t>(kd[2]);
+  p.token_bytes = static_cast<int32_t>(cd[5] * *elem);
+  return p;
+}
+
+}  // namespace jaxkv

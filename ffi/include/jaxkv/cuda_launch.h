@@ -1,0 +1,36 @@
+// Launch helpers shared by the CUDA handlers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "jaxkv/common.h"
+
+namespace jaxkv {
+
+// Error after a launch (or any runtime call), as an ffi::Error naming the op.
+inline ffi::Error cuda_status(const char* op, cudaError_t err = cudaGetLastError()) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
+}
+
+// Blocks for a persistent grid: enough resident blocks to fill every multiprocessor once.
+// The device properties are read once per device and cached.
+inline int persistent_blocks(const void* kernel, int threads, size_t smem) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+  return sms * (per_sm > 0 ? per_sm : 1);
+}
+
+// Raw 16/8/4/2/1-byte words: the kernels move bytes, whatever the dtype.
+template <int kBytes> struct Word;
+template <> struct Word<16> { using type = uint4; };
+template <> struct Word<8> { using type = uint2; };
+template <> struct Word<4> { using type = uint32_t; };
+template <> struct Word<2> { using type = uint16_t; };
+template <> struct Word<1> { using type = uint8_t; };
+
+}  // namespace jaxkv

@@ -1,0 +1,25 @@
+// The one nanobind module: hands the registered FFI handlers to Python.
+#include <nanobind/nanobind.h>
+
+#include "jaxkv/registry.h"
+
+namespace nb = nanobind;
+
+NB_MODULE(_jaxkv, m) {
+  m.doc() = "jaxkv XLA FFI handlers";
+  // {platform: {target name: PyCapsule of the handler}}
+  m.def("registrations", []() {
+    nb::dict by_platform;
+    for (const jaxkv::Target& t : jaxkv::targets()) {
+      if (!by_platform.contains(t.platform)) by_platform[t.platform] = nb::dict();
+      nb::dict d = by_platform[t.platform];
+      d[t.name] = nb::capsule(reinterpret_cast<void*>(t.handler));
+    }
+    return by_platform;
+  });
+#ifdef JAXKV_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

@@ -1,0 +1,9 @@
+"""jaxkv: KV-cache management for JAX inference loops (XLA FFI custom calls, CUDA and CPU)."""
+
+from . import reference as reference
+from .linear import LinearKVCache as LinearKVCache
+from .ops import compact_kv_cache as compact_kv_cache
+from .ops import compact_tensor_batch as compact_tensor_batch
+from .ops import increment_lengths as increment_lengths
+
+__version__ = "0.1.0"

@@ -1,0 +1,77 @@
+"""Trace-time argument checks shared by every op: messages name the op and the argument."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Dtypes the byte-moving kernels accept (they only look at the element width).
+CACHE_DTYPES = tuple(
+    np.dtype(d)
+    for d in (
+        jnp.float32,
+        jnp.bfloat16,
+        jnp.float16,
+        jnp.float8_e4m3fn,
+        jnp.float8_e5m2,
+        jnp.int8,
+        jnp.uint8,
+    )
+)
+
+MAX_LAYERS = 256  # layers one launch takes (ffi/include/jaxkv/layers.h: kMaxLayers)
+MAX_COMPACT_ROWS = 8192  # rows one compaction schedules (ffi/include/jaxkv/compact.h)
+
+
+def array(op: str, name: str, x) -> jax.Array:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{op}: {name} must be an array, got {type(x).__name__}")
+    return x
+
+
+def rank(op: str, name: str, x, expected: int, layout: str = "") -> None:
+    if x.ndim != expected:
+        hint = f" {layout}" if layout else ""
+        raise ValueError(f"{op}: {name} must have rank {expected}{hint}, got shape {tuple(x.shape)}")
+
+
+def int32(op: str, name: str, x) -> None:
+    if x.dtype != jnp.int32:
+        raise TypeError(f"{op}: {name} must be int32, got {x.dtype}")
+
+
+def cache_dtype(op: str, name: str, x) -> None:
+    if np.dtype(x.dtype) not in CACHE_DTYPES:
+        names = ", ".join(d.name for d in CACHE_DTYPES)
+        raise TypeError(f"{op}: {name} has dtype {x.dtype}; supported: {names}")
+
+
+def shape(op: str, name: str, x, expected: tuple, layout: str = "") -> None:
+    if tuple(x.shape) != tuple(expected):
+        hint = f" {layout}" if layout else ""
+        raise ValueError(
+            f"{op}: {name} must have shape {tuple(expected)}{hint}, got {tuple(x.shape)}"
+        )
+
+
+def static_int(op: str, name: str, value, lo: int = 0, hi: int | None = None) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{op}: {name} must be a Python int, got {type(value).__name__}")
+    value = int(value)
+    if value < lo or (hi is not None and value > hi):
+        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{op}: {name} must be in {bound}, got {value}")
+    return value
+
+
+def int_scalar(op: str, name: str, x) -> jax.Array:
+    """A Python int or an int32 scalar array (traced is fine)."""
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{op}: {name} must be an int or an int32 scalar, got bool")
+    if isinstance(x, (int, np.integer)):
+        return jnp.asarray(x, jnp.int32)
+    array(op, name, x)
+    int32(op, name, x)
+    rank(op, name, x, 0)
+    return x

@@ -1,0 +1,228 @@
+"""LinearKVCache: one buffer for every layer, as in TensorRT Edge-LLM's LinearKVCache."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from . import _ffi
+from . import _validate as v
+from . import ops
+
+IntOrArray = Union[int, jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LinearKVCache:
+    """KV cache of every decoder layer in one buffer, sized for ``max_batch`` x ``max_seq_len``.
+
+    Every method returns a new cache; under ``jit`` with the cache donated they run in place.
+
+    >>> cache = LinearKVCache.create(num_layers=2, max_batch=4, num_kv_heads=2, max_seq_len=16,
+    ...                              head_dim=8, dtype=jnp.float32)
+    >>> cache = cache.reset(jnp.zeros((3,), jnp.int32))          # 3 active sequences
+    >>> k = v = jnp.ones((4, 2, 5, 8), jnp.float32)                # prefill 5 tokens
+    >>> cache = cache.append(0, k, v).append(1, k, v).commit(5)
+    >>> cache.lengths
+    Array([5, 5, 5, 0], dtype=int32)
+    """
+
+    buffer: jax.Array  # [num_layers, max_batch, 2, num_kv_heads, max_seq_len, head_dim]
+    lengths: jax.Array  # int32 [max_batch]: tokens stored per sequence
+    active_batch_size: jax.Array  # int32 []: sequences [0, active_batch_size) are live
+
+    @classmethod
+    def create(
+        cls,
+        num_layers: int,
+        max_batch: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype=jnp.bfloat16,
+    ) -> "LinearKVCache":
+        op = "LinearKVCache.create"
+        dims = dict(num_layers=num_layers, max_batch=max_batch, num_kv_heads=num_kv_heads,
+                    max_seq_len=max_seq_len, head_dim=head_dim)
+        for name, value in dims.items():
+            v.static_int(op, name, value, lo=1)
+        if np.dtype(dtype) not in v.CACHE_DTYPES:
+            raise TypeError(f"{op}: unsupported dtype {np.dtype(dtype)}")
+        shape = (num_layers, max_batch, 2, num_kv_heads, max_seq_len, head_dim)
+        return cls(
+            buffer=jnp.zeros(shape, dtype),
+            lengths=jnp.zeros((max_batch,), jnp.int32),
+            active_batch_size=jnp.zeros((), jnp.int32),
+        )
+
+    # Static configuration, read off the buffer's shape.
+    num_layers = property(lambda self: self.buffer.shape[0])
+    max_batch = property(lambda self: self.buffer.shape[1])
+    num_kv_heads = property(lambda self: self.buffer.shape[3])
+    max_seq_len = property(lambda self: self.buffer.shape[4])
+    head_dim = property(lambda self: self.buffer.shape[5])
+    dtype = property(lambda self: self.buffer.dtype)
+
+    def layer(self, i: IntOrArray) -> jax.Array:
+        """``[max_batch, 2, H, S, D]`` of layer ``i`` (a view under ``jit``)."""
+        return self.buffer[i]
+
+    def keys(self, i: IntOrArray) -> jax.Array:
+        """``[max_batch, H, S, D]``."""
+        return self.buffer[i, :, 0]
+
+    def values(self, i: IntOrArray) -> jax.Array:
+        """``[max_batch, H, S, D]``."""
+        return self.buffer[i, :, 1]
+
+    @property
+    def all_empty(self) -> jax.Array:
+        """bool ``[]``: no active sequence holds a token (TensorRT Edge-LLM's getKVCacheAllEmpty)."""
+        active = jnp.arange(self.max_batch) < self.active_batch_size
+        return jnp.all(jnp.where(active, self.lengths, 0) == 0)
+
+    def set_active_batch_size(self, n: IntOrArray) -> "LinearKVCache":
+        op = "LinearKVCache.set_active_batch_size"
+        if isinstance(n, (int, np.integer)):
+            v.static_int(op, "n", n, 0, self.max_batch)
+        n = v.int_scalar(op, "n", n)
+        checkify.debug_check((n >= 0) & (n <= self.max_batch), f"{op}: n out of [0, max_batch]")
+        return dataclasses.replace(self, active_batch_size=jnp.clip(n, 0, self.max_batch))
+
+    def reset(self, reuse_lengths: jax.Array) -> "LinearKVCache":
+        """Starts a new batch of ``n`` sequences (TensorRT Edge-LLM's resetForNewSequences).
+
+        ``reuse_lengths``: int32 ``[n]``, ``n <= max_batch``: tokens already in the cache for each
+        new sequence (a reused prompt; 0 for none). Slots past ``n`` get length 0.
+        """
+        op = "LinearKVCache.reset"
+        v.array(op, "reuse_lengths", reuse_lengths)
+        v.int32(op, "reuse_lengths", reuse_lengths)
+        v.rank(op, "reuse_lengths", reuse_lengths, 1, "[n]")
+        n = reuse_lengths.shape[0]
+        if n > self.max_batch:
+            raise ValueError(f"{op}: reuse_lengths has {n} entries, max_batch is {self.max_batch}")
+        checkify.debug_check(
+            jnp.all((reuse_lengths >= 0) & (reuse_lengths <= self.max_seq_len)),
+            f"{op}: reuse_lengths outside [0, max_seq_len]",
+        )
+        lengths = jnp.zeros((self.max_batch,), jnp.int32).at[:n].set(reuse_lengths)
+        return dataclasses.replace(
+            self, lengths=lengths, active_batch_size=jnp.asarray(n, jnp.int32)
+        )
+
+    def append(self, layer_idx: IntOrArray, k: jax.Array, v_: jax.Array, new_lengths=None):
+        """Writes ``k``, ``v`` ``[max_batch, H, T, D]`` after each active sequence's tokens.
+
+        Token ``t`` of row ``b`` lands at position ``lengths[b] + t``, for ``t < new_lengths[b]``
+        when ``new_lengths`` (int32 ``[max_batch]``, ragged prefill) is given. Rows of inactive
+        slots are ignored; lengths are unchanged (see ``commit``). ``layer_idx`` may be traced
+        (a ``scan`` over layers); out of range writes nothing. Tokens past ``max_seq_len`` are
+        dropped; both cases are reported through ``checkify``.
+        """
+        buffer = append_stacked(
+            "LinearKVCache.append", self.buffer, layer_idx, k, v_, self.lengths,
+            self.active_batch_size, new_lengths,
+        )
+        return dataclasses.replace(self, buffer=buffer)
+
+    def commit(self, new_lengths: IntOrArray) -> "LinearKVCache":
+        """Advances the lengths of active sequences (TensorRT Edge-LLM's commitSequenceLength).
+
+        ``new_lengths``: a Python int (e.g. 1 per decode step) or int32 ``[max_batch]`` (tokens
+        appended per sequence by a ragged prefill). Lengths stop at ``max_seq_len`` (reported
+        through ``checkify``).
+        """
+        self_lengths = commit_lengths(
+            "LinearKVCache.commit", self.lengths, self.active_batch_size, new_lengths,
+            self.max_seq_len,
+        )
+        return dataclasses.replace(self, lengths=self_lengths)
+
+    def compact(self, batch_mapping: jax.Array) -> "LinearKVCache":
+        """Evicts and compacts every layer in one launch (see ``jaxkv.compact_kv_cache``).
+
+        ``batch_mapping``: int32 ``[max_batch]``, new row of each slot or -1 (inactive slots: -1);
+        survivors are expected on rows ``[0, survivors)``. Lengths follow their sequences and the
+        active batch size becomes the number of survivors.
+        """
+        op = "LinearKVCache.compact"
+        v.array(op, "batch_mapping", batch_mapping)
+        v.int32(op, "batch_mapping", batch_mapping)
+        v.shape(op, "batch_mapping", batch_mapping, (self.max_batch,), "[max_batch]")
+        ops.check_mapping_injective(op, batch_mapping, self.max_batch)
+        lengths, (buffer,) = ops.compact_buffers(
+            [self.buffer], self.lengths, batch_mapping, kv=True, rows=self.max_batch
+        )
+        survivors = surviving_count(batch_mapping, self.max_batch)
+        checkify.debug_check(
+            jnp.all(jnp.where(batch_mapping >= 0, batch_mapping < survivors, True)),
+            f"{op}: survivors must land on rows [0, survivors)",
+        )
+        return LinearKVCache(buffer=buffer, lengths=lengths, active_batch_size=survivors)
+
+
+def surviving_count(batch_mapping: jax.Array, rows: int) -> jax.Array:
+    return jnp.sum((batch_mapping >= 0) & (batch_mapping < rows)).astype(jnp.int32)
+
+
+def commit_lengths(op, lengths, active_batch_size, new_lengths, max_seq_len) -> jax.Array:
+    """``lengths + new_lengths`` on active rows, capped at ``max_seq_len``."""
+    if isinstance(new_lengths, (bool, np.bool_)):
+        raise TypeError(f"{op}: new_lengths must be an int or an int32 array, got bool")
+    if not isinstance(new_lengths, (int, np.integer)):
+        v.array(op, "new_lengths", new_lengths)
+        v.int32(op, "new_lengths", new_lengths)
+        v.shape(op, "new_lengths", new_lengths, lengths.shape, "[max_batch]")
+    active = jnp.arange(lengths.shape[0]) < active_batch_size
+    grown = lengths + jnp.where(active, jnp.asarray(new_lengths, jnp.int32), 0)
+    checkify.debug_check(jnp.all(grown <= max_seq_len), f"{op}: lengths pass max_seq_len")
+    return jnp.minimum(grown, max_seq_len)
+
+
+def append_stacked(op, buffer, layer_idx, k, v_, lengths, active_batch_size, new_lengths=None):
+    """Checks the arguments and makes the one FFI call of an append into ``[L, B, 2, H, S, D]``."""
+    num_layers, batch, _, heads, capacity, head_dim = buffer.shape
+    layer_idx = v.int_scalar(op, "layer_idx", layer_idx)
+    for name, x in (("k", k), ("v", v_)):
+        v.array(op, name, x)
+        v.rank(op, name, x, 4, "[max_batch, num_kv_heads, T, head_dim]")
+        if x.dtype != buffer.dtype:
+            raise TypeError(f"{op}: {name} has dtype {x.dtype}, the cache holds {buffer.dtype}")
+        if (x.shape[0], x.shape[1], x.shape[3]) != (batch, heads, head_dim):
+            raise ValueError(
+                f"{op}: {name} must have shape ({batch}, {heads}, T, {head_dim}), got {x.shape}"
+            )
+    if k.shape != v_.shape:
+        raise ValueError(f"{op}: k and v shapes differ: {k.shape} vs {v_.shape}")
+    tokens = k.shape[2]
+    if new_lengths is None:
+        count = jnp.full((batch,), tokens, jnp.int32)
+        new_lengths_in = jnp.zeros((0,), jnp.int32)
+    else:
+        v.array(op, "new_lengths", new_lengths)
+        v.int32(op, "new_lengths", new_lengths)
+        v.shape(op, "new_lengths", new_lengths, (batch,), "[max_batch]")
+        count = jnp.minimum(new_lengths, tokens)
+        new_lengths_in = new_lengths
+    active = jnp.arange(batch) < active_batch_size
+    checkify.debug_check(
+        (layer_idx >= 0) & (layer_idx < num_layers), f"{op}: layer_idx out of range"
+    )
+    checkify.debug_check(
+        jnp.all(jnp.where(active, lengths + count <= capacity, True)),
+        f"{op}: tokens past max_seq_len are dropped",
+    )
+    return _ffi.call(
+        "jaxkv_append",
+        jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+        k, v_, lengths, new_lengths_in, jnp.asarray(active_batch_size, jnp.int32), layer_idx,
+        buffer,
+        input_output_aliases={6: 0},
+    )

@@ -1,0 +1,180 @@
+"""Functional ops of the compaction family and the length ops.
+
+Every op validates shapes, dtypes and static arguments at trace time, then makes one FFI call whose
+outputs alias the cache inputs: donate the cache to the caller's ``jit`` and the op runs in place.
+Data-dependent problems are reported through ``jax.experimental.checkify`` (``debug_check``: free
+unless the caller wraps the function in ``checkify.checkify``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from . import _ffi
+from . import _validate as v
+
+Layers = Union[jax.Array, Sequence[jax.Array]]
+
+
+def check_mapping_injective(op: str, batch_mapping: jax.Array, rows: int) -> None:
+    """checkify report when two survivors are sent to one row (the kernel keeps one of them)."""
+    valid = (batch_mapping >= 0) & (batch_mapping < rows)
+    hits = jnp.zeros((rows,), jnp.int32).at[jnp.where(valid, batch_mapping, rows)].add(1, mode="drop")
+    checkify.debug_check(
+        jnp.all(hits <= 1), f"{op}: batch_mapping sends two surviving rows to the same new row"
+    )
+
+
+def _validate_mapping(op: str, batch_mapping, rows: int) -> None:
+    v.array(op, "batch_mapping", batch_mapping)
+    v.int32(op, "batch_mapping", batch_mapping)
+    v.rank(op, "batch_mapping", batch_mapping, 1, "[n_old]")
+    if batch_mapping.shape[0] > rows:
+        raise ValueError(
+            f"{op}: batch_mapping has {batch_mapping.shape[0]} entries but the batch has {rows} rows"
+        )
+    if rows > v.MAX_COMPACT_ROWS:
+        raise ValueError(f"{op}: at most {v.MAX_COMPACT_ROWS} rows, got {rows}")
+
+
+def compact_buffers(
+    buffers: Sequence[jax.Array], lengths, batch_mapping, *, kv: bool, rows: int
+) -> tuple[jax.Array | None, list[jax.Array]]:
+    """The one FFI call behind every compaction (arguments already validated).
+
+    ``buffers``: KV layers ``[rows, 2, H, S, D]`` or stacks ``[L, rows, 2, H, S, D]`` when ``kv``,
+    else plain ``[rows, ...]`` tensors moved whole. Returns (new lengths or None, new buffers).
+    """
+    n = len(buffers)
+    has_lengths = lengths is not None
+    lengths_in = lengths if has_lengths else jnp.zeros((0,), jnp.int32)
+    results = (jax.ShapeDtypeStruct((rows if has_lengths else 0,), jnp.int32),) + tuple(
+        jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers
+    )
+    out = _ffi.call(
+        "jaxkv_compact",
+        results,
+        batch_mapping,
+        lengths_in,
+        *buffers,
+        input_output_aliases={2 + i: 1 + i for i in range(n)},
+        kv=kv,
+        rows=rows,
+    )
+    return (out[0] if has_lengths else None), list(out[1:])
+
+
+def compact_tensor_batch(x: jax.Array, batch_mapping: jax.Array) -> jax.Array:
+    """Moves rows of ``x`` to their new batch positions (TensorRT Edge-LLM's compactTensorBatch).
+
+    **Arguments:**
+    - ``x``: ``[rows, ...]``, any supported dtype. Donate it to run in place.
+    - ``batch_mapping``: int32 ``[n_old]``, ``n_old <= rows``; ``batch_mapping[i]`` is the new row of
+      old row ``i``, or -1 to evict it. Entries outside ``[-1, rows)`` count as evictions.
+
+    **Returns:** ``x'`` with ``x'[batch_mapping[i]] = x[i]`` for every surviving ``i``; rows that no
+    survivor moves into keep their contents. Any injective mapping works in place (swaps, cycles,
+    chains in either direction); two survivors sent to one row is reported through ``checkify``.
+
+    >>> x = jnp.arange(6.0).reshape(3, 2)
+    >>> compact_tensor_batch(x, jnp.array([-1, 0, 1], jnp.int32))
+    Array([[2., 3.],
+           [4., 5.],
+           [4., 5.]], dtype=float32)
+    """
+    op = "compact_tensor_batch"
+    v.array(op, "x", x)
+    if x.ndim < 1:
+        raise ValueError(f"{op}: x must have a leading rows axis, got shape {tuple(x.shape)}")
+    v.cache_dtype(op, "x", x)
+    rows = x.shape[0]
+    _validate_mapping(op, batch_mapping, rows)
+    check_mapping_injective(op, batch_mapping, rows)
+    _, (out,) = compact_buffers([x], None, batch_mapping, kv=False, rows=rows)
+    return out
+
+
+def validate_kv_layers(op: str, layers: Layers, max_batch: int | None = None) -> list[jax.Array]:
+    """``layers`` as a list of ``[max_batch, 2, H, S, D]`` arrays, checked."""
+    is_list = isinstance(layers, (list, tuple))
+    items = list(layers) if is_list else [layers]
+    if not items:
+        raise ValueError(f"{op}: layers is empty")
+    if len(items) > v.MAX_LAYERS:
+        raise ValueError(f"{op}: at most {v.MAX_LAYERS} layers per call, got {len(items)}")
+    for i, layer in enumerate(items):
+        name = f"layers[{i}]" if is_list else "layers"
+        v.array(op, name, layer)
+        v.rank(op, name, layer, 5, "[max_batch, 2, num_kv_heads, max_seq_len, head_dim]")
+        v.cache_dtype(op, name, layer)
+        if layer.shape[1] != 2:
+            raise ValueError(f"{op}: {name} axis 1 must be 2 (K and V), got shape {layer.shape}")
+        if max_batch is not None and layer.shape[0] != max_batch:
+            raise ValueError(
+                f"{op}: {name} has max_batch {layer.shape[0]} but lengths has {max_batch} entries"
+            )
+    return items
+
+
+def validate_lengths(op: str, lengths, name: str = "lengths") -> int:
+    v.array(op, name, lengths)
+    v.int32(op, name, lengths)
+    v.rank(op, name, lengths, 1, "[max_batch]")
+    return lengths.shape[0]
+
+
+def compact_kv_cache(layers: Layers, lengths: jax.Array, batch_mapping: jax.Array):
+    """Evicts finished sequences and compacts the survivors, every layer in one launch.
+
+    (TensorRT Edge-LLM's compactKVCacheSingleLayer / compactKVCacheBatched, for any injective
+    mapping: the seed only supports order-preserving ones.)
+
+    **Arguments:**
+    - ``layers``: one ``[max_batch, 2, H, S, D]`` array or a list/tuple of them; H, S, D and dtype
+      may differ per layer. Donate them to run in place.
+    - ``lengths``: int32 ``[max_batch]``, live tokens of each row.
+    - ``batch_mapping``: int32 ``[n_old]``, ``n_old <= max_batch``: new row of old row ``i`` or -1.
+
+    **Returns:** ``(layers', lengths')`` with the structure of ``layers``. For a survivor ``i``,
+    tokens ``[0, lengths[i])`` of row ``i`` land in row ``batch_mapping[i]`` (tokens past a length
+    are unspecified; rows no survivor moves into are not written); ``lengths'[batch_mapping[i]] =
+    lengths[i]`` and every other slot gets 0. Only live tokens move.
+
+    >>> cache = jnp.ones((4, 2, 1, 8, 16), jnp.bfloat16)
+    >>> lengths = jnp.array([3, 5, 2, 0], jnp.int32)
+    >>> _, new_lengths = compact_kv_cache(cache, lengths, jnp.array([-1, 0, 1, -1], jnp.int32))
+    >>> new_lengths
+    Array([5, 2, 0, 0], dtype=int32)
+    """
+    op = "compact_kv_cache"
+    max_batch = validate_lengths(op, lengths)
+    items = validate_kv_layers(op, layers, max_batch)
+    _validate_mapping(op, batch_mapping, max_batch)
+    check_mapping_injective(op, batch_mapping, max_batch)
+    new_lengths, out = compact_buffers(items, lengths, batch_mapping, kv=True, rows=max_batch)
+    if isinstance(layers, (list, tuple)):
+        return type(layers)(out), new_lengths
+    return out[0], new_lengths
+
+
+def increment_lengths(lengths: jax.Array, increment) -> jax.Array:
+    """``lengths + increment`` (TensorRT Edge-LLM's incrementLengthTensor, both overloads).
+
+    ``increment`` is a Python int or an int32 ``[batch]`` array.
+
+    This is a fused XLA op, not a kernel: an elementwise add over a few hundred int32 values is
+    pure launch latency either way, and as an XLA op it fuses into the neighbouring commit/length
+    arithmetic, so it costs no launch of its own inside a jitted step, where a custom call always
+    costs one (see docs/benchmarks.md for the measurement).
+    """
+    op = "increment_lengths"
+    validate_lengths(op, lengths)
+    if isinstance(increment, (bool,)) or not isinstance(increment, int):
+        v.array(op, "increment", increment)
+        v.int32(op, "increment", increment)
+        v.shape(op, "increment", increment, lengths.shape, "[batch]")
+    return lengths + jnp.asarray(increment, jnp.int32)

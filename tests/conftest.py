@@ -1,0 +1,24 @@
+"""Strict test configuration, shared by the CPU (CI) and CUDA (H200) runs of the same suite."""
+
+import os
+
+# Several emulated CPU devices for sharding tests; harmless on GPU.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+def pytest_report_header(config):
+    return f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs JAX on a CUDA GPU (runs in tools/gpu_check.sh)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

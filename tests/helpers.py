@@ -1,0 +1,67 @@
+"""Test utilities: fresh random data for every dtype, byte-exact comparison, in-place checks."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DTYPES = [
+    jnp.float32,
+    jnp.bfloat16,
+    jnp.float16,
+    jnp.float8_e4m3fn,
+    jnp.float8_e5m2,
+    jnp.int8,
+    jnp.uint8,
+]
+DTYPE_IDS = [np.dtype(d).name for d in DTYPES]
+
+_rng = np.random.default_rng()
+
+
+def fresh_key() -> jax.Array:
+    """A new PRNG key per call: tests never reuse data."""
+    return jax.random.key(int(_rng.integers(0, 2**31 - 1)))
+
+
+def random_array(shape, dtype, key=None) -> jax.Array:
+    """Random values (never zeros, never NaN) of any cache dtype."""
+    key = fresh_key() if key is None else key
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return jax.random.randint(key, shape, info.min, info.max + 1, jnp.int32).astype(dtype)
+    return (jax.random.normal(key, shape, jnp.float32) * 4).astype(dtype)
+
+
+def as_bytes(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view(np.uint8).reshape(x.shape + (-1,))
+
+
+def assert_bytes_equal(actual, expected, what: str = "") -> None:
+    a, e = as_bytes(actual), as_bytes(expected)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    bad = np.argwhere(np.any(a != e, axis=-1))
+    assert bad.size == 0, f"{what}: {len(bad)} elements differ, first at {tuple(bad[0])}"
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def hlo_type(x) -> str:
+    """HLO spelling of an array type, e.g. 'bf16[2,4,2,8,64,128]'."""
+    names = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "s8", "uint8": "u8",
+             "int32": "s32", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
+    return f"{names[np.dtype(x.dtype).name]}[{','.join(map(str, x.shape))}]"
+
+
+def copies_of(compiled_hlo: str, x) -> list[str]:
+    """Instructions of a compiled module that copy a buffer of x's type (a cache copy)."""
+    t = re.escape(hlo_type(x))
+    pattern = re.compile(rf"=\s*{t}(\{{[^}}]*\}})?\s+copy(-start)?\(")
+    return [line.strip() for line in compiled_hlo.splitlines() if pattern.search(line)]

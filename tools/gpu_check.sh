@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On a CUDA machine (the H200 of the device tool): build with the preinstalled toolchain, run the
+# whole test suite on the GPU, then the benchmarks. Logs go to $OUT (default /tmp/jaxkv-gpu).
+#   bash tools/gpu_check.sh [pytest args...]
+set -uo pipefail
+OUT=${OUT:-/tmp/jaxkv-gpu}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+} 2>&1 | tee "$OUT/env.log"
+
+echo "== build" | tee "$OUT/build.log"
+JAXKV_CUDA=ON JAXKV_CUDA_ARCHITECTURES=90 python3 -m pip install --no-build-isolation --no-deps \
+  --no-index . >>"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+python3 -c "import jaxkv._ffi as f; assert f.WITH_CUDA, 'built without CUDA'; print('CUDA build ok')"
+
+echo "== tests"
+# From tests/ so that `import jaxkv` is the installed package, not the source folder.
+(cd tests && python3 -m pytest -q -p no:cacheprovider "$@" 2>&1) | tee "$OUT/tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+if [ -z "${SKIP_BENCH:-}" ] && python3 -c "import jaxkv.bench" 2>/dev/null; then
+  echo "== benchmarks"
+  (cd /tmp && python3 -m jaxkv.bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" 2>&1) \
+    | tee "$OUT/bench.log"
+fi
+exit "$tests_rc"
