@@ -39,7 +39,7 @@ def random_array(shape, dtype, key=None) -> jax.Array:
 
 def as_bytes(x) -> np.ndarray:
     x = np.asarray(x)
-    return x.view(np.uint8).reshape(x.shape + (-1,))
+    return x.view(np.uint8).reshape(x.shape + (x.dtype.itemsize,))
 
 
 def assert_bytes_equal(actual, expected, what: str = "") -> None:
