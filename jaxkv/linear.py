@@ -167,6 +167,24 @@ class LinearKVCache:
         )
         return LinearKVCache(buffer=buffer, lengths=lengths, active_batch_size=survivors)
 
+    def save(self, batch_idx: IntOrArray, seq_len: int):
+        """Tokens ``[0, seq_len)`` of row ``batch_idx``, every layer, in one launch: a
+        ``jaxkv.SavedKV`` (see ``jaxkv.save_kv_cache``)."""
+        from . import reuse  # the prompt-reuse family, reuse.py
+
+        return reuse.save_saved_kv("LinearKVCache.save", [self.buffer], ["buffer"], batch_idx, seq_len)
+
+    def instantiate(self, saved, batch_idx: IntOrArray) -> "LinearKVCache":
+        """Writes a ``jaxkv.SavedKV`` into tokens ``[0, T)`` of row ``batch_idx`` (an int, an int32
+        scalar or an int32 ``[n]`` array of rows), every layer in one launch. Lengths are
+        unchanged: pass ``saved.length`` to ``reset``."""
+        from . import reuse
+
+        (buffer,) = reuse.instantiate_saved_kv(
+            "LinearKVCache.instantiate", [self.buffer], ["buffer"], saved, batch_idx
+        )
+        return dataclasses.replace(self, buffer=buffer)
+
 
 def surviving_count(batch_mapping: jax.Array, rows: int) -> jax.Array:
     return jnp.sum((batch_mapping >= 0) & (batch_mapping < rows)).astype(jnp.int32)
