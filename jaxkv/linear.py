@@ -205,8 +205,10 @@ def commit_lengths(op, lengths, active_batch_size, new_lengths, max_seq_len) -> 
 
 
 def append_stacked(op, buffer, layer_idx, k, v_, lengths, active_batch_size, new_lengths=None):
-    """Checks the arguments and makes the one FFI call of an append into ``[L, B, 2, H, S, D]``."""
-    num_layers, batch, _, heads, capacity, head_dim = buffer.shape
+    """Checks the arguments and makes the one FFI call of an append into ``[L, B, 2, H, S, D]``,
+    or into one layer ``[B, 2, H, S, D]`` (``layer_idx`` 0; reshaping it would cost a copy)."""
+    stack = buffer.shape if buffer.ndim == 6 else (1, *buffer.shape)
+    num_layers, batch, _, heads, capacity, head_dim = stack
     layer_idx = v.int_scalar(op, "layer_idx", layer_idx)
     for name, x in (("k", k), ("v", v_)):
         v.array(op, name, x)

@@ -167,8 +167,8 @@ class KVCacheManager:
         op = "KVCacheManager.append"
         i = self._index(op, layer_idx)
         layer = linear.append_stacked(
-            op, self.layers[i][None], 0, k, v_, self.lengths, self.active_batch_size, new_lengths
-        )[0]
+            op, self.layers[i], 0, k, v_, self.lengths, self.active_batch_size, new_lengths
+        )
         return dataclasses.replace(self, layers=self.layers[:i] + (layer,) + self.layers[i + 1 :])
 
     def commit(self, new_lengths: IntOrArray) -> "KVCacheManager":
