@@ -116,6 +116,24 @@ def test_empty_and_full_length(tokens):
         assert_bytes_equal(o, e)
 
 
+@pytest.mark.parametrize("tokens", [5, 160])
+def test_odd_head_dims_long_spans_and_many_units(tokens):
+    # head_dim 7 and 3 with an odd T force 1- and 2-byte accesses on CUDA; T = 160 tokens of
+    # 128 x bf16 spans several chunks; 8 layers x 4 slots x 16 head spans exceed one wave of a
+    # persistent grid on an H200.
+    shapes = [(8, 128, jnp.bfloat16), (1, 7, jnp.float8_e4m3fn), (2, 3, jnp.bfloat16)] + [
+        (8, 128, jnp.bfloat16)] * 5
+    dst = [layer(5, h, 192, d, dt) for h, d, dt in shapes]
+    saved = [saved_like(x, tokens) for x in dst]
+    slots = jnp.asarray([1, 4, 0, 3], jnp.int32)
+    out = jax.jit(jaxkv.instantiate_kv_cache)(dst, saved, slots)
+    for i, (o, e) in enumerate(zip(out, ref_instantiate(dst, saved, slots))):
+        assert_bytes_equal(o, e, f"instantiate layer {i}")
+    back = jax.jit(jaxkv.save_kv_cache, static_argnums=2)(out, jnp.asarray(3, jnp.int32), tokens)
+    for i, (b, s) in enumerate(zip(back, saved)):
+        assert_bytes_equal(b, s, f"save layer {i}")
+
+
 def test_one_prefix_into_many_slots_equals_slot_by_slot():
     dst = mixed_layers(jnp.bfloat16, max_batch=6)
     saved = [saved_like(x, 5) for x in dst]

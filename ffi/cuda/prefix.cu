@@ -1,6 +1,6 @@
 // CUDA handler of prompt KV reuse: every layer, slot and head span in one persistent launch.
 //
-// The work is cut into units (layer, slot, K/V head, chunk of the span); a chunk is kUnroll words
+// The work is cut into units (layer, K/V head, chunk of the span, slot); a chunk is kUnroll words
 // per thread of one block, so a long prefix spreads over many blocks and each thread keeps kUnroll
 // independent loads in flight. Blocks take units in a grid-stride loop.
 #include <algorithm>
@@ -25,6 +25,7 @@ struct PrefixParams {
   int32_t rows;
   bool to_cache;
 };
+static_assert(sizeof(PrefixParams) <= 32764, "kernel parameters are limited to 32764 bytes");
 
 __host__ __device__ inline int64_t chunks_per_span(const PrefixLayer& l) {
   const int64_t words = l.span_bytes / l.width;
@@ -66,11 +67,12 @@ __global__ void __launch_bounds__(kThreads) copy_prefix_kernel(const __grid_cons
       if (p.first_unit[mid] <= unit) lo = mid; else hi = mid - 1;
     }
     const PrefixLayer& l = p.layers[lo];
-    const int64_t chunks = chunks_per_span(l);
+    // Slot innermost: consecutive units read the same source chunk (one prefix into many slots
+    // reads it from DRAM once, then from L2).
     const int64_t local = unit - p.first_unit[lo];
-    const int64_t chunk = local % chunks;
-    const int64_t head = (local / chunks) % l.cache.heads;
-    const int64_t k = local / chunks / l.cache.heads;
+    const int64_t k = local % p.num_slots;
+    const int64_t chunk = (local / p.num_slots) % chunks_per_span(l);
+    const int64_t head = local / p.num_slots / chunks_per_span(l);
     const PrefixSpan s = prefix_span(l, __ldg(p.slots + k), p.rows, p.to_cache, head);
     if (s.bytes == 0) continue;
     switch (l.width) {
