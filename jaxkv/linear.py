@@ -172,7 +172,8 @@ class LinearKVCache:
         ``jaxkv.SavedKV`` (see ``jaxkv.save_kv_cache``)."""
         from . import reuse  # the prompt-reuse family, reuse.py
 
-        return reuse.save_saved_kv("LinearKVCache.save", [self.buffer], ["buffer"], batch_idx, seq_len)
+        op = "LinearKVCache.save"
+        return reuse.save_saved_kv(op, [self.buffer], ["buffer"], batch_idx, seq_len)
 
     def instantiate(self, saved, batch_idx: IntOrArray) -> "LinearKVCache":
         """Writes a ``jaxkv.SavedKV`` into tokens ``[0, T)`` of row ``batch_idx`` (an int, an int32

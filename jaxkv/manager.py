@@ -46,7 +46,7 @@ class KVCacheManager:
     (Array([3, 3], dtype=int32), (2, 2, 2, 8, 128))
     """
 
-    layers: tuple[jax.Array, ...]  # per layer [max_batch, 2, num_kv_heads_i, max_seq_len_i, head_dim_i]
+    layers: tuple[jax.Array, ...]  # per layer [max_batch, 2, H_i, S_i, D_i] (layer_config(i))
     lengths: jax.Array  # int32 [max_batch]: tokens stored per sequence
     active_batch_size: jax.Array  # int32 []: sequences [0, active_batch_size) are live
 
@@ -69,7 +69,9 @@ class KVCacheManager:
         layers = []
         for i, c in enumerate(configs):
             if not isinstance(c, KVLayerConfig):
-                raise TypeError(f"{op}: layer_configs[{i}] must be a KVLayerConfig, got {type(c).__name__}")
+                raise TypeError(
+                    f"{op}: layer_configs[{i}] must be a KVLayerConfig, got {type(c).__name__}"
+                )
             v.static_int(op, f"layer_configs[{i}].num_kv_heads", c.num_kv_heads, lo=1)
             v.static_int(op, f"layer_configs[{i}].head_dim", c.head_dim, lo=1)
             seq = max_seq_len if c.max_seq_len is None else c.max_seq_len

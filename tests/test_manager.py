@@ -41,7 +41,7 @@ def random_manager(configs=MIXED, max_batch=4, max_seq_len=16, dtype=jnp.bfloat1
 
 def kv_for(cache, i, tokens):
     b, _, h, _, d = cache.layers[i].shape
-    return random_array((b, h, tokens, d), cache.dtype), random_array((b, h, tokens, d), cache.dtype)
+    return tuple(random_array((b, h, tokens, d), cache.dtype) for _ in "kv")
 
 
 def assert_live_equal(actual, expected, lengths, what=""):
@@ -78,13 +78,15 @@ def test_create_and_views():
     assert_bytes_equal(k, np.asarray(cache.combined(4))[:, 0])
     assert_bytes_equal(v, np.asarray(cache.combined(4))[:, 1])
     assert KVCacheManager.create(UNIFORM, 2, 8).is_uniform
-    assert not KVCacheManager.create([KVLayerConfig(2, 64), KVLayerConfig(2, 64, 4)], 2, 8).is_uniform
+    shorter = [KVLayerConfig(2, 64), KVLayerConfig(2, 64, max_seq_len=4)]
+    assert not KVCacheManager.create(shorter, 2, 8).is_uniform
     leaves, _ = jax.tree.flatten(cache)
     assert len(leaves) == 5 + 2  # layers, lengths, active batch size
 
 
 def test_create_rejects_bad_configs():
-    with pytest.raises(ValueError, match=r"layer_configs\[1\].max_seq_len must be in \[1, 16\], got 17"):
+    msg = r"layer_configs\[1\].max_seq_len must be in \[1, 16\], got 17"
+    with pytest.raises(ValueError, match=msg):
         KVCacheManager.create([KVLayerConfig(2, 64), KVLayerConfig(2, 64, 17)], 2, 16)
     with pytest.raises(ValueError, match=r"layer_configs\[0\].num_kv_heads"):
         KVCacheManager.create([KVLayerConfig(0, 64)], 2, 16)
@@ -124,7 +126,8 @@ def test_append_rejects_bad_layer_and_shapes():
         cache.append(5, k, v)
     with pytest.raises(TypeError, match="KVCacheManager.append: layer_idx must be a Python int"):
         cache.append(jnp.asarray(1, jnp.int32), k, v)
-    with pytest.raises(ValueError, match=r"KVCacheManager.append: k must have shape \(4, 8, T, 64\)"):
+    msg = r"KVCacheManager.append: k must have shape \(4, 8, T, 64\)"
+    with pytest.raises(ValueError, match=msg):
         cache.append(0, k, v)
 
 
@@ -152,7 +155,7 @@ def test_save_instantiate_round_trip_in_place_one_launch():
 
     dst = random_manager(dtype=jnp.float8_e5m2)
     slots = jnp.asarray([3, 0], jnp.int32)
-    expected = [reference.instantiate_kv_cache(x, s, slots) for x, s in zip(dst.layers, saved.layers)]
+    expected = reference.instantiate_kv_cache(list(dst.layers), list(saved.layers), slots)
     fn = jax.jit(KVCacheManager.instantiate, donate_argnums=0)
     out, hlo = assert_in_place(fn, dst, saved, slots)
     assert hlo.count('custom_call_target="jaxkv_copy_prefix"') == 1
@@ -167,9 +170,11 @@ def test_saved_must_match_the_layers():
     saved = cache.save(0, 4)
     other = random_manager([KVLayerConfig(8, 64), KVLayerConfig(4, 128), KVLayerConfig(8, 512),
                             KVLayerConfig(2, 128), KVLayerConfig(1, 80)])
-    with pytest.raises(ValueError, match=r"saved.layers\[1\] must have shape \(2, 4, T, 128\) to fit layers\[1\]"):
+    msg = r"saved.layers\[1\] must have shape \(2, 4, T, 128\) to fit layers\[1\]"
+    with pytest.raises(ValueError, match=msg):
         other.instantiate(saved, 0)
-    with pytest.raises(TypeError, match=r"saved.layers\[0\] has dtype float32 but layers\[0\] holds bfloat16"):
+    msg = r"saved.layers\[0\] has dtype float32 but layers\[0\] holds bfloat16"
+    with pytest.raises(TypeError, match=msg):
         random_manager().instantiate(random_manager(dtype=jnp.float32).save(0, 4), 0)
     with pytest.raises(ValueError, match="5 saved tensors for 3 cache layers"):
         random_manager(UNIFORM).instantiate(saved, 0)

@@ -57,7 +57,8 @@ __device__ __forceinline__ void copy_chunk(const PrefixSpan& s, int64_t chunk) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads) copy_prefix_kernel(const __grid_constant__ PrefixParams p) {
+__global__ void __launch_bounds__(kThreads)
+    copy_prefix_kernel(const __grid_constant__ PrefixParams p) {
   const int64_t total = p.first_unit[p.num_layers];
   for (int64_t unit = blockIdx.x; unit < total; unit += gridDim.x) {
     // Layer of this unit: last l with first_unit[l] <= unit.
@@ -102,7 +103,8 @@ ffi::Error copy_prefix_cuda(cudaStream_t stream, ffi::Buffer<ffi::S32> slots,
                                                  chunks_per_span(p.layers[l]);
   const int64_t total = p.first_unit[p.num_layers];
   if (total == 0) return ffi::Error::Success();
-  const int64_t fill = persistent_blocks(reinterpret_cast<const void*>(copy_prefix_kernel), kThreads, 0);
+  const void* kernel = reinterpret_cast<const void*>(copy_prefix_kernel);
+  const int64_t fill = persistent_blocks(kernel, kThreads, 0);
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min(fill, total)));
   copy_prefix_kernel<<<blocks, kThreads, 0, stream>>>(p);
   return cuda_status("copy_prefix");
@@ -110,9 +112,10 @@ ffi::Error copy_prefix_cuda(cudaStream_t stream, ffi::Buffer<ffi::S32> slots,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_copy_prefix_cuda, copy_prefix_cuda,
-                              bind_copy_prefix(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxkv_copy_prefix_cuda, copy_prefix_cuda,
+    bind_copy_prefix(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
 JAXKV_REGISTER_TARGET("jaxkv_copy_prefix", "CUDA", jaxkv_copy_prefix_cuda);
 
 }  // namespace jaxkv

@@ -33,7 +33,9 @@ JAXKV_HD PrefixSpan prefix_span(const PrefixLayer& l, int32_t slot, int32_t rows
                                 int64_t head) {
   const bool valid = slot >= 0 && slot < rows;
   char* saved = l.saved + head * l.span_bytes;
-  if (!valid) return to_cache ? PrefixSpan{nullptr, nullptr, 0} : PrefixSpan{nullptr, saved, l.span_bytes};
+  if (!valid) {
+    return to_cache ? PrefixSpan{nullptr, nullptr, 0} : PrefixSpan{nullptr, saved, l.span_bytes};
+  }
   char* cache = l.cache.base + slot * l.cache.row_stride + head * l.cache.head_stride;
   return to_cache ? PrefixSpan{saved, cache, l.span_bytes} : PrefixSpan{cache, saved, l.span_bytes};
 }
@@ -47,7 +49,7 @@ auto bind_copy_prefix(Binding b) {
   return std::move(b)
       .template Arg<ffi::Buffer<ffi::S32>>()  // slots [] or [n]: cache rows read / written
       .RemainingArgs()                        // save: layers; instantiate: saved..., layers...
-      .RemainingRets()                        // save: saved [2, H, T, D] per layer; instantiate: layers
+      .RemainingRets()                        // save: saved [2, H, T, D] each; instantiate: layers
       .template Attr<bool>("to_cache")        // true: instantiate, false: save
       .template Attr<int64_t>("rows");        // max_batch of every cache buffer
 }
@@ -66,13 +68,16 @@ ffi::ErrorOr<PrefixArgs> describe_prefix(ffi::Buffer<ffi::S32>& slots, const Arg
                                          const Rets& rets, bool to_cache, int64_t rows,
                                          PrefixLayer* out) {
   constexpr const char* op = "copy_prefix";
-  auto arg = [&](size_t i) -> ffi::ErrorOr<ffi::AnyBuffer> { return args.template get<ffi::AnyBuffer>(i); };
+  auto arg = [&](size_t i) -> ffi::ErrorOr<ffi::AnyBuffer> {
+    return args.template get<ffi::AnyBuffer>(i);
+  };
   auto ret = [&](size_t i) -> ffi::ErrorOr<ffi::AnyBuffer> {
     auto r = rets.template get<ffi::AnyBuffer>(i);
     if (r.has_error()) return ffi::Unexpected(r.error());
     return **r;
   };
-  if (to_cache && args.size() < rets.size()) return ffi::Unexpected(invalid(op, "missing arguments"));
+  if (to_cache && args.size() < rets.size())
+    return ffi::Unexpected(invalid(op, "missing arguments"));
   const size_t num_caches = to_cache ? rets.size() : args.size();
   const size_t num_saved = to_cache ? args.size() - rets.size() : rets.size();
   LayerSpan spans[kMaxLayers];
@@ -90,7 +95,8 @@ ffi::ErrorOr<PrefixArgs> describe_prefix(ffi::Buffer<ffi::S32>& slots, const Arg
     const LayerSpan& c = spans[i];
     if (d.size() != 4 || d[0] != 2 || 2 * d[1] != c.heads || d[3] * *elem != c.token_bytes ||
         d[2] > c.capacity)
-      return ffi::Unexpected(invalid(op, "saved tensor " + std::to_string(i) + " does not fit its layer"));
+      return ffi::Unexpected(
+          invalid(op, "saved tensor " + std::to_string(i) + " does not fit its layer"));
     PrefixLayer& l = out[i];
     l.cache = c;
     l.saved = static_cast<char*>(s->untyped_data());
