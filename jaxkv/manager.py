@@ -86,6 +86,7 @@ class KVCacheManager:
     # Static configuration, read off the buffers' shapes.
     num_layers = property(lambda self: len(self.layers))
     max_batch = property(lambda self: self.lengths.shape[0])
+    # Cache-wide max_seq_len (lengths stop there): the longest layer's.
     max_seq_len = property(lambda self: max(layer.shape[3] for layer in self.layers))
     dtype = property(lambda self: self.layers[0].dtype)
 
