@@ -315,6 +315,10 @@ class PagedKVCache:
         idle slots); None writes all ``T``. Positions without a reserved page are skipped and
         reported through ``checkify``. Lengths are unchanged (see ``commit``).
         """
+        op = "PagedKVCache.append"
+        for name, x in (("k", k), ("v", v_)):
+            v.array(op, name, x)
+            v.rank(op, name, x, 4, "[max_batch, num_kv_heads, T, head_dim]")
         k_pages, v_pages = paged_ops.paged_append(
             self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, k, v_,
             new_lengths, layout=self.layout,
@@ -324,8 +328,9 @@ class PagedKVCache:
     def append_layers(self, k: jax.Array, v_: jax.Array, new_lengths=None):
         """``append`` of every layer at once, one launch: ``k``, ``v`` ``[L, max_batch, H, T, D]``."""
         op = "PagedKVCache.append_layers"
-        v.array(op, "k", k)
-        v.rank(op, "k", k, 5, "[num_layers, max_batch, H, T, D]")
+        for name, x in (("k", k), ("v", v_)):
+            v.array(op, name, x)
+            v.rank(op, name, x, 5, "[num_layers, max_batch, num_kv_heads, T, head_dim]")
         k_pages, v_pages = paged_ops.paged_append(
             self.k_pages, self.v_pages, self.page_table, self.lengths, 0, k, v_, new_lengths,
             layout=self.layout,

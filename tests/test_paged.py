@@ -288,5 +288,10 @@ def test_create_and_argument_errors():
         cache.release(jnp.zeros((4,), jnp.int32))
     with pytest.raises(TypeError, match="PagedKVCache.fork: dst_slots must be int32"):
         cache.fork(0, jnp.zeros((1,), jnp.float32))
+    k = jnp.zeros((2, 4, 2, 1, 8), jnp.float32)
+    with pytest.raises(ValueError, match="PagedKVCache.append: k must have rank 4"):
+        cache.append(0, k, k)
+    with pytest.raises(ValueError, match="PagedKVCache.append_layers: v must have rank 5"):
+        cache.append_layers(k, k[0])
     assert make(layout="HND").k_pages[1].shape == (2, 16, 4, 8)  # [H, P, S, D] per layer
     assert make(layout="NHD").k_pages[1].shape == (16, 4, 2, 8)  # [P, S, H, D] per layer

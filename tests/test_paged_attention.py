@@ -20,7 +20,8 @@ B, HKV, HQ, D, S, MAX_PAGES = 3, 2, 4, 32, 16, 4
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_pallas_paged_attention_reads_a_jaxkv_cache(dtype):
-    cache = PagedKVCache.create(num_layers=2, num_pages=3 * MAX_PAGES, page_size=S,
+    # Powers of two throughout: Triton block shapes (the whole pool of a head is one block).
+    cache = PagedKVCache.create(num_layers=2, num_pages=16, page_size=S,
                                 num_kv_heads=HKV, head_dim=D, max_batch=B,
                                 max_pages_per_seq=MAX_PAGES, dtype=dtype, layout="HND")
     dense_k = np.zeros((2, B, S * MAX_PAGES, HKV, D), np.dtype(dtype))  # the reference cache
