@@ -185,3 +185,30 @@ def test_validation_messages():
         jaxkv.copy_pages(kp, kp, jnp.zeros((2,), jnp.float32), jnp.zeros((2,), jnp.int32))
     with pytest.raises(ValueError, match="paged_gather: max_len must be"):
         jaxkv.paged_gather(kp, kp, table, lengths, 0, 0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("size,d,dtype", [(16, 64, jnp.float32), (128, 7, jnp.bfloat16)])
+def test_long_prefill_spans_many_chunks(layout, size, d, dtype):
+    """Hundreds of tokens per row: the CUDA kernels split each span into several chunks."""
+    rng = np.random.default_rng()
+    tokens, batch = 300, 2
+    lengths = jnp.asarray([0, int(rng.integers(1, 40))], jnp.int32)
+    counts = jnp.asarray([tokens, int(rng.integers(200, tokens))], jnp.int32)
+    held = -(-(np.asarray(lengths) + np.asarray(counts)) // size)
+    pages = int(held.sum()) + 2
+    perm = rng.permutation(pages).astype(np.int32)
+    table = np.full((batch, int(held.max())), jaxkv.NO_PAGE, np.int32)
+    table[0, : held[0]] = perm[: held[0]]
+    table[1, : held[1]] = perm[held[0] : held[0] + held[1]]
+    table = jnp.asarray(table)
+    kp, vp = (random_array(pool_shape(layout, pages, size, d), dtype) for _ in range(2))
+    k, v = (random_array((batch, H, tokens, d), dtype) for _ in range(2))
+    out = jaxkv.paged_append(kp, vp, table, lengths, 1, k, v, counts, layout=layout)
+    want = ref.paged_append(kp, vp, table, lengths, 1, k, v, counts, layout)
+    assert_bytes_equal(out[0], want[0], "k_pages")
+    assert_bytes_equal(out[1], want[1], "v_pages")
+    total = lengths + counts
+    got = jaxkv.paged_gather(*out, table, total, 1, tokens + 50, layout=layout)
+    assert_bytes_equal(got, ref.paged_gather(*want, table, total, 1, tokens + 50, layout), "gather")
+    assert_bytes_equal(got[0, 0, :, :tokens], k[0], "row 0 reads back its prefill")
