@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
-import jaxkv
 from jaxkv import NO_PAGE, PagedKVCache
 from jaxkv import reference as ref
 

@@ -4,7 +4,6 @@ The pools are passed as they are (``cache.k_pages[layer]`` is ``[H, P, S, D]``, 
 kernel takes); on CPU the kernel runs with ``interpret=True``, on the GPU natively (Triton).
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
