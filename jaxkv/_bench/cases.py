@@ -1,0 +1,525 @@
+"""The benchmark cases: each jaxkv op, its XLA-native formulation, the bytes it must move.
+
+A case builds its inputs lazily (``build``) and gives one loop step per implementation:
+``step(i, carry, consts) -> carry`` applies the op ``per_step`` times (several input sets in turn
+where one set would fit in L2). Both sides get the same carry, the same consts, the same loop and
+the same donation. Minimum bytes count what must move at least: bytes read plus bytes written of
+only the live data the op moves (never the capacity of the cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jaxkv
+
+BF16 = np.dtype(jnp.bfloat16)
+L2_BYTES = 50 << 20  # H200
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The issue's target for a row (evaluated on GPU only: the numbers are the H200's)."""
+
+    text: str
+    copy_frac: float | None = None  # achieved bandwidth / copy bandwidth
+    speedup: float | None = None  # over the fastest XLA formulation
+    max_us: float | None = None  # device time per op
+    beats_xla: bool = False
+    one_launch: bool = False
+    no_kv_bytes: bool = False  # nothing of the size of the KV data moves
+    mem_frac: float = 0.01  # extra device memory of one op / cache bytes
+
+
+@dataclasses.dataclass
+class Case:
+    op: str  # what --op selects
+    name: str  # the row's label
+    build: Callable[[], tuple]  # () -> (carry, consts, jaxkv step, {xla name: step})
+    min_bytes: int  # read + written per op, at least
+    cache_bytes: int
+    iters: int  # ops per timed call = iters * per_step
+    per_step: int = 1
+    donate: bool = True  # the op updates its carry in place (False: the carry is its output)
+    new_bytes: int = 0  # outputs one op must allocate when not donated (saved tensors, gathers)
+    target: Target | None = None
+    requires: tuple[str, ...] = ()  # jaxkv names the case needs (absent: "not available")
+    sweep: bool = False  # a point for the plot, not a target row
+    note: str = ""
+
+    def missing(self) -> list[str]:
+        return [name for name in self.requires if not hasattr(jaxkv, name)]
+
+
+def rand(shape, dtype, seed: int) -> jax.Array:
+    """Random bits of any width (never zeros; movement ops don't care what the bits mean), drawn
+    as uint32 words and reinterpreted in place, so a 17 GiB cache needs no wider temporary."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape))
+    words = jax.random.bits(jax.random.key(seed), (-(-n * dtype.itemsize // 4),), jnp.uint32)
+    if dtype.itemsize == 4:
+        return lax.bitcast_convert_type(words, dtype).reshape(shape)
+    parts = lax.bitcast_convert_type(words, dtype).reshape(-1)  # [words, 4 / itemsize]
+    return parts[:n].reshape(shape)
+
+
+def i32(x) -> jax.Array:
+    return jnp.asarray(np.asarray(x), jnp.int32)
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.3g} MiB" if n < 2**30 else f"{n / 2**30:.3g} GiB"
+
+
+def evict_half(batch: int, seq: int, seed: int):
+    """Random live lengths in [1, seq], a random half evicted, survivors packed in order."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, seq + 1, batch)
+    evicted = np.zeros(batch, bool)
+    evicted[rng.permutation(batch)[: batch // 2]] = True
+    survivors = np.flatnonzero(~evicted)
+    mapping = np.full(batch, -1)
+    mapping[survivors] = np.arange(len(survivors))
+    moving = survivors[mapping[survivors] != survivors]  # a row already in place moves nothing
+    src = np.arange(batch)  # jnp.take: new row j reads old row src[j]
+    src[mapping[survivors]] = survivors
+    return lengths, mapping, int(lengths[moving].sum()), src
+
+
+# --- compaction ---------------------------------------------------------------------------------
+
+
+def compact_linear(L, B, H, S, D, iters, target=None, sweep=False) -> Case:
+    """LinearKVCache.compact: one [L, B, 2, H, S, D] buffer, every layer in one launch."""
+    lengths, mapping, moved_tokens, src = evict_half(B, S, seed=1)
+    token = L * 2 * H * D * BF16.itemsize
+
+    def build():
+        buffer = rand((L, B, 2, H, S, D), BF16, 2)
+        consts = dict(lengths=i32(lengths), mapping=i32(mapping), src=i32(src),
+                      targets=i32(np.where(mapping >= 0, mapping, B)), active=i32(B))
+
+        def kernel(i, buf, c):
+            cache = jaxkv.LinearKVCache(buffer=buf, lengths=c["lengths"],
+                                        active_batch_size=c["active"])
+            return cache.compact(c["mapping"]).buffer
+
+        def take(i, buf, c):
+            return jnp.take(buf, c["src"], axis=1)
+
+        def scatter(i, buf, c):
+            return buf.at[:, c["targets"]].set(buf, mode="drop")
+
+        return buffer, consts, kernel, {"take": take, "scatter": scatter}
+
+    return Case("compact_kv_cache", f"LinearKVCache L{L} B{B} H{H} S{S} D{D}", build,
+                2 * token * moved_tokens, B * S * token, iters, target=target,
+                sweep=sweep, note="random lengths in [1, S], random half evicted")
+
+
+def compact_layers(layer_shapes, B, S, iters, target=None) -> Case:
+    """compact_kv_cache on a list of [B, 2, H, S, D] layers whose H and D differ."""
+    lengths, mapping, moved_tokens, src = evict_half(B, S, seed=3)
+    tokens = [2 * h * d * BF16.itemsize for h, d in layer_shapes]
+
+    def build():
+        layers = [rand((B, 2, h, S, d), BF16, 10 + j) for j, (h, d) in enumerate(layer_shapes)]
+        consts = dict(lengths=i32(lengths), mapping=i32(mapping), src=i32(src),
+                      targets=i32(np.where(mapping >= 0, mapping, B)))
+
+        def kernel(i, layers, c):
+            out, _ = jaxkv.compact_kv_cache(layers, c["lengths"], c["mapping"])
+            return list(out)
+
+        def take(i, layers, c):
+            return [jnp.take(x, c["src"], axis=0) for x in layers]
+
+        def scatter(i, layers, c):
+            return [x.at[c["targets"]].set(x, mode="drop") for x in layers]
+
+        return layers, consts, kernel, {"take": take, "scatter": scatter}
+
+    kinds = sorted(set(layer_shapes))
+    label = ",".join(f"H{h}xD{d}" for h, d in kinds)
+    return Case("compact_kv_cache", f"mixed layers L{len(layer_shapes)} B{B} S{S} {label}", build,
+                2 * sum(tokens) * moved_tokens, sum(tokens) * B * S, iters, target=target,
+                note="heterogeneous layers")
+
+
+# --- save / instantiate (jaxkv.save_kv_cache, jaxkv.instantiate_kv_cache) ------------------------
+
+
+def save(L, B, H, S, D, T, iters, target=None, sweep=False) -> Case:
+    """One sequence's first T tokens of every layer into per-layer [2, H, T, D] tensors."""
+    saved = L * 2 * H * T * D * BF16.itemsize
+
+    def build():
+        layers = [rand((B, 2, H, S, D), BF16, 20 + j) for j in range(L)]
+        out = [rand((2, H, T, D), BF16, 60 + j) for j in range(L)]
+
+        def kernel(i, out, layers):
+            return list(jaxkv.save_kv_cache(layers, i % B, T))
+
+        def dynamic_slice(i, out, layers):
+            b = i % B
+            return [lax.dynamic_slice(x, (b, 0, 0, 0, 0), (1, 2, H, T, D))[0] for x in layers]
+
+        return out, layers, kernel, {"dynamic_slice": dynamic_slice}
+
+    return Case("save_kv_cache", f"L{L} H{H} D{D} T{T} ({mib(saved)})", build, 2 * saved,
+                L * B * 2 * H * S * D * BF16.itemsize, iters, donate=False, new_bytes=saved,
+                target=target, requires=("save_kv_cache",), sweep=sweep,
+                note="the batch row changes every iteration")
+
+
+def instantiate(L, B, H, S, D, T, iters, target=None, sweep=False) -> Case:
+    """Saved [2, H, T, D] tensors written back into one row of every layer (donated)."""
+    saved = L * 2 * H * T * D * BF16.itemsize
+
+    def build():
+        layers = [rand((B, 2, H, S, D), BF16, 20 + j) for j in range(L)]
+        src = [rand((2, H, T, D), BF16, 60 + j) for j in range(L)]
+
+        def kernel(i, layers, src):
+            return list(jaxkv.instantiate_kv_cache(layers, src, i % B))
+
+        def dynamic_update_slice(i, layers, src):
+            b = i % B
+            return [lax.dynamic_update_slice(x, s[None], (b, 0, 0, 0, 0))
+                    for x, s in zip(layers, src)]
+
+        return layers, src, kernel, {"dynamic_update_slice": dynamic_update_slice}
+
+    return Case("instantiate_kv_cache", f"L{L} H{H} D{D} T{T} ({mib(saved)})", build, 2 * saved,
+                L * B * 2 * H * S * D * BF16.itemsize, iters, target=target,
+                requires=("instantiate_kv_cache",), sweep=sweep)
+
+
+def instantiate_slots(L, B, H, S, D, T, slots, iters, target=None) -> Case:
+    """One saved prefix into ``slots`` rows of every layer at once."""
+    saved = L * 2 * H * T * D * BF16.itemsize
+
+    def build():
+        layers = [rand((B, 2, H, S, D), BF16, 20 + j) for j in range(L)]
+        consts = dict(src=[rand((2, H, T, D), BF16, 60 + j) for j in range(L)],
+                      slots=i32(np.arange(slots)))
+
+        def kernel(i, layers, c):
+            return list(jaxkv.instantiate_kv_cache(layers, c["src"], c["slots"]))
+
+        def scatter(i, layers, c):
+            return [x.at[c["slots"], :, :, :T].set(jnp.broadcast_to(s, (slots, 2, H, T, D)))
+                    for x, s in zip(layers, c["src"])]
+
+        def dynamic_update_slice(i, layers, c):
+            out = []
+            for x, s in zip(layers, c["src"]):
+                for slot in range(slots):
+                    x = lax.dynamic_update_slice(x, s[None], (c["slots"][slot], 0, 0, 0, 0))
+                out.append(x)
+            return out
+
+        return layers, consts, kernel, {"scatter": scatter,
+                                        "dynamic_update_slice": dynamic_update_slice}
+
+    return Case("instantiate_kv_cache", f"{slots} slots L{L} H{H} D{D} T{T}", build,
+                (1 + slots) * saved, L * B * 2 * H * S * D * BF16.itemsize, iters,
+                target=target, requires=("instantiate_kv_cache",),
+                note="min bytes: the prefix read once, written once per slot")
+
+
+# --- append (LinearKVCache.append) ----------------------------------------------------------------
+
+
+def _xla_append(buf, layer, k, v, lengths, new_lengths):
+    """``.at[].set``: a scatter of every (row, token) to lengths[row] + token, ragged ones dropped."""
+    B, H, T, D = k.shape
+    S = buf.shape[4]
+    t = jnp.arange(T)
+    pos = lengths[:, None] + t[None, :]
+    if new_lengths is not None:
+        pos = jnp.where(t[None, :] < new_lengths[:, None], pos, S)
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    kv = jnp.moveaxis(jnp.stack([k, v], axis=1), 3, 1)  # [B, T, 2, H, D]
+    return buf.at[layer, rows, :, :, pos].set(kv, mode="drop")
+
+
+def _vmap_append(buf, layer, k, v, lengths, new_lengths):
+    """``dynamic_update_slice`` under ``vmap``; ragged rows keep their old tokens past new_lengths."""
+    T = k.shape[2]
+    kv = jnp.stack([k, v], axis=1)  # [B, 2, H, T, D]
+
+    def row(x, kv_b, start, count):
+        if count is not None:
+            old = lax.dynamic_slice(x, (0, 0, start, 0), kv_b.shape)
+            kv_b = jnp.where((jnp.arange(T) < count)[:, None], kv_b, old)
+        return lax.dynamic_update_slice(x, kv_b, (0, 0, start, 0))
+
+    counts = new_lengths if new_lengths is not None else None
+    axes = (0, 0, 0, 0 if counts is not None else None)
+    return buf.at[layer].set(jax.vmap(row, in_axes=axes)(buf[layer], kv, lengths, counts))
+
+
+def append(B, H, S, D, T, rounds, iters, ragged, target=None, sweep=False) -> Case:
+    """``rounds`` appends per step into layers 0..rounds-1 of a LinearKVCache, each from its own
+    k/v set (so the inputs of a prefill do not stay in L2); a decode case uses one set."""
+    rng = np.random.default_rng(5)
+    if ragged:
+        new_lengths = rng.integers(1, T + 1, B)
+        lengths = rng.integers(0, S - T + 1, B)
+    else:
+        new_lengths, lengths = None, rng.integers(0, S - T + 1, B)
+    tokens = int(new_lengths.sum()) if ragged else B * T
+    token = 2 * H * D * BF16.itemsize
+
+    def build():
+        buffer = rand((rounds, B, 2, H, S, D), BF16, 30)
+        consts = dict(k=[rand((B, H, T, D), BF16, 31 + r) for r in range(rounds)],
+                      v=[rand((B, H, T, D), BF16, 41 + r) for r in range(rounds)],
+                      lengths=i32(lengths), active=i32(B),
+                      new=None if new_lengths is None else i32(new_lengths))
+
+        def kernel(i, buf, c):
+            cache = jaxkv.LinearKVCache(buffer=buf, lengths=c["lengths"],
+                                        active_batch_size=c["active"])
+            for r in range(rounds):
+                cache = cache.append(r, c["k"][r], c["v"][r], c["new"])
+            return cache.buffer
+
+        def xla(fn):
+            def step(i, buf, c):
+                for r in range(rounds):
+                    buf = fn(buf, r, c["k"][r], c["v"][r], c["lengths"], c["new"])
+                return buf
+            return step
+
+        return buffer, consts, kernel, {".at[].set": xla(_xla_append),
+                                        "vmap(dynamic_update_slice)": xla(_vmap_append)}
+
+    kind = "prefill" if ragged else "decode"
+    return Case("append", f"{kind} B{B} T{T} H{H} D{D}" + (" ragged" if ragged else ""), build,
+                2 * token * tokens, rounds * B * S * token, iters, per_step=rounds,
+                target=target, sweep=sweep,
+                note="" if ragged else "launch-bound: includes the loop's per-iteration cost")
+
+
+# --- paged (jaxkv.PagedKVCache) -------------------------------------------------------------------
+
+
+def _paged_cache(num_pages, page, H, D, B, pages_per_seq, lengths):
+    """A PagedKVCache holding ``lengths`` tokens per sequence, pages filled with random bits."""
+    cache = jaxkv.PagedKVCache.create(num_layers=1, num_pages=num_pages, page_size=page,
+                                      num_kv_heads=H, head_dim=D, max_batch=B,
+                                      max_pages_per_seq=pages_per_seq, dtype=jnp.bfloat16)
+    cache, _ = cache.reserve(i32(lengths))
+    return cache
+
+
+def _fill(cache, seed):
+    leaves, tree = jax.tree_util.tree_flatten(cache)
+    big = max(range(len(leaves)), key=lambda j: leaves[j].size)
+    leaves[big] = rand(leaves[big].shape, leaves[big].dtype, seed)
+    return jax.tree_util.tree_unflatten(tree, leaves), big
+
+
+def paged_append(B, T, H, D, page, rounds, iters, target=None) -> Case:
+    """Ragged prefill of ~B*T/2 tokens into the pages reserved for them."""
+    rng = np.random.default_rng(7)
+    new_lengths = rng.integers(1, T + 1, B)
+    tokens = int(new_lengths.sum())
+    token = 2 * H * D * BF16.itemsize
+    pages_per_seq = -(-(2 * T) // page)
+    num_pages = B * pages_per_seq
+    start = rng.integers(0, T, B)
+
+    def build():
+        cache, big = _fill(_paged_cache(num_pages, page, H, D, B, pages_per_seq, start), 70)
+        cache, _ = cache.reserve(i32(new_lengths))
+        leaves, tree = jax.tree_util.tree_flatten(cache)
+        consts = dict(rest=[x for j, x in enumerate(leaves) if j != big],
+                      k=[rand((B, H, T, D), BF16, 71 + r) for r in range(rounds)],
+                      v=[rand((B, H, T, D), BF16, 81 + r) for r in range(rounds)],
+                      new=i32(new_lengths), start=i32(start))
+
+        def rebuild(pages, c):
+            rest = iter(c["rest"])
+            return jax.tree_util.tree_unflatten(
+                tree, [pages if j == big else next(rest) for j in range(len(leaves))])
+
+        def kernel(i, pages, c):
+            cache = rebuild(pages, c)
+            for r in range(rounds):
+                cache = cache.append(0, c["k"][r], c["v"][r], c["new"])
+            return jax.tree_util.tree_leaves(cache)[big]
+
+        table = _page_table(cache)
+
+        def scatter(i, pages, c):
+            for r in range(rounds):
+                pages = _xla_paged_append(pages, table, c["start"], c["k"][r], c["v"][r],
+                                          c["new"], page)
+            return pages
+
+        return leaves[big], consts, kernel, {"scatter": scatter}
+
+    return Case("paged_append", f"{tokens} tokens H{H} D{D} page {page}", build,
+                2 * token * tokens, num_pages * page * token, iters, per_step=rounds,
+                target=target, requires=("PagedKVCache",))
+
+
+def _page_table(cache):
+    return next(x for x in jax.tree_util.tree_leaves(cache) if x.ndim == 2 and x.dtype == jnp.int32)
+
+
+def _xla_paged_append(pages, table, start, k, v, new_lengths, page):
+    """Scatter of token t of row b to page table[b, p // page], slot p % page, p = start + t."""
+    B, H, T, D = k.shape
+    pos = start[:, None] + jnp.arange(T)[None, :]
+    keep = jnp.arange(T)[None, :] < new_lengths[:, None]
+    phys = jnp.where(keep, jnp.take_along_axis(table, pos // page, axis=1, mode="clip"),
+                     pages.shape[-5])
+    kv = jnp.moveaxis(jnp.stack([k, v], axis=1), 3, 1)  # [B, T, 2, H, D]
+    return pages.reshape(pages.shape[-5:]).at[phys, :, :, pos % page].set(
+        kv, mode="drop").reshape(pages.shape)
+
+
+def paged_gather(B, N, H, D, page, iters, target=None) -> Case:
+    """Every sequence's N tokens of layer 0 into a dense [B, 2, H, N, D]."""
+    token = 2 * H * D * BF16.itemsize
+    pages_per_seq = -(-N // page)
+    num_pages = B * pages_per_seq
+    dense = B * N * token
+
+    def build():
+        cache, big = _fill(_paged_cache(num_pages, page, H, D, B, pages_per_seq,
+                                        np.full(B, N)), 90)
+        out = rand((B, 2, H, N, D), BF16, 91)
+        table = _page_table(cache)
+
+        def kernel(i, out, cache):
+            return cache.gather(0, N)
+
+        def take(i, out, cache):
+            pages = jax.tree_util.tree_leaves(cache)[big]
+            pages = pages.reshape(pages.shape[-5:])  # [P, 2, H, page, D]
+            g = jnp.take(pages, table, axis=0)  # [B, pages_per_seq, 2, H, page, D]
+            g = jnp.moveaxis(g, 1, 3).reshape(B, 2, H, pages_per_seq * page, D)
+            return g[:, :, :, :N]
+
+        return out, cache, kernel, {"take": take}
+
+    return Case("paged_gather", f"B{B} N{N} H{H} D{D} page {page}", build, 2 * dense,
+                num_pages * page * token, iters, donate=False, new_bytes=dense, target=target,
+                requires=("PagedKVCache",))
+
+
+def paged_compact(B, N, H, D, page, iters, target=None) -> Case:
+    """PagedKVCache.compact: the page table and lengths move, the pages do not."""
+    token = 2 * H * D * BF16.itemsize
+    pages_per_seq = -(-N // page)
+    num_pages = B * pages_per_seq
+    _, mapping, _, _ = evict_half(B, N, seed=9)
+
+    def build():
+        cache, _ = _fill(_paged_cache(num_pages, page, H, D, B, pages_per_seq, np.full(B, N)), 95)
+
+        def kernel(i, cache, m):
+            return cache.compact(m)
+
+        return cache, i32(mapping), kernel, {}
+
+    return Case("paged_compact", f"B{B} N{N} H{H} D{D} page {page}", build, 0,
+                num_pages * page * token, iters, target=target, requires=("PagedKVCache",),
+                note="min bytes 0: only the page table and lengths (O(batch)) may move")
+
+
+# --- the sizes ------------------------------------------------------------------------------------
+
+T_COMPACT = Target(">= 85% of copy BW on live bytes; >= 5x take", copy_frac=0.85, speedup=5)
+T_HETERO = Target("one launch; >= 85% of copy BW", copy_frac=0.85, one_launch=True)
+T_SAVE = Target(">= 85% of copy BW at >= 64 MB; >= 5x XLA", copy_frac=0.85, speedup=5)
+T_SLOTS = Target(">= 85% of copy BW on bytes written", copy_frac=0.85)
+T_DECODE = Target("<= 5 us; beats .at[].set", max_us=5.0, beats_xla=True)
+T_PREFILL = Target(">= 80% of copy BW", copy_frac=0.80)
+T_PAGED = Target(">= 80% of copy BW", copy_frac=0.80)
+T_PAGED_COMPACT = Target("O(batch) bytes: no KV data moved", no_kv_bytes=True)
+MIXED = [(8, 128), (4, 256), (16, 64), (2, 128)]
+
+
+def cases(size: str) -> list[Case]:
+    if size == "cpu":  # tiny: the whole run in well under a minute on two cores
+        return [
+            compact_linear(2, 8, 2, 128, 64, 3, T_COMPACT),
+            compact_layers([(2, 64), (1, 128), (4, 32)], 8, 128, 3, T_HETERO),
+            save(2, 2, 2, 256, 64, 128, 5, T_SAVE),
+            instantiate(2, 2, 2, 256, 64, 128, 5, T_SAVE),
+            instantiate_slots(2, 8, 2, 128, 64, 64, 8, 3, T_SLOTS),
+            append(16, 2, 128, 64, 1, 1, 20, ragged=False, target=T_DECODE),
+            append(4, 2, 256, 64, 64, 2, 3, ragged=True, target=T_PREFILL),
+            paged_append(4, 64, 2, 64, 16, 2, 3, T_PAGED),
+            paged_gather(4, 128, 2, 64, 16, 3, Target(">= 80% of copy BW", copy_frac=0.80)),
+            paged_compact(8, 128, 2, 64, 16, 10, T_PAGED_COMPACT),
+        ]
+    # The issue's sizes on the H200, and a few smaller points per op for the plot.
+    return [
+        compact_linear(32, 32, 8, 4096, 128, 5, T_COMPACT),
+        compact_linear(32, 32, 8, 1024, 128, 5, sweep=True),
+        compact_linear(32, 32, 8, 2048, 128, 5, sweep=True),
+        compact_layers(MIXED * 8, 32, 4096, 5, T_HETERO),
+        *[save(32, 4, 8, 8192, 128, t, 10, T_SAVE) for t in (1024, 2048, 4096, 8192)],
+        save(32, 4, 8, 8192, 128, 256, 20, sweep=True),
+        *[instantiate(32, 4, 8, 8192, 128, t, 10, T_SAVE) for t in (1024, 2048, 4096, 8192)],
+        instantiate(32, 4, 8, 8192, 128, 256, 20, sweep=True),
+        instantiate_slots(32, 32, 8, 2048, 128, 1024, 32, 5, T_SLOTS),
+        append(256, 8, 2048, 128, 1, 1, 1000, ragged=False, target=T_DECODE),
+        append(8, 8, 8192, 128, 2048, 4, 5, ragged=True, target=T_PREFILL),
+        append(8, 8, 8192, 128, 512, 4, 10, ragged=True, sweep=True),
+        paged_append(5, 2000, 8, 128, 16, 4, 10, T_PAGED),
+        paged_append(5, 2000, 8, 128, 128, 4, 10, T_PAGED),
+        paged_gather(64, 4096, 8, 128, 16, 5, Target(">= 80% of copy BW", copy_frac=0.80)),
+        paged_gather(64, 1024, 8, 128, 16, 10, sweep=True),
+        paged_compact(64, 4096, 8, 128, 16, 100, T_PAGED_COMPACT),
+    ]
+
+
+OPS = ("compact_kv_cache", "save_kv_cache", "instantiate_kv_cache", "append", "paged_append",
+       "paged_gather", "paged_compact", "increment_lengths")
+
+
+def increment_lengths_costs(max_batch: int, n: int, reps: int, time_loop) -> dict:
+    """Per-iteration time of a decode-like length update, three ways, to decide whether
+    ``increment_lengths`` should be a kernel: the neighbours alone, with ``lengths + 1`` fused into
+    them, and with the increment replaced by one custom call (``compact_tensor_batch`` with the
+    identity mapping, the cheapest jaxkv launch on a [max_batch] int32 array)."""
+    capacity = 4096
+    identity = i32(np.arange(max_batch))
+
+    def neighbours(lengths, active):  # what a decode step does around the increment
+        return jnp.where(active & (lengths < capacity), lengths, 0)
+
+    def base(i, c, k):
+        return neighbours(c, k["active"] ^ (i < 0))
+
+    def fused(i, c, k):
+        return neighbours(c + 1, k["active"] ^ (i < 0))
+
+    def launch(i, c, k):
+        # compact_tensor_batch moves float32, not int32: bitcasts are free.
+        moved = jaxkv.compact_tensor_batch(lax.bitcast_convert_type(c, jnp.float32), k["identity"])
+        return neighbours(lax.bitcast_convert_type(moved, jnp.int32), k["active"] ^ (i < 0))
+
+    consts = dict(active=jnp.arange(max_batch) < max_batch - 3, identity=identity)
+    out = {}
+    for name, step in (("neighbours_only", base), ("fused_add", fused), ("custom_call", launch)):
+        lengths = i32(np.random.default_rng(11).integers(0, 100, max_batch))
+        _, seconds, _ = time_loop(step, lengths, consts, n, reps)
+        out[name + "_us"] = float(np.median(seconds)) * 1e6
+    out["extra_launch_us"] = out["custom_call_us"] - out["fused_add_us"]
+    out["max_batch"] = max_batch
+    return out

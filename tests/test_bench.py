@@ -1,0 +1,125 @@
+"""Smoke test of the benchmark harness at CPU size: a few cases end to end, JSON and markdown."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import bench
+from jaxkv._bench import cases as C
+from jaxkv._bench import report as R
+from jaxkv._bench import timing as T
+
+from helpers import copies_of
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    paths = dict(json=out / "bench.json", markdown=out / "bench.md", plot=out / "bench.png")
+    argv = ["--size", "cpu", "--op", "compact_kv_cache", "--op", "append", "--op",
+            "increment_lengths", "--reps", "2", "--no-progress"]
+    argv += [x for name, p in paths.items() for x in (f"--{name}", str(p))]
+    report = bench.main(argv)
+    return report, paths
+
+
+def test_json_has_every_number(run):
+    report, paths = run
+    data = json.loads(paths["json"].read_text())
+    assert data["meta"]["jax"] == jax.__version__
+    cal = data["calibration"]
+    assert cal["copy_gbps"] == max(cal["stream_gbps"], cal["memcpy_gbps"]) > 0
+    assert cal["loop_overhead_s"] > 0
+    inc = data["increment_lengths"]
+    assert inc["extra_launch_us"] == pytest.approx(inc["custom_call_us"] - inc["fused_add_us"])
+    rows = data["rows"]
+    assert {r["op"] for r in rows} == {"compact_kv_cache", "append"}
+    for r in rows:
+        assert r["status"] == "ok", r["reason"]
+        k = r["jaxkv"]
+        assert r["min_bytes"] > 0 and k["time_s"] > 0 and len(k["times_s"]) == 2
+        assert k["gbps"] == pytest.approx(r["min_bytes"] / k["time_s"] / 1e9)
+        assert k["copy_frac"] == pytest.approx(k["gbps"] / cal["copy_gbps"])
+        assert k["launches"] == 1  # every layer in one launch
+        assert r["xla"] and r["xla_best"] in r["xla"]
+        assert r["speedup"] == pytest.approx(r["xla"][r["xla_best"]]["time_s"] / k["time_s"])
+        # Targets are the H200's: evaluated on a GPU only (and not met at CPU size there).
+        assert r["met"] is None if jax.default_backend() != "gpu" else isinstance(r["met"], bool)
+        assert k["mem_overhead_frac"] is not None
+
+
+def test_markdown_table(run):
+    report, paths = run
+    md = paths["markdown"].read_text()
+    header = "| " + " | ".join(R.COLUMNS) + " |"
+    assert header in md
+    lines = md.splitlines()
+    start = lines.index(header) + 2
+    body = [line for line in lines[start:start + len(report["rows"])]]
+    assert all(line.startswith("| ") and line.count(" | ") == len(R.COLUMNS) - 1 for line in body)
+    assert [line.split(" | ")[1] for line in body] == [r["case"] for r in report["rows"]]
+    assert jax.__version__ in md
+    assert ("Not an H200 run" in md) == (jax.default_backend() != "gpu")
+    assert "increment_lengths" in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not paths["plot"].exists()
+    else:
+        assert paths["plot"].read_bytes()[:4] == b"\x89PNG"
+        assert "](bench.png)" in md
+
+
+def test_missing_op_is_not_an_error():
+    case = C.Case("save_kv_cache", "absent", lambda: None, 1, 1, 1, requires=("no_such_op",))
+    row = bench.run_case(case, 1, 1.0, False, T.Progress(1, enabled=False))
+    assert row["status"] == "not available" and "jaxkv.no_such_op" in row["reason"]
+    assert "not available" in R.cells(row)
+
+
+def test_targets_fail_when_missed():
+    row = dict(jaxkv=dict(copy_frac=0.5, time_s=10e-6, launches=2, mem_overhead_frac=0.5),
+               speedup=0.9)
+    target = C.Target("t", copy_frac=0.85, speedup=5, max_us=5, beats_xla=True, one_launch=True)
+    R.evaluate(row, target, on_gpu=True)
+    assert row["met"] is False and len(row["failed"]) == 6
+    row["jaxkv"] = dict(copy_frac=0.9, time_s=1e-6, launches=1, mem_overhead_frac=0.0)
+    row["speedup"] = 6.0
+    R.evaluate(row, target, on_gpu=True)
+    assert row["met"] is True and row["failed"] == []
+
+
+def test_hlo_copy_counting():
+    x = jnp.ones((512, 1024), jnp.float32)  # 2 MiB
+    hlo = jax.jit(jnp.copy).lower(x).compile().as_text()
+    assert T.big_copies(hlo) == 1 and T.big_copies(hlo, min_bytes=4 << 20) == 0
+    assert "copy" in T.touches(hlo, x)
+    assert T.touches(jax.jit(lambda x: x.sum()).lower(x).compile().as_text(), x)
+    assert not T.touches(jax.jit(lambda x, y: y + 1).lower(x, 1.0).compile().as_text(), x)
+
+
+def test_timed_loop_runs_in_place():
+    """The harness's loop must not copy the cache per iteration, or it would time the copy."""
+    case = C.compact_linear(2, 8, 2, 128, 64, 3)
+    buffer, consts, kernel, _ = case.build()
+    hlo = T.loop(kernel, 3).lower(buffer, consts).compile().as_text()
+    assert not copies_of(hlo, buffer)
+    assert T.jaxkv_calls(hlo) == 1
+    pointer = buffer.unsafe_buffer_pointer()
+    buffer, seconds, _ = T.time_loop(kernel, buffer, consts, 3, 2)
+    assert buffer.unsafe_buffer_pointer() == pointer and len(seconds) == 2
+
+
+def test_minimum_bytes_count_only_moving_live_tokens():
+    lengths, mapping, moved, _ = C.evict_half(8, 128, seed=1)
+    survivors = np.flatnonzero(mapping >= 0)
+    assert len(survivors) == 4 and moved <= lengths[survivors].sum()
+    expect = sum(int(lengths[i]) for i in survivors if mapping[i] != i)
+    assert moved == expect
+    case = C.compact_linear(2, 8, 2, 128, 64, 3)
+    assert case.min_bytes == 2 * moved * 2 * 2 * 2 * 64 * 2  # read+write, L, K/V, H, D, bf16
+    assert jaxkv.LinearKVCache  # the case runs through the public API
