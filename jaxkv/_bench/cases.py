@@ -328,11 +328,20 @@ def _fill(cache, seed):
     return jax.tree_util.tree_unflatten(tree, leaves), big
 
 
-def paged_append(B, T, H, D, page, rounds, iters, target=None) -> Case:
-    """Ragged prefill of ~B*T/2 tokens into the pages reserved for them."""
+def split(total: int, parts: int, most: int, seed: int) -> np.ndarray:
+    """``parts`` random positive counts of at most ``most`` that add up to ``total``."""
+    rng = np.random.default_rng(seed)
+    while True:
+        cuts = np.sort(rng.choice(np.arange(1, total), parts - 1, replace=False))
+        counts = np.diff(np.concatenate([[0], cuts, [total]]))
+        if counts.max() <= most:
+            return counts
+
+
+def paged_append(B, T, tokens, H, D, page, rounds, iters, target=None) -> Case:
+    """Ragged prefill of ``tokens`` tokens (at most T per sequence) into reserved pages."""
     rng = np.random.default_rng(7)
-    new_lengths = rng.integers(1, T + 1, B)
-    tokens = int(new_lengths.sum())
+    new_lengths = split(tokens, B, T, seed=8)
     token = 2 * H * D * BF16.itemsize
     pages_per_seq = -(-(2 * T) // page)
     num_pages = B * pages_per_seq
@@ -389,7 +398,7 @@ def _xla_paged_append(pages, table, start, k, v, new_lengths, page):
         kv, mode="drop").reshape(pages.shape)
 
 
-def paged_gather(B, N, H, D, page, iters, target=None) -> Case:
+def paged_gather(B, N, H, D, page, iters, target=None, sweep=False) -> Case:
     """Every sequence's N tokens of layer 0 into a dense [B, 2, H, N, D]."""
     token = 2 * H * D * BF16.itemsize
     pages_per_seq = -(-N // page)
@@ -416,7 +425,7 @@ def paged_gather(B, N, H, D, page, iters, target=None) -> Case:
 
     return Case("paged_gather", f"B{B} N{N} H{H} D{D} page {page}", build, 2 * dense,
                 num_pages * page * token, iters, donate=False, new_bytes=dense, target=target,
-                requires=("PagedKVCache",))
+                requires=("PagedKVCache",), sweep=sweep)
 
 
 def paged_compact(B, N, H, D, page, iters, target=None) -> Case:
@@ -462,7 +471,7 @@ def cases(size: str) -> list[Case]:
             instantiate_slots(2, 8, 2, 128, 64, 64, 8, 3, T_SLOTS),
             append(16, 2, 128, 64, 1, 1, 20, ragged=False, target=T_DECODE),
             append(4, 2, 256, 64, 64, 2, 3, ragged=True, target=T_PREFILL),
-            paged_append(4, 64, 2, 64, 16, 2, 3, T_PAGED),
+            paged_append(4, 64, 160, 2, 64, 16, 2, 3, T_PAGED),
             paged_gather(4, 128, 2, 64, 16, 3, Target(">= 80% of copy BW", copy_frac=0.80)),
             paged_compact(8, 128, 2, 64, 16, 10, T_PAGED_COMPACT),
         ]
@@ -480,8 +489,8 @@ def cases(size: str) -> list[Case]:
         append(256, 8, 2048, 128, 1, 1, 1000, ragged=False, target=T_DECODE),
         append(8, 8, 8192, 128, 2048, 4, 5, ragged=True, target=T_PREFILL),
         append(8, 8, 8192, 128, 512, 4, 10, ragged=True, sweep=True),
-        paged_append(5, 2000, 8, 128, 16, 4, 10, T_PAGED),
-        paged_append(5, 2000, 8, 128, 128, 4, 10, T_PAGED),
+        paged_append(8, 1024, 5000, 8, 128, 16, 4, 10, T_PAGED),
+        paged_append(8, 1024, 5000, 8, 128, 128, 4, 10, T_PAGED),
         paged_gather(64, 4096, 8, 128, 16, 5, Target(">= 80% of copy BW", copy_frac=0.80)),
         paged_gather(64, 1024, 8, 128, 16, 10, sweep=True),
         paged_compact(64, 4096, 8, 128, 16, 100, T_PAGED_COMPACT),
