@@ -309,23 +309,7 @@ def append(B, H, S, D, T, rounds, iters, ragged, target=None, sweep=False) -> Ca
                 note="" if ragged else "launch-bound: includes the loop's per-iteration cost")
 
 
-# --- paged (jaxkv.PagedKVCache) -------------------------------------------------------------------
-
-
-def _paged_cache(num_pages, page, H, D, B, pages_per_seq, lengths):
-    """A PagedKVCache holding ``lengths`` tokens per sequence, pages filled with random bits."""
-    cache = jaxkv.PagedKVCache.create(num_layers=1, num_pages=num_pages, page_size=page,
-                                      num_kv_heads=H, head_dim=D, max_batch=B,
-                                      max_pages_per_seq=pages_per_seq, dtype=jnp.bfloat16)
-    cache, _ = cache.reserve(i32(lengths))
-    return cache
-
-
-def _fill(cache, seed):
-    leaves, tree = jax.tree_util.tree_flatten(cache)
-    big = max(range(len(leaves)), key=lambda j: leaves[j].size)
-    leaves[big] = rand(leaves[big].shape, leaves[big].dtype, seed)
-    return jax.tree_util.tree_unflatten(tree, leaves), big
+# --- paged (jaxkv.PagedKVCache, HND pools [L, H, num_pages, page_size, D]) -----------------------
 
 
 def split(total: int, parts: int, most: int, seed: int) -> np.ndarray:
@@ -338,64 +322,73 @@ def split(total: int, parts: int, most: int, seed: int) -> np.ndarray:
             return counts
 
 
+def _paged(num_pages, page, H, D, B, pages_per_seq, lengths, seed):
+    """(k_pages, v_pages, the rest of the cache as a dict): ``lengths`` tokens per sequence on
+    reserved pages, pools filled with random bits. The pools travel as the loop carry, the small
+    arrays as consts (a pool captured in a closure would become an HLO constant)."""
+    cache = jaxkv.PagedKVCache.create(num_layers=1, num_pages=num_pages, page_size=page,
+                                      num_kv_heads=H, head_dim=D, max_batch=B,
+                                      max_pages_per_seq=pages_per_seq, dtype=jnp.bfloat16)
+    cache, served = cache.reserve(i32(lengths))
+    assert bool(jnp.all(served)), "benchmark cache: out of pages"
+    cache = cache.commit(i32(lengths))
+    pools = (rand(cache.k_pages.shape, BF16, seed), rand(cache.v_pages.shape, BF16, seed + 1))
+    rest = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)
+            if f.name not in ("k_pages", "v_pages", "layout")}
+    return pools, rest
+
+
+def _cache(pools, rest):
+    return jaxkv.PagedKVCache(k_pages=pools[0], v_pages=pools[1], **rest)
+
+
 def paged_append(B, T, tokens, H, D, page, rounds, iters, target=None) -> Case:
-    """Ragged prefill of ``tokens`` tokens (at most T per sequence) into reserved pages."""
-    rng = np.random.default_rng(7)
+    """Ragged prefill of ``tokens`` tokens (at most T per sequence) after random lengths."""
     new_lengths = split(tokens, B, T, seed=8)
+    start = np.random.default_rng(7).integers(0, T, B)
     token = 2 * H * D * BF16.itemsize
     pages_per_seq = -(-(2 * T) // page)
     num_pages = B * pages_per_seq
-    start = rng.integers(0, T, B)
 
     def build():
-        cache, big = _fill(_paged_cache(num_pages, page, H, D, B, pages_per_seq, start), 70)
-        cache, _ = cache.reserve(i32(new_lengths))
-        leaves, tree = jax.tree_util.tree_flatten(cache)
-        consts = dict(rest=[x for j, x in enumerate(leaves) if j != big],
+        pools, rest = _paged(num_pages, page, H, D, B, pages_per_seq, start, 70)
+        cache, served = _cache(pools, rest).reserve(i32(new_lengths))
+        assert bool(jnp.all(served)), "benchmark cache: out of pages"
+        rest = {n: getattr(cache, n) for n in rest}
+        consts = dict(rest=rest, new=i32(new_lengths),
                       k=[rand((B, H, T, D), BF16, 71 + r) for r in range(rounds)],
-                      v=[rand((B, H, T, D), BF16, 81 + r) for r in range(rounds)],
-                      new=i32(new_lengths), start=i32(start))
+                      v=[rand((B, H, T, D), BF16, 81 + r) for r in range(rounds)])
 
-        def rebuild(pages, c):
-            rest = iter(c["rest"])
-            return jax.tree_util.tree_unflatten(
-                tree, [pages if j == big else next(rest) for j in range(len(leaves))])
-
-        def kernel(i, pages, c):
-            cache = rebuild(pages, c)
+        def kernel(i, pools, c):
+            cache = _cache(pools, c["rest"])
             for r in range(rounds):
                 cache = cache.append(0, c["k"][r], c["v"][r], c["new"])
-            return jax.tree_util.tree_leaves(cache)[big]
+            return cache.k_pages, cache.v_pages
 
-        table = _page_table(cache)
-
-        def scatter(i, pages, c):
+        def scatter(i, pools, c):
+            rest = c["rest"]
             for r in range(rounds):
-                pages = _xla_paged_append(pages, table, c["start"], c["k"][r], c["v"][r],
-                                          c["new"], page)
-            return pages
+                pools = tuple(_xla_paged_append(x, rest["page_table"], rest["lengths"], new,
+                                                c["new"], page)
+                              for x, new in zip(pools, (c["k"][r], c["v"][r])))
+            return pools
 
-        return leaves[big], consts, kernel, {"scatter": scatter}
+        return pools, consts, kernel, {"scatter": scatter}
 
     return Case("paged_append", f"{tokens} tokens H{H} D{D} page {page}", build,
                 2 * token * tokens, num_pages * page * token, iters, per_step=rounds,
-                target=target, requires=("PagedKVCache",))
+                target=target, requires=("PagedKVCache",),
+                note=f"B{B}, at most {T} new tokens each, after random lengths")
 
 
-def _page_table(cache):
-    return next(x for x in jax.tree_util.tree_leaves(cache) if x.ndim == 2 and x.dtype == jnp.int32)
-
-
-def _xla_paged_append(pages, table, start, k, v, new_lengths, page):
-    """Scatter of token t of row b to page table[b, p // page], slot p % page, p = start + t."""
-    B, H, T, D = k.shape
-    pos = start[:, None] + jnp.arange(T)[None, :]
-    keep = jnp.arange(T)[None, :] < new_lengths[:, None]
-    phys = jnp.where(keep, jnp.take_along_axis(table, pos // page, axis=1, mode="clip"),
-                     pages.shape[-5])
-    kv = jnp.moveaxis(jnp.stack([k, v], axis=1), 3, 1)  # [B, T, 2, H, D]
-    return pages.reshape(pages.shape[-5:]).at[phys, :, :, pos % page].set(
-        kv, mode="drop").reshape(pages.shape)
+def _xla_paged_append(pool, table, lengths, x, counts, page):
+    """Scatter of x[b, :, t] to page table[b, p // page], slot p % page, p = lengths[b] + t."""
+    B, H, T, D = x.shape
+    t = jnp.arange(T)[None, :]
+    pos = lengths[:, None] + t
+    phys = jnp.take_along_axis(table, pos // page, axis=1, mode="clip")
+    phys = jnp.where(t < counts[:, None], phys, pool.shape[2])  # dropped
+    return pool.at[0, :, phys, pos % page].set(jnp.swapaxes(x, 1, 2), mode="drop")
 
 
 def paged_gather(B, N, H, D, page, iters, target=None, sweep=False) -> Case:
@@ -406,22 +399,24 @@ def paged_gather(B, N, H, D, page, iters, target=None, sweep=False) -> Case:
     dense = B * N * token
 
     def build():
-        cache, big = _fill(_paged_cache(num_pages, page, H, D, B, pages_per_seq,
-                                        np.full(B, N)), 90)
-        out = rand((B, 2, H, N, D), BF16, 91)
-        table = _page_table(cache)
+        pools, rest = _paged(num_pages, page, H, D, B, pages_per_seq, np.full(B, N), 90)
+        out = rand((B, 2, H, N, D), BF16, 92)
+        consts = dict(pools=pools, rest=rest)
 
-        def kernel(i, out, cache):
-            return cache.gather(0, N)
+        def kernel(i, out, c):
+            return _cache(c["pools"], c["rest"]).gather(0, N)
 
-        def take(i, out, cache):
-            pages = jax.tree_util.tree_leaves(cache)[big]
-            pages = pages.reshape(pages.shape[-5:])  # [P, 2, H, page, D]
-            g = jnp.take(pages, table, axis=0)  # [B, pages_per_seq, 2, H, page, D]
-            g = jnp.moveaxis(g, 1, 3).reshape(B, 2, H, pages_per_seq * page, D)
-            return g[:, :, :, :N]
+        def take(i, out, c):
+            table, lengths = c["rest"]["page_table"], c["rest"]["lengths"]
+            dense = []
+            for pool in c["pools"]:
+                g = jnp.take(pool[0], table, axis=1, mode="clip")  # [H, B, pages, page, D]
+                g = jnp.moveaxis(g, 1, 0).reshape(B, H, pages_per_seq * page, D)[:, :, :N]
+                live = jnp.arange(N)[None, None, :, None] < lengths[:, None, None, None]
+                dense.append(jnp.where(live, g, 0))
+            return jnp.stack(dense, axis=1)
 
-        return out, cache, kernel, {"take": take}
+        return out, consts, kernel, {"take": take}
 
     return Case("paged_gather", f"B{B} N{N} H{H} D{D} page {page}", build, 2 * dense,
                 num_pages * page * token, iters, donate=False, new_bytes=dense, target=target,
@@ -433,15 +428,15 @@ def paged_compact(B, N, H, D, page, iters, target=None) -> Case:
     token = 2 * H * D * BF16.itemsize
     pages_per_seq = -(-N // page)
     num_pages = B * pages_per_seq
-    _, mapping, _, _ = evict_half(B, N, seed=9)
+    lengths, mapping, _, _ = evict_half(B, N, seed=9)
 
     def build():
-        cache, _ = _fill(_paged_cache(num_pages, page, H, D, B, pages_per_seq, np.full(B, N)), 95)
+        pools, rest = _paged(num_pages, page, H, D, B, pages_per_seq, lengths, 95)
 
         def kernel(i, cache, m):
             return cache.compact(m)
 
-        return cache, i32(mapping), kernel, {}
+        return _cache(pools, rest), i32(mapping), kernel, {}
 
     return Case("paged_compact", f"B{B} N{N} H{H} D{D} page {page}", build, 0,
                 num_pages * page * token, iters, target=target, requires=("PagedKVCache",),
