@@ -58,9 +58,27 @@ class Case:
 
 
 def rand(shape, dtype, seed: int) -> jax.Array:
-    """Random bits of any width (never zeros; movement ops don't care what the bits mean), drawn
-    as uint32 words and reinterpreted in place, so a 17 GiB cache needs no wider temporary."""
+    """Random bits of any width (never zeros; movement ops don't care what the bits mean).
+
+    Arrays over 1 GiB are filled one leading slice at a time into a donated buffer, so that the
+    generator's temporaries stay the size of a slice (a 17 GiB cache at once would need several
+    times that, and lift the peak memory that later cases are measured against).
+    """
     dtype = np.dtype(dtype)
+    n = int(np.prod(shape))
+    if n * dtype.itemsize > 1 << 30 and len(shape) > 1 and shape[0] > 1:
+        out = jnp.zeros(shape, dtype)
+        for j in range(shape[0]):
+            out = _put(out, _bits(shape[1:], dtype, seed * 1009 + j), j)
+        return out
+    return _bits(shape, dtype, seed)
+
+
+_put = jax.jit(lambda out, x, j: lax.dynamic_update_index_in_dim(out, x, j, 0), donate_argnums=0)
+
+
+def _bits(shape, dtype, seed: int) -> jax.Array:
+    """Random bits drawn as uint32 words and reinterpreted (no wider temporary)."""
     n = int(np.prod(shape))
     words = jax.random.bits(jax.random.key(seed), (-(-n * dtype.itemsize // 4),), jnp.uint32)
     if dtype.itemsize == 4:

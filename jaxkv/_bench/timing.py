@@ -155,6 +155,12 @@ def probe_memory(step: Step, carry, consts, donate: bool):
         block(out)
         return (out if donate else carry), None, static
     gap = stats["peak_bytes_in_use"] - stats["bytes_in_use"]
+    room = stats.get("bytes_limit", 0) - stats["bytes_in_use"] - gap
+    if "bytes_limit" in stats and room < (static or 0) + (1 << 30):
+        # No room for the pad and the op together: report XLA's number rather than fail.
+        out = compiled(carry, consts)
+        block(out)
+        return (out if donate else carry), None, static
     pad = jnp.zeros((gap,), jnp.uint8) if gap > 0 else None
     block(pad)
     before = memory_stats()
