@@ -44,7 +44,7 @@ def parse(argv):
     p.add_argument("--json", metavar="PATH", help="write every number as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write the docs/benchmarks.md page")
     p.add_argument("--plot", metavar="PATH",
-                   help="write the plot (default with --markdown: beside it, same name, .png)")
+                   help="write the plot (default with --markdown: benchmarks.png beside it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     return p.parse_args(argv)
@@ -161,8 +161,9 @@ def main(argv=None) -> dict:
         print(f"increment_lengths per step: fused add {inc['fused_add_us']:.2f} us, one custom "
               f"call {inc['custom_call_us']:.2f} us, neighbours only "
               f"{inc['neighbours_only_us']:.2f} us")
-    plot_path = args.plot or (os.path.splitext(args.markdown)[0] + ".png" if args.markdown
-                              else None)
+    # Beside the markdown under the docs' name, so the page's link survives copying both to docs/.
+    plot_path = args.plot or (os.path.join(os.path.dirname(args.markdown), "benchmarks.png")
+                              if args.markdown else None)
     for path in (args.json, args.markdown, plot_path):
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
