@@ -29,7 +29,7 @@ from jaxkv._bench import timing as T
 
 CALIBRATION = {  # copy bytes, copy iterations, loop-overhead and increment_lengths iterations
     "cpu": dict(copy_bytes=64 << 20, copy_iters=5, loop_iters=200, max_batch=256),
-    "gpu": dict(copy_bytes=4 << 30, copy_iters=10, loop_iters=2000, max_batch=256),
+    "gpu": dict(copy_bytes=2 << 30, copy_iters=20, loop_iters=2000, max_batch=256),
 }
 
 

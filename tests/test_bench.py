@@ -13,7 +13,7 @@ from jaxkv._bench import cases as C
 from jaxkv._bench import report as R
 from jaxkv._bench import timing as T
 
-from helpers import copies_of
+from helpers import assert_bytes_equal, copies_of
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +141,34 @@ def test_gpu_sizes_trace(monkeypatch):
         carry, consts, kernel, xla = case.build()
         for step in [kernel, *xla.values()]:
             T.loop(step, 2).lower(carry, consts)
+
+
+def _live(tree, consts):
+    """The specified part of a compaction's output: the live tokens of every survivor's new row."""
+    lengths, mapping = np.asarray(consts["lengths"]), np.asarray(consts["mapping"])
+    out = []
+    for x in jax.tree_util.tree_leaves(tree):
+        x = np.asarray(x)
+        stacked = x.ndim == 6  # LinearKVCache [L, B, 2, H, S, D]
+        for i in np.flatnonzero(mapping >= 0):
+            row = x[:, mapping[i]] if stacked else x[mapping[i]]
+            out.append(row[..., : lengths[i], :])
+    return out
+
+
+@pytest.mark.parametrize("case", [c for c in C.cases("cpu") if c.op != "paged_compact"],
+                         ids=lambda c: f"{c.op}-{c.name}")
+def test_xla_formulations_compute_the_same(case):
+    """A baseline that did less work than the op would make the speed-up a lie: every XLA
+    formulation must produce the op's specified bytes, from the same inputs."""
+    if case.missing():
+        pytest.skip(f"jaxkv.{case.missing()[0]} is not in this build")
+    carry, consts, kernel, xla = case.build()
+    run = lambda step: jax.jit(step)(jnp.int32(1), carry, consts)
+    expected = run(kernel)
+    pick = (lambda t: _live(t, consts)) if case.op == "compact_kv_cache" else (
+        jax.tree_util.tree_leaves)
+    for name, step in xla.items():
+        got = run(step)
+        for e, g in zip(pick(expected), pick(got), strict=True):
+            assert_bytes_equal(g, e, f"{case.name}: {name}")

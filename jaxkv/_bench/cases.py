@@ -10,6 +10,7 @@ only the live data the op moves (never the capacity of the cache).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -58,7 +59,7 @@ class Case:
 
 
 def rand(shape, dtype, seed: int) -> jax.Array:
-    """Random bits of any width (never zeros; movement ops don't care what the bits mean).
+    """Random values of any cache dtype from random bits: never all zeros, never NaN or inf.
 
     Arrays over 1 GiB are filled one leading slice at a time into a donated buffer, so that the
     generator's temporaries stay the size of a slice (a 17 GiB cache at once would need several
@@ -75,16 +76,25 @@ def rand(shape, dtype, seed: int) -> jax.Array:
 
 
 _put = jax.jit(lambda out, x, j: lax.dynamic_update_index_in_dim(out, x, j, 0), donate_argnums=0)
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _random(shape, dtype, key):
+    """Bits drawn as uint32 words and reinterpreted (no wider temporary). For floats the top
+    exponent bit is cleared: every NaN and inf has it set, and XLA may canonicalize NaN payloads
+    where jaxkv moves bytes verbatim, which would make equal moves compare different."""
+    n = int(np.prod(shape))
+    words = jax.random.bits(key, (-(-n * dtype.itemsize // 4),), jnp.uint32)
+    uint = _UINT[dtype.itemsize]
+    x = lax.bitcast_convert_type(words, uint).reshape(-1)[:n]
+    if jnp.issubdtype(dtype, jnp.floating):
+        x = x & uint(~(1 << (8 * dtype.itemsize - 2)) & (1 << 8 * dtype.itemsize) - 1)
+    return lax.bitcast_convert_type(x, dtype).reshape(shape)
 
 
 def _bits(shape, dtype, seed: int) -> jax.Array:
-    """Random bits drawn as uint32 words and reinterpreted (no wider temporary)."""
-    n = int(np.prod(shape))
-    words = jax.random.bits(jax.random.key(seed), (-(-n * dtype.itemsize // 4),), jnp.uint32)
-    if dtype.itemsize == 4:
-        return lax.bitcast_convert_type(words, dtype).reshape(shape)
-    parts = lax.bitcast_convert_type(words, dtype).reshape(-1)  # [words, 4 / itemsize]
-    return parts[:n].reshape(shape)
+    return _random(tuple(shape), np.dtype(dtype), jax.random.key(seed))
 
 
 def i32(x) -> jax.Array:
