@@ -127,7 +127,8 @@ def main(argv=None) -> dict:
               and not (args.no_sweep and c.sweep)]
     if args.list:
         for c in chosen:
-            print(f"{c.op:22s} {c.name:45s} {R.fmt_bytes(c.min_bytes):>9s}  {c.target.text if c.target else 'plot point'}")
+            target = c.target.text if c.target else "plot point"
+            print(f"{c.op:22s} {c.name:45s} {R.fmt_bytes(c.min_bytes):>9s}  {target}")
         return {}
     cal = CALIBRATION[size]
     want_inc = not args.op or "increment_lengths" in args.op

@@ -266,7 +266,7 @@ def instantiate_slots(L, B, H, S, D, T, slots, iters, target=None) -> Case:
 
 
 def _xla_append(buf, layer, k, v, lengths, new_lengths):
-    """``.at[].set``: a scatter of every (row, token) to lengths[row] + token, ragged ones dropped."""
+    """``.at[].set``: one scatter of each (row, token) to lengths[row] + token, ragged dropped."""
     B, H, T, D = k.shape
     S = buf.shape[4]
     t = jnp.arange(T)
@@ -279,7 +279,8 @@ def _xla_append(buf, layer, k, v, lengths, new_lengths):
 
 
 def _vmap_append(buf, layer, k, v, lengths, new_lengths):
-    """``dynamic_update_slice`` under ``vmap``; ragged rows keep their old tokens past new_lengths."""
+    """``dynamic_update_slice`` under ``vmap``; ragged rows rewrite their old tokens past
+    new_lengths (a dynamic_update_slice cannot be ragged)."""
     T = k.shape[2]
     kv = jnp.stack([k, v], axis=1)  # [B, 2, H, T, D]
 

@@ -91,7 +91,7 @@ _COPY = re.compile(r"=\s*(\w+)\[([\d,]*)\](?:\{[^}]*\})?\s+copy(?:-start)?\(")
 
 
 def big_copies(hlo: str, min_bytes: int = 1 << 20) -> int:
-    """Copy instructions of at least ``min_bytes`` in a compiled module (a cache copied, not moved)."""
+    """Copy instructions of at least ``min_bytes`` in a compiled module (a cache copied)."""
     count = 0
     for dtype, dims in _COPY.findall(hlo):
         n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
