@@ -67,8 +67,8 @@ def measure(step, carry, consts, case: C.Case, reps: int):
 
 
 def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) -> dict:
-    row = dict(op=case.op, case=case.name, sweep=case.sweep, note=case.note, status="ok",
-               reason="", min_bytes=case.min_bytes, cache_bytes=case.cache_bytes,
+    row = dict(op=case.op, case=case.name, series=case.series, sweep=case.sweep, note=case.note,
+               status="ok", reason="", min_bytes=case.min_bytes, cache_bytes=case.cache_bytes,
                iters=case.iters, per_step=case.per_step,
                target=case.target.text if case.target else "", jaxkv=None, xla={},
                xla_best=None, speedup=None, met=None, failed=[])

@@ -52,6 +52,7 @@ class Case:
     target: Target | None = None
     requires: tuple[str, ...] = ()  # jaxkv names the case needs (absent: "not available")
     sweep: bool = False  # a point for the plot, not a target row
+    series: str = ""  # the plot's line within the op's panel
     note: str = ""
 
     def missing(self) -> list[str]:
@@ -148,7 +149,8 @@ def compact_linear(L, B, H, S, D, iters, target=None, sweep=False) -> Case:
 
     return Case("compact_kv_cache", f"LinearKVCache L{L} B{B} H{H} S{S} D{D}", build,
                 2 * token * moved_tokens, B * S * token, iters, target=target,
-                sweep=sweep, note="random lengths in [1, S], random half evicted")
+                sweep=sweep, series="LinearKVCache",
+                note="random lengths in [1, S], random half evicted")
 
 
 def compact_layers(layer_shapes, B, S, iters, target=None) -> Case:
@@ -177,7 +179,7 @@ def compact_layers(layer_shapes, B, S, iters, target=None) -> Case:
     label = ",".join(f"H{h}xD{d}" for h, d in kinds)
     return Case("compact_kv_cache", f"mixed layers L{len(layer_shapes)} B{B} S{S} {label}", build,
                 2 * sum(tokens) * moved_tokens, sum(tokens) * B * S, iters, target=target,
-                note="heterogeneous layers")
+                series="mixed layers", note="heterogeneous layers")
 
 
 # --- save / instantiate (jaxkv.save_kv_cache, jaxkv.instantiate_kv_cache) ------------------------
@@ -202,7 +204,7 @@ def save(L, B, H, S, D, T, iters, target=None, sweep=False) -> Case:
 
     return Case("save_kv_cache", f"L{L} H{H} D{D} T{T} ({mib(saved)})", build, 2 * saved,
                 L * B * 2 * H * S * D * BF16.itemsize, iters, donate=False, new_bytes=saved,
-                target=target, requires=("save_kv_cache",), sweep=sweep,
+                target=target, requires=("save_kv_cache",), sweep=sweep, series="one row",
                 note="the batch row changes every iteration")
 
 
@@ -226,7 +228,7 @@ def instantiate(L, B, H, S, D, T, iters, target=None, sweep=False) -> Case:
 
     return Case("instantiate_kv_cache", f"L{L} H{H} D{D} T{T} ({mib(saved)})", build, 2 * saved,
                 L * B * 2 * H * S * D * BF16.itemsize, iters, target=target,
-                requires=("instantiate_kv_cache",), sweep=sweep)
+                requires=("instantiate_kv_cache",), sweep=sweep, series="one row")
 
 
 def instantiate_slots(L, B, H, S, D, T, slots, iters, target=None) -> Case:
@@ -258,7 +260,7 @@ def instantiate_slots(L, B, H, S, D, T, slots, iters, target=None) -> Case:
 
     return Case("instantiate_kv_cache", f"{slots} slots L{L} H{H} D{D} T{T}", build,
                 (1 + slots) * saved, L * B * 2 * H * S * D * BF16.itemsize, iters,
-                target=target, requires=("instantiate_kv_cache",),
+                target=target, requires=("instantiate_kv_cache",), series=f"{slots} slots",
                 note="min bytes: the prefix read once, written once per slot")
 
 
@@ -334,7 +336,7 @@ def append(B, H, S, D, T, rounds, iters, ragged, target=None, sweep=False) -> Ca
     kind = "prefill" if ragged else "decode"
     return Case("append", f"{kind} B{B} T{T} H{H} D{D}" + (" ragged" if ragged else ""), build,
                 2 * token * tokens, rounds * B * S * token, iters, per_step=rounds,
-                target=target, sweep=sweep,
+                target=target, sweep=sweep, series=kind,
                 note="" if ragged else "launch-bound: includes the loop's per-iteration cost")
 
 
@@ -406,7 +408,7 @@ def paged_append(B, T, tokens, H, D, page, rounds, iters, target=None) -> Case:
 
     return Case("paged_append", f"{tokens} tokens H{H} D{D} page {page}", build,
                 2 * token * tokens, num_pages * page * token, iters, per_step=rounds,
-                target=target, requires=("PagedKVCache",),
+                target=target, requires=("PagedKVCache",), series=f"page {page}",
                 note=f"B{B}, at most {T} new tokens each, after random lengths")
 
 
@@ -449,7 +451,7 @@ def paged_gather(B, N, H, D, page, iters, target=None, sweep=False) -> Case:
 
     return Case("paged_gather", f"B{B} N{N} H{H} D{D} page {page}", build, 2 * dense,
                 num_pages * page * token, iters, donate=False, new_bytes=dense, target=target,
-                requires=("PagedKVCache",), sweep=sweep)
+                requires=("PagedKVCache",), sweep=sweep, series=f"page {page}")
 
 
 def paged_compact(B, N, H, D, page, iters, target=None) -> Case:
