@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
 import sys
 import traceback
@@ -45,6 +46,8 @@ def parse(argv):
     p.add_argument("--markdown", metavar="PATH", help="write the docs/benchmarks.md page")
     p.add_argument("--plot", metavar="PATH",
                    help="write the plot (default with --markdown: benchmarks.png beside it)")
+    p.add_argument("--explain", metavar="PATH",
+                   help='JSON {"op: case": "why"}: the measured explanation shown beside a row')
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     return p.parse_args(argv)
@@ -147,6 +150,11 @@ def main(argv=None) -> dict:
     rows = [run_case(c, args.reps, calibration["copy_gbps"], on_gpu, progress) for c in chosen
             if c.op != "increment_lengths"]
     progress.close()
+    if args.explain:
+        with open(args.explain) as f:
+            explain = json.load(f)
+        for row in rows:
+            row["explanation"] = explain.get(f"{row['op']}: {row['case']}", "")
 
     device = jax.devices()[0]
     report = dict(

@@ -74,6 +74,8 @@ def cells(row: dict) -> list[str]:
     met = {True: "yes", False: "NO: " + "; ".join(row["failed"]), None: "n/a (cpu)"}[row["met"]]
     if row["sweep"]:
         met = "plot point"
+    if row.get("explanation"):
+        met += f" ({row['explanation']})"
     return [
         row["op"], row["case"], fmt_bytes(row["min_bytes"]), fmt_time(k["time_s"]),
         f"{k['gbps']:.0f}" if row["min_bytes"] else "-",
