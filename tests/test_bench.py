@@ -172,3 +172,31 @@ def test_xla_formulations_compute_the_same(case):
         got = run(step)
         for e, g in zip(pick(expected), pick(got), strict=True):
             assert_bytes_equal(g, e, f"{case.name}: {name}")
+
+
+def test_memory_probe_pads_to_the_peak(monkeypatch):
+    """The probe's arithmetic with a device's memory_stats (CPU has none): it pads the bytes in use
+    up to the old peak, so the new peak minus the bytes in use is what the op allocated."""
+    seen = []
+    gap = 4096
+
+    def fake_stats():
+        seen.append(len(seen))
+        used = 1000 + (gap if len(seen) > 1 else 0)  # the pad is live from the 2nd reading on
+        peak = 1000 + gap + (123 if len(seen) > 2 else 0)  # the op lifts the peak by 123
+        return dict(bytes_in_use=used, peak_bytes_in_use=peak, bytes_limit=1 << 40)
+
+    monkeypatch.setattr(T, "memory_stats", fake_stats)
+    step = lambda i, c, k: c * 2
+    x = jnp.ones((8,), jnp.float32)
+    out, measured, static = T.probe_memory(step, x, (), donate=True)
+    assert measured == 123 and len(seen) == 3
+    np.testing.assert_array_equal(out, 2 * np.ones(8, np.float32))
+    assert static is not None and static >= 0
+
+    # No room for the pad and the op: no measurement, XLA's number only, the op still ran once.
+    monkeypatch.setattr(T, "memory_stats", lambda: dict(bytes_in_use=10, peak_bytes_in_use=20,
+                                                        bytes_limit=40))
+    out, measured, _ = T.probe_memory(step, out, (), donate=True)
+    assert measured is None
+    np.testing.assert_array_equal(out, 4 * np.ones(8, np.float32))

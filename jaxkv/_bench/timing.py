@@ -150,29 +150,21 @@ def probe_memory(step: Step, carry, consts, donate: bool):
         pass
     gc.collect()
     stats = memory_stats()
-    if not stats or "peak_bytes_in_use" not in stats:
-        out = compiled(carry, consts)
-        block(out)
-        return (out if donate else carry), None, static
-    gap = stats["peak_bytes_in_use"] - stats["bytes_in_use"]
-    room = stats.get("bytes_limit", 0) - stats["bytes_in_use"] - gap
-    if "bytes_limit" in stats and room < (static or 0) + (1 << 30):
-        # No room for the pad and the op together: report XLA's number rather than fail.
-        out = compiled(carry, consts)
-        block(out)
-        return (out if donate else carry), None, static
-    pad = jnp.zeros((gap,), jnp.uint8) if gap > 0 else None
-    block(pad)
-    before = memory_stats()
-    out = compiled(carry, consts)
+    if stats and "peak_bytes_in_use" in stats:
+        gap = stats["peak_bytes_in_use"] - stats["bytes_in_use"]
+        room = stats.get("bytes_limit", 1 << 62) - stats["bytes_in_use"] - gap
+        if room >= (static or 0) + (1 << 30):  # else no room for the pad and the op together
+            pad = jnp.zeros((gap,), jnp.uint8) if gap > 0 else None
+            block(pad)
+            before = memory_stats()
+            out = compiled(carry, consts)
+            block(out)
+            measured = max(memory_stats()["peak_bytes_in_use"] - before["bytes_in_use"], 0)
+            del pad
+            return (out if donate else carry), measured, static
+    out = compiled(carry, consts)  # no measurement: XLA's number is reported instead
     block(out)
-    after = memory_stats()
-    del pad
-    measured = max(after["peak_bytes_in_use"] - before["bytes_in_use"], 0)
-    if not donate:
-        del out
-        out = carry
-    return out, measured, static
+    return (out if donate else carry), None, static
 
 
 def copy_bandwidth(nbytes: int, n: int, reps: int) -> dict:
