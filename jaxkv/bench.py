@@ -56,6 +56,7 @@ def parse(argv):
 def measure(step, carry, consts, case: C.Case, reps: int):
     """(carry, result dict) of one implementation: memory probe first, then the timed loop."""
     carry, extra, static = T.probe_memory(step, carry, consts, case.donate)
+    largest = max(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(carry))
     carry, seconds, hlo = T.time_loop(step, carry, consts, case.iters, reps, case.per_step)
     m = T.Measured("", seconds, T.jaxkv_calls(hlo) // case.per_step, T.big_copies(hlo), extra,
                    static)
@@ -64,6 +65,9 @@ def measure(step, carry, consts, case: C.Case, reps: int):
         time_s=m.time, times_s=seconds, spread=m.spread,
         gbps=case.min_bytes / m.time / 1e9, launches=m.launches, big_copies=m.big_copies,
         mem_extra_bytes=extra, mem_static_bytes=static, mem_measured=extra is not None,
+        loop_work_bytes=T.loop_work(hlo),
+        # Work of the size of the carry must happen inside the loop, unless nothing should move.
+        hoisted=case.min_bytes > 0 and T.loop_work(hlo) < largest,
         mem_overhead_frac=None if mem is None else max(mem - case.new_bytes, 0) / case.cache_bytes,
     )
     return carry, result, hlo
@@ -105,7 +109,7 @@ def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) 
         gc.collect()
     k = row["jaxkv"]
     k["copy_frac"] = k["gbps"] / copy_gbps
-    timed = {n: x for n, x in row["xla"].items() if "time_s" in x}
+    timed = {n: x for n, x in row["xla"].items() if "time_s" in x and not x["hoisted"]}
     for x in timed.values():
         x["copy_frac"] = x["gbps"] / copy_gbps
     if timed:

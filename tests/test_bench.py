@@ -50,6 +50,9 @@ def test_json_has_every_number(run):
         assert k["gbps"] == pytest.approx(r["min_bytes"] / k["time_s"] / 1e9)
         assert k["copy_frac"] == pytest.approx(k["gbps"] / cal["copy_gbps"])
         assert k["launches"] == 1  # every layer in one launch
+        # The op's work happens inside the timed loop, not once before it (loop-invariant code
+        # motion), on both sides.
+        assert not k["hoisted"] and not any(x["hoisted"] for x in r["xla"].values())
         assert r["xla"] and r["xla_best"] in r["xla"]
         assert r["speedup"] == pytest.approx(r["xla"][r["xla_best"]]["time_s"] / k["time_s"])
         # Targets are the H200's: evaluated on a GPU only (and not met at CPU size there).
@@ -200,3 +203,12 @@ def test_memory_probe_pads_to_the_peak(monkeypatch):
     out, measured, _ = T.probe_memory(step, out, (), donate=True)
     assert measured is None
     np.testing.assert_array_equal(out, 4 * np.ones(8, np.float32))
+
+
+def test_a_hoisted_op_is_detected():
+    """What the harness's `hoisted` flag relies on, on an op XLA does hoist."""
+    x = jnp.ones((64, 1024), jnp.float32)
+    invariant = lambda i, c, k: k * 2  # ignores the carry and the counter
+    assert T.loop_work(T.loop(invariant, 3).lower(x, x).compile().as_text()) < x.nbytes
+    dependent = lambda i, c, k: c * 2
+    assert T.loop_work(T.loop(dependent, 3).lower(x, x).compile().as_text()) >= x.nbytes

@@ -11,7 +11,7 @@ COLUMNS = ["op", "case", "min bytes", "time", "GB/s", "% copy", "XLA", "XLA time
 def evaluate(row: dict, target, on_gpu: bool) -> None:
     """Sets row["met"] (None off GPU: the targets are the H200's) and row["failed"]."""
     k = row["jaxkv"]
-    failed = []
+    failed = ["XLA hoisted the op out of the timed loop: time not valid"] if k.get("hoisted") else []
     if target.copy_frac is not None and k["copy_frac"] < target.copy_frac:
         failed.append(f"{k['copy_frac']:.0%} < {target.copy_frac:.0%} of copy BW")
     speedup = row.get("speedup")
@@ -146,7 +146,8 @@ def markdown(report: dict, plot_name: str | None) -> str:
                 continue
             md.append(f"| {r['op']} | {r['case']} | {name} | {fmt_time(impl['time_s'])} | "
                       f"{impl['spread']:.0%} | {impl['gbps']:.0f} | {impl['launches']} | "
-                      f"{impl['big_copies']} | {fmt_extra(impl)} |")
+                      f"{impl['big_copies']} | {fmt_extra(impl)} |"
+                      + (" **hoisted out of the loop: not valid**" if impl["hoisted"] else ""))
     if plot_name:
         md += ["", f"![achieved bandwidth per op]({plot_name})"]
     return "\n".join(md) + "\n"

@@ -99,8 +99,68 @@ def big_copies(hlo: str, min_bytes: int = 1 << 20) -> int:
     return count
 
 
+def _entry(hlo: str) -> tuple[str, str]:
+    """(the module's entry computation, everything else)."""
+    start = hlo.find("\nENTRY")
+    if start < 0:
+        return "", hlo
+    end = hlo.find("\n}", start)
+    end = len(hlo) if end < 0 else end + 2
+    return hlo[start:end], hlo[:start] + hlo[end:]
+
+
 def jaxkv_calls(hlo: str) -> int:
-    return len(re.findall(r'custom_call_target="jaxkv_', hlo))
+    """jaxkv custom calls inside the loop (the entry computation only runs once)."""
+    return len(re.findall(r'custom_call_target="jaxkv_', _entry(hlo)[1]))
+
+
+def _computations(hlo: str) -> dict[str, str]:
+    """Computation name -> its text, for a compiled module's text."""
+    comps, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        head = re.match(r"(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            name, lines = head.group(1), []
+        elif name and line.startswith("}"):
+            comps[name] = "\n".join(lines)
+            name = None
+        elif name:
+            lines.append(line)
+    return comps
+
+
+# An instruction's result type (an array or a tuple of them) and opcode.
+_RESULT = re.compile(r"=\s*(\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+([\w\-]+)\(")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+# Not the op's work: plumbing, and copies (a hoisted result is copied into the carry; copies
+# are counted on their own by big_copies).
+_NO_WORK = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "broadcast", "iota",
+            "copy", "copy-start", "copy-done"}
+
+
+def loop_work(hlo: str) -> int:
+    """Bytes of the largest array computed inside the timed loop (its body and every computation
+    the body calls). XLA hoists loop-invariant work out of a loop: an op that did not depend on
+    the loop counter or the carry would run once per call, and this would drop below the size of
+    the op's output."""
+    comps = _computations(hlo)
+    todo = re.findall(r"body=%([\w.\-]+)", hlo)
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        todo += [n for n in re.findall(r"%([\w.\-]+)", comps[name]) if n in comps]
+    largest = 0
+    for name in seen:
+        for result, opcode in _RESULT.findall(comps[name]):
+            if opcode in _NO_WORK:
+                continue
+            for dtype, dims in _ARRAY.findall(result):
+                n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+                largest = max(largest, n * _WIDTH.get(dtype, 4))
+    return largest
 
 
 def loop(step: Step, n: int):
