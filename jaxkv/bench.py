@@ -149,8 +149,7 @@ def main(argv=None) -> dict:
     inc = None
     if want_inc:
         progress.step("increment_lengths: fused add vs one launch")
-        inc = C.increment_lengths_costs(cal["max_batch"], cal["loop_iters"], args.reps,
-                                        T.time_loop)
+        inc = C.increment_lengths_costs(cal["max_batch"], cal["loop_iters"], args.reps)
     rows = [run_case(c, args.reps, calibration["copy_gbps"], on_gpu, progress) for c in chosen
             if c.op != "increment_lengths"]
     progress.close()

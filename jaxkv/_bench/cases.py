@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Callable
 
 import jax
@@ -19,6 +20,8 @@ import numpy as np
 from jax import lax
 
 import jaxkv
+
+from . import timing
 
 BF16 = np.dtype(jnp.bfloat16)
 L2_BYTES = 50 << 20  # H200
@@ -544,13 +547,14 @@ OPS = ("compact_kv_cache", "save_kv_cache", "instantiate_kv_cache", "append", "p
        "paged_gather", "paged_compact", "increment_lengths")
 
 
-def increment_lengths_costs(max_batch: int, n: int, reps: int, time_loop) -> dict:
+def increment_lengths_costs(max_batch: int, n: int, reps: int) -> dict:
     """Per-iteration time of a decode-like length update, three ways, to decide whether
     ``increment_lengths`` should be a kernel: the neighbours alone, with ``lengths + 1`` fused into
     them, and with the increment replaced by one custom call (``compact_tensor_batch`` with the
-    identity mapping, the cheapest jaxkv launch on a [max_batch] int32 array)."""
+    identity mapping, the cheapest jaxkv launch on a [max_batch] int32 array). The differences
+    are a fraction of a microsecond, so the three loops are timed in turn, repetition by
+    repetition (drift hits all three alike), three times as often as the other cases."""
     capacity = 4096
-    identity = i32(np.arange(max_batch))
 
     def neighbours(lengths, active):  # what a decode step does around the increment
         return jnp.where(active & (lengths < capacity), lengths, 0)
@@ -566,12 +570,22 @@ def increment_lengths_costs(max_batch: int, n: int, reps: int, time_loop) -> dic
         moved = jaxkv.compact_tensor_batch(lax.bitcast_convert_type(c, jnp.float32), k["identity"])
         return neighbours(lax.bitcast_convert_type(moved, jnp.int32), k["active"] ^ (i < 0))
 
-    consts = dict(active=jnp.arange(max_batch) < max_batch - 3, identity=identity)
-    out = {}
-    for name, step in (("neighbours_only", base), ("fused_add", fused), ("custom_call", launch)):
-        lengths = i32(np.random.default_rng(11).integers(0, 100, max_batch))
-        _, seconds, _ = time_loop(step, lengths, consts, n, reps)
-        out[name + "_us"] = float(np.median(seconds)) * 1e6
+    consts = dict(active=jnp.arange(max_batch) < max_batch - 3, identity=i32(np.arange(max_batch)))
+    variants = {"neighbours_only": base, "fused_add": fused, "custom_call": launch}
+    carry, compiled, seconds = {}, {}, {name: [] for name in variants}
+    for name, step in variants.items():
+        carry[name] = i32(np.random.default_rng(11).integers(0, 100, max_batch))
+        compiled[name] = timing.loop(step, n).lower(carry[name], consts).compile()
+        carry[name] = compiled[name](carry[name], consts)  # warm-up
+    for _ in range(3 * reps):
+        for name in variants:
+            start = time.perf_counter()
+            carry[name] = compiled[name](carry[name], consts)
+            timing.block(carry[name])
+            seconds[name].append((time.perf_counter() - start) / n)
+    out = {f"{name}_us": float(np.median(s)) * 1e6 for name, s in seconds.items()}
+    out["spread_us"] = max(float(np.percentile(s, 75) - np.percentile(s, 25)) * 1e6
+                           for s in seconds.values())
     out["extra_launch_us"] = out["custom_call_us"] - out["fused_add_us"]
     out["max_batch"] = max_batch
     return out

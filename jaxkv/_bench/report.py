@@ -133,7 +133,8 @@ def markdown(report: dict, plot_name: str | None) -> str:
                f"| with `lengths + 1` fused into it | {inc['fused_add_us']:.2f} |",
                f"| with one jaxkv custom call instead | {inc['custom_call_us']:.2f} |", "",
                f"A kernel would add {inc['extra_launch_us']:.2f} us per step; the fused add adds "
-               f"{inc['fused_add_us'] - inc['neighbours_only_us']:.2f} us.", ""]
+               f"{inc['fused_add_us'] - inc['neighbours_only_us']:.2f} us (interquartile range "
+               f"of the repetitions: up to {inc['spread_us']:.2f} us).", ""]
     detail = [r for r in report["rows"] if r["status"] == "ok"]
     md += ["", "## Every implementation", "",
            "| op | case | implementation | time | spread | GB/s | jaxkv launches | big copies "
