@@ -100,6 +100,10 @@ def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) 
                 row["xla"][name] = dict(error=first_line(e))
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     traceback.print_exc()
+                if any(x.is_deleted() for x in jax.tree_util.tree_leaves(carry)):
+                    del carry, consts
+                    gc.collect()
+                    carry, consts, _, _ = case.build()  # it was donated to the failed call
     except Exception as e:
         traceback.print_exc()
         row.update(status="error", reason=first_line(e))

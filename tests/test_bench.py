@@ -212,3 +212,21 @@ def test_a_hoisted_op_is_detected():
     assert T.loop_work(T.loop(invariant, 3).lower(x, x).compile().as_text()) < x.nbytes
     dependent = lambda i, c, k: c * 2
     assert T.loop_work(T.loop(dependent, 3).lower(x, x).compile().as_text()) >= x.nbytes
+
+
+def test_a_failing_xla_formulation_is_reported_and_the_others_run():
+    case = C.compact_linear(2, 8, 2, 128, 64, 2)
+    build = case.build
+
+    def with_failure():
+        carry, consts, kernel, xla = build()
+
+        def fails(i, c, k):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory (simulated)")
+
+        return carry, consts, kernel, {"fails": fails, **xla}
+
+    case.build = with_failure
+    row = bench.run_case(case, 1, 10.0, False, T.Progress(1, enabled=False))
+    assert row["status"] == "ok" and "RESOURCE_EXHAUSTED" in row["xla"]["fails"]["error"]
+    assert row["xla_best"] in ("take", "scatter") and row["speedup"] > 0
