@@ -52,7 +52,7 @@ def plot(report: dict, path: str) -> bool:
         ax.set_title(op)
         ax.set_xlabel("minimum bytes moved per op (MB)")
         ax.set_ylabel("achieved GB/s")
-        ax.set_ylim(0, copy * 1.15)
+        ax.set_ylim(0, max([copy] + [r["jaxkv"]["gbps"] for r in rs]) * 1.15)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(per_op):]:
