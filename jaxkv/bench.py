@@ -18,7 +18,6 @@ import datetime
 import gc
 import json
 import os
-import sys
 import traceback
 
 import jax
@@ -129,6 +128,13 @@ def first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
+def command(args, size: str) -> str:
+    """The command line that reproduces the numbers (output paths left out)."""
+    words = ["python -m jaxkv.bench", f"--size {size}", f"--reps {args.reps}"]
+    words += [f"--op {op}" for op in args.op or []]
+    return " ".join(words + (["--no-sweep"] if args.no_sweep else []))
+
+
 def main(argv=None) -> dict:
     args = parse(argv)
     backend = jax.default_backend()
@@ -168,8 +174,7 @@ def main(argv=None) -> dict:
         meta=dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                   device=getattr(device, "device_kind", str(device)), backend=backend,
                   jax=jax.__version__, jaxkv=jaxkv.__version__, size=size, reps=args.reps,
-                  command="python -m jaxkv.bench " + " ".join(sys.argv[1:] if argv is None
-                                                             else argv)),
+                  command=command(args, size)),
         calibration=calibration, increment_lengths=inc, rows=rows,
     )
     print(R.text_table(report))
