@@ -57,6 +57,10 @@ def measure(step, carry, consts, case: C.Case, reps: int):
     carry, extra, static = T.probe_memory(step, carry, consts, case.donate)
     largest = max(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(carry))
     carry, seconds, hlo = T.time_loop(step, carry, consts, case.iters, reps, case.per_step)
+    fixed = T.entry_work(hlo)
+    if fixed >= 1 << 16:  # work outside the loop: time 2n iterations too and take the difference
+        carry, twice, _ = T.time_loop(step, carry, consts, 2 * case.iters, reps, case.per_step)
+        seconds = [max(2 * b - a, 1e-12) for a, b in zip(seconds, twice)]
     m = T.Measured("", seconds, T.jaxkv_calls(hlo) // case.per_step, T.big_copies(hlo), extra,
                    static)
     mem = extra if extra is not None else static
@@ -64,7 +68,7 @@ def measure(step, carry, consts, case: C.Case, reps: int):
         time_s=m.time, times_s=seconds, spread=m.spread,
         gbps=case.min_bytes / m.time / 1e9, launches=m.launches, big_copies=m.big_copies,
         mem_extra_bytes=extra, mem_static_bytes=static, mem_measured=extra is not None,
-        loop_work_bytes=T.loop_work(hlo),
+        loop_work_bytes=T.loop_work(hlo), entry_work_bytes=fixed,
         # Work of the size of the carry must happen inside the loop, unless nothing should move.
         hoisted=case.min_bytes > 0 and T.loop_work(hlo) < largest,
         mem_overhead_frac=None if mem is None else max(mem - case.new_bytes, 0) / case.cache_bytes,

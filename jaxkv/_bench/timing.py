@@ -109,6 +109,23 @@ def _entry(hlo: str) -> tuple[str, str]:
     return hlo[start:end], hlo[:start] + hlo[end:]
 
 
+_PLUMBING_ENTRY = {"parameter", "constant", "tuple", "get-tuple-element", "while", "bitcast"}
+
+
+def entry_work(hlo: str) -> int:
+    """Bytes computed once per call outside the loop (e.g. a layout change of the whole carry
+    that XLA puts before and after the loop): a fixed cost that a single loop length would spread
+    over the iterations and count as the op's."""
+    entry, _ = _entry(hlo)
+    total = 0
+    for result, opcode in _RESULT.findall(entry):
+        if opcode not in _PLUMBING_ENTRY:
+            for dtype, dims in _ARRAY.findall(result):
+                n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+                total += n * _WIDTH.get(dtype, 4)
+    return total
+
+
 def jaxkv_calls(hlo: str) -> int:
     """jaxkv custom calls inside the loop (the entry computation only runs once)."""
     return len(re.findall(r'custom_call_target="jaxkv_', _entry(hlo)[1]))
