@@ -1,0 +1,591 @@
+"""The benchmark cases: each jaxkv op, its XLA-native formulation, the bytes it must move.
+
+A case builds its inputs lazily (``build``) and gives one loop step per implementation:
+``step(i, carry, consts) -> carry`` applies the op ``per_step`` times (several input sets in turn
+where one set would fit in L2). Both sides get the same carry, the same consts, the same loop and
+the same donation. Minimum bytes count what must move at least: bytes read plus bytes written of
+only the live data the op moves (never the capacity of the cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jaxkv
+
+from . import timing
+
+BF16 = np.dtype(jnp.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The issue's target for a row (evaluated on GPU only: the numbers are the H200's)."""
+
+    text: str
+    copy_frac: float | None = None  # achieved bandwidth / copy bandwidth
+    speedup: float | None = None  # over the fastest XLA formulation
+    max_us: float | None = None  # device time per op
+    beats_xla: bool = False
+    one_launch: bool = False
+    no_kv_bytes: bool = False  # nothing of the size of the KV data moves
+    mem_frac: float = 0.01  # extra device memory of one op / cache bytes
+
+
+@dataclasses.dataclass
+class Case:
+    op: str  # what --op selects
+    name: str  # the row's label
+    build: Callable[[], tuple]  # () -> (carry, consts, jaxkv step, {xla name: step})
+    min_bytes: int  # read + written per op, at least
+    cache_bytes: int
+    iters: int  # ops per timed call = iters * per_step
+    per_step: int = 1
+    donate: bool = True  # the op updates its carry in place (False: the carry is its output)
+    new_bytes: int = 0  # outputs one op must allocate when not donated (saved tensors, gathers)
+    target: Target | None = None
+    requires: tuple[str, ...] = ()  # jaxkv names the case needs (absent: "not available")
+    sweep: bool = False  # a point for the plot, not a target row
+    series: str = ""  # the plot's line within the op's panel
+    note: str = ""
+
+    def missing(self) -> list[str]:
+        return [name for name in self.requires if not hasattr(jaxkv, name)]
+
+
+def rand(shape, dtype, seed: int) -> jax.Array:
+    """Random values of any cache dtype from random bits: never all zeros, never NaN or inf.
+
+    Arrays over 1 GiB are filled one leading slice at a time into a donated buffer, so that the
+    generator's temporaries stay the size of a slice (a 17 GiB cache at once would need several
+    times that, and lift the peak memory that later cases are measured against).
+    """
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape))
+    if n * dtype.itemsize > 1 << 30 and len(shape) > 1 and shape[0] > 1:
+        out = jnp.zeros(shape, dtype)
+        for j in range(shape[0]):
+            out = _put(out, _bits(shape[1:], dtype, seed * 1009 + j), j)
+        return out
+    return _bits(shape, dtype, seed)
+
+
+_put = jax.jit(lambda out, x, j: lax.dynamic_update_index_in_dim(out, x, j, 0), donate_argnums=0)
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _random(shape, dtype, key):
+    """Bits drawn as uint32 words and reinterpreted (no wider temporary). For floats the top
+    exponent bit is cleared: every NaN and inf has it set, and XLA may canonicalize NaN payloads
+    where jaxkv moves bytes verbatim, which would make equal moves compare different."""
+    n = int(np.prod(shape))
+    words = jax.random.bits(key, (-(-n * dtype.itemsize // 4),), jnp.uint32)
+    uint = _UINT[dtype.itemsize]
+    x = lax.bitcast_convert_type(words, uint).reshape(-1)[:n]
+    if jnp.issubdtype(dtype, jnp.floating):
+        x = x & uint(~(1 << (8 * dtype.itemsize - 2)) & (1 << 8 * dtype.itemsize) - 1)
+    return lax.bitcast_convert_type(x, dtype).reshape(shape)
+
+
+def _bits(shape, dtype, seed: int) -> jax.Array:
+    return _random(tuple(shape), np.dtype(dtype), jax.random.key(seed))
+
+
+def i32(x) -> jax.Array:
+    return jnp.asarray(np.asarray(x), jnp.int32)
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.3g} MiB" if n < 2**30 else f"{n / 2**30:.3g} GiB"
+
+
+def evict_half(batch: int, seq: int, seed: int):
+    """Random live lengths in [1, seq], a random half evicted, survivors packed in order."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, seq + 1, batch)
+    evicted = np.zeros(batch, bool)
+    evicted[rng.permutation(batch)[: batch // 2]] = True
+    survivors = np.flatnonzero(~evicted)
+    mapping = np.full(batch, -1)
+    mapping[survivors] = np.arange(len(survivors))
+    moving = survivors[mapping[survivors] != survivors]  # a row already in place moves nothing
+    src = np.arange(batch)  # jnp.take: new row j reads old row src[j]
+    src[mapping[survivors]] = survivors
+    return lengths, mapping, int(lengths[moving].sum()), src
+
+
+# --- compaction ---------------------------------------------------------------------------------
+
+
+def compact_linear(L, B, H, S, D, iters, target=None, sweep=False) -> Case:
+    """LinearKVCache.compact: one [L, B, 2, H, S, D] buffer, every layer in one launch."""
+    lengths, mapping, moved_tokens, src = evict_half(B, S, seed=1)
+    token = L * 2 * H * D * BF16.itemsize
+
+    def build():
+        buffer = rand((L, B, 2, H, S, D), BF16, 2)
+        consts = dict(lengths=i32(lengths), mapping=i32(mapping), src=i32(src),
+                      targets=i32(np.where(mapping >= 0, mapping, B)), active=i32(B))
+
+        def kernel(i, buf, c):
+            cache = jaxkv.LinearKVCache(buffer=buf, lengths=c["lengths"],
+                                        active_batch_size=c["active"])
+            return cache.compact(c["mapping"]).buffer
+
+        def take(i, buf, c):
+            return jnp.take(buf, c["src"], axis=1)
+
+        def scatter(i, buf, c):
+            return buf.at[:, c["targets"]].set(buf, mode="drop")
+
+        return buffer, consts, kernel, {"take": take, "scatter": scatter}
+
+    return Case("compact_kv_cache", f"LinearKVCache L{L} B{B} H{H} S{S} D{D}", build,
+                2 * token * moved_tokens, B * S * token, iters, target=target,
+                sweep=sweep, series="LinearKVCache",
+                note="random lengths in [1, S], random half evicted")
+
+
+def compact_layers(layer_shapes, B, S, iters, target=None) -> Case:
+    """compact_kv_cache on a list of [B, 2, H, S, D] layers whose H and D differ."""
+    lengths, mapping, moved_tokens, src = evict_half(B, S, seed=3)
+    tokens = [2 * h * d * BF16.itemsize for h, d in layer_shapes]
+
+    def build():
+        layers = [rand((B, 2, h, S, d), BF16, 10 + j) for j, (h, d) in enumerate(layer_shapes)]
+        consts = dict(lengths=i32(lengths), mapping=i32(mapping), src=i32(src),
+                      targets=i32(np.where(mapping >= 0, mapping, B)))
+
+        def kernel(i, layers, c):
+            out, _ = jaxkv.compact_kv_cache(layers, c["lengths"], c["mapping"])
+            return list(out)
+
+        def take(i, layers, c):
+            return [jnp.take(x, c["src"], axis=0) for x in layers]
+
+        def scatter(i, layers, c):
+            return [x.at[c["targets"]].set(x, mode="drop") for x in layers]
+
+        return layers, consts, kernel, {"take": take, "scatter": scatter}
+
+    kinds = sorted(set(layer_shapes))
+    label = ",".join(f"H{h}xD{d}" for h, d in kinds)
+    return Case("compact_kv_cache", f"mixed layers L{len(layer_shapes)} B{B} S{S} {label}", build,
+                2 * sum(tokens) * moved_tokens, sum(tokens) * B * S, iters, target=target,
+                series="mixed layers", note="heterogeneous layers")
+
+
+# --- save / instantiate (jaxkv.save_kv_cache, jaxkv.instantiate_kv_cache) ------------------------
+
+
+def save(L, B, H, S, D, T, iters, target=None, sweep=False) -> Case:
+    """One sequence's first T tokens of every layer into per-layer [2, H, T, D] tensors."""
+    saved = L * 2 * H * T * D * BF16.itemsize
+
+    def build():
+        layers = [rand((B, 2, H, S, D), BF16, 20 + j) for j in range(L)]
+        out = [rand((2, H, T, D), BF16, 60 + j) for j in range(L)]
+
+        def kernel(i, out, layers):
+            return list(jaxkv.save_kv_cache(layers, i % B, T))
+
+        def dynamic_slice(i, out, layers):
+            b = i % B
+            return [lax.dynamic_slice(x, (b, 0, 0, 0, 0), (1, 2, H, T, D))[0] for x in layers]
+
+        return out, layers, kernel, {"dynamic_slice": dynamic_slice}
+
+    return Case("save_kv_cache", f"L{L} H{H} D{D} T{T} ({mib(saved)})", build, 2 * saved,
+                L * B * 2 * H * S * D * BF16.itemsize, iters, donate=False, new_bytes=saved,
+                target=target, requires=("save_kv_cache",), sweep=sweep, series="one row",
+                note="the batch row changes every iteration")
+
+
+def instantiate(L, B, H, S, D, T, iters, target=None, sweep=False) -> Case:
+    """Saved [2, H, T, D] tensors written back into one row of every layer (donated)."""
+    saved = L * 2 * H * T * D * BF16.itemsize
+
+    def build():
+        layers = [rand((B, 2, H, S, D), BF16, 20 + j) for j in range(L)]
+        src = [rand((2, H, T, D), BF16, 60 + j) for j in range(L)]
+
+        def kernel(i, layers, src):
+            return list(jaxkv.instantiate_kv_cache(layers, src, i % B))
+
+        def dynamic_update_slice(i, layers, src):
+            b = i % B
+            return [lax.dynamic_update_slice(x, s[None], (b, 0, 0, 0, 0))
+                    for x, s in zip(layers, src)]
+
+        return layers, src, kernel, {"dynamic_update_slice": dynamic_update_slice}
+
+    return Case("instantiate_kv_cache", f"L{L} H{H} D{D} T{T} ({mib(saved)})", build, 2 * saved,
+                L * B * 2 * H * S * D * BF16.itemsize, iters, target=target,
+                requires=("instantiate_kv_cache",), sweep=sweep, series="one row")
+
+
+def instantiate_slots(L, B, H, S, D, T, slots, iters, target=None) -> Case:
+    """One saved prefix into ``slots`` rows of every layer at once."""
+    saved = L * 2 * H * T * D * BF16.itemsize
+
+    def build():
+        layers = [rand((B, 2, H, S, D), BF16, 20 + j) for j in range(L)]
+        consts = dict(src=[rand((2, H, T, D), BF16, 60 + j) for j in range(L)],
+                      slots=i32(np.arange(slots)))
+
+        def kernel(i, layers, c):
+            return list(jaxkv.instantiate_kv_cache(layers, c["src"], c["slots"]))
+
+        def scatter(i, layers, c):
+            return [x.at[c["slots"], :, :, :T].set(jnp.broadcast_to(s, (slots, 2, H, T, D)))
+                    for x, s in zip(layers, c["src"])]
+
+        def dynamic_update_slice(i, layers, c):
+            out = []
+            for x, s in zip(layers, c["src"]):
+                for slot in range(slots):
+                    x = lax.dynamic_update_slice(x, s[None], (c["slots"][slot], 0, 0, 0, 0))
+                out.append(x)
+            return out
+
+        return layers, consts, kernel, {"scatter": scatter,
+                                        "dynamic_update_slice": dynamic_update_slice}
+
+    return Case("instantiate_kv_cache", f"{slots} slots L{L} H{H} D{D} T{T}", build,
+                (1 + slots) * saved, L * B * 2 * H * S * D * BF16.itemsize, iters,
+                target=target, requires=("instantiate_kv_cache",), series=f"{slots} slots",
+                note="min bytes: the prefix read once, written once per slot")
+
+
+# --- append (LinearKVCache.append) ----------------------------------------------------------------
+
+
+def _xla_append(buf, layer, k, v, lengths, new_lengths):
+    """``.at[].set``: one scatter of each (row, token) to lengths[row] + token, ragged dropped."""
+    B, H, T, D = k.shape
+    S = buf.shape[4]
+    t = jnp.arange(T)
+    pos = lengths[:, None] + t[None, :]
+    if new_lengths is not None:
+        pos = jnp.where(t[None, :] < new_lengths[:, None], pos, S)
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    kv = jnp.moveaxis(jnp.stack([k, v], axis=1), 3, 1)  # [B, T, 2, H, D]
+    return buf.at[layer, rows, :, :, pos].set(kv, mode="drop")
+
+
+def _vmap_append(buf, layer, k, v, lengths, new_lengths):
+    """``dynamic_update_slice`` under ``vmap``; ragged rows rewrite their old tokens past
+    new_lengths (a dynamic_update_slice cannot be ragged)."""
+    T = k.shape[2]
+    kv = jnp.stack([k, v], axis=1)  # [B, 2, H, T, D]
+
+    def row(x, kv_b, start, count):
+        if count is not None:
+            old = lax.dynamic_slice(x, (0, 0, start, 0), kv_b.shape)
+            kv_b = jnp.where((jnp.arange(T) < count)[:, None], kv_b, old)
+        return lax.dynamic_update_slice(x, kv_b, (0, 0, start, 0))
+
+    counts = new_lengths if new_lengths is not None else None
+    axes = (0, 0, 0, 0 if counts is not None else None)
+    return buf.at[layer].set(jax.vmap(row, in_axes=axes)(buf[layer], kv, lengths, counts))
+
+
+def append(B, H, S, D, T, rounds, iters, ragged, target=None, sweep=False) -> Case:
+    """``rounds`` appends per loop iteration, into layers 0..rounds-1 of a LinearKVCache, each from
+    its own k/v set: a prefill's inputs then do not stay in L2, and a decode step's share of the
+    loop's own per-iteration cost is divided by ``rounds``."""
+    rng = np.random.default_rng(5)
+    if ragged:
+        new_lengths = rng.integers(1, T + 1, B)
+        lengths = rng.integers(0, S - T + 1, B)
+    else:
+        new_lengths, lengths = None, rng.integers(0, S - T + 1, B)
+    tokens = int(new_lengths.sum()) if ragged else B * T
+    token = 2 * H * D * BF16.itemsize
+
+    def build():
+        buffer = rand((rounds, B, 2, H, S, D), BF16, 30)
+        consts = dict(k=[rand((B, H, T, D), BF16, 31 + r) for r in range(rounds)],
+                      v=[rand((B, H, T, D), BF16, 41 + r) for r in range(rounds)],
+                      lengths=i32(lengths), active=i32(B),
+                      new=None if new_lengths is None else i32(new_lengths))
+
+        def kernel(i, buf, c):
+            cache = jaxkv.LinearKVCache(buffer=buf, lengths=c["lengths"],
+                                        active_batch_size=c["active"])
+            for r in range(rounds):
+                cache = cache.append(r, c["k"][r], c["v"][r], c["new"])
+            return cache.buffer
+
+        def xla(fn):
+            def step(i, buf, c):
+                for r in range(rounds):
+                    buf = fn(buf, r, c["k"][r], c["v"][r], c["lengths"], c["new"])
+                return buf
+            return step
+
+        return buffer, consts, kernel, {".at[].set": xla(_xla_append),
+                                        "vmap(dynamic_update_slice)": xla(_vmap_append)}
+
+    kind = "prefill" if ragged else "decode"
+    return Case("append", f"{kind} B{B} T{T} H{H} D{D}" + (" ragged" if ragged else ""), build,
+                2 * token * tokens, rounds * B * S * token, iters, per_step=rounds,
+                target=target, sweep=sweep, series=kind,
+                note="" if ragged else "launch-bound: includes 1/rounds of the loop's cost")
+
+
+# --- paged (jaxkv.PagedKVCache, HND pools [L, H, num_pages, page_size, D]) -----------------------
+
+
+def split(total: int, parts: int, most: int, seed: int) -> np.ndarray:
+    """``parts`` random positive counts of at most ``most`` that add up to ``total``."""
+    rng = np.random.default_rng(seed)
+    while True:
+        cuts = np.sort(rng.choice(np.arange(1, total), parts - 1, replace=False))
+        counts = np.diff(np.concatenate([[0], cuts, [total]]))
+        if counts.max() <= most:
+            return counts
+
+
+def _paged(num_pages, page, H, D, B, pages_per_seq, lengths, seed, num_layers=1):
+    """(k_pages, v_pages, the rest of the cache as a dict): ``lengths`` tokens per sequence on
+    reserved pages, pools filled with random bits. The pools travel as the loop carry, the small
+    arrays as consts (a pool captured in a closure would become an HLO constant)."""
+    cache = jaxkv.PagedKVCache.create(num_layers=num_layers, num_pages=num_pages, page_size=page,
+                                      num_kv_heads=H, head_dim=D, max_batch=B,
+                                      max_pages_per_seq=pages_per_seq, dtype=jnp.bfloat16)
+    cache, served = cache.reserve(i32(lengths))
+    assert bool(jnp.all(served)), "benchmark cache: out of pages"
+    cache = cache.commit(i32(lengths))
+    pools = (rand(cache.k_pages.shape, BF16, seed), rand(cache.v_pages.shape, BF16, seed + 1))
+    rest = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)
+            if f.name not in ("k_pages", "v_pages", "layout")}
+    return pools, rest
+
+
+def _cache(pools, rest):
+    return jaxkv.PagedKVCache(k_pages=pools[0], v_pages=pools[1], **rest)
+
+
+def paged_append(B, T, tokens, H, D, page, rounds, iters, target=None) -> Case:
+    """Ragged prefill of ``tokens`` tokens (at most T per sequence) after random lengths."""
+    new_lengths = split(tokens, B, T, seed=8)
+    start = np.random.default_rng(7).integers(0, T, B)
+    token = 2 * H * D * BF16.itemsize
+    pages_per_seq = -(-(2 * T) // page)
+    num_pages = B * pages_per_seq
+
+    def build():
+        pools, rest = _paged(num_pages, page, H, D, B, pages_per_seq, start, 70)
+        cache, served = _cache(pools, rest).reserve(i32(new_lengths))
+        assert bool(jnp.all(served)), "benchmark cache: out of pages"
+        rest = {n: getattr(cache, n) for n in rest}
+        consts = dict(rest=rest, new=i32(new_lengths),
+                      k=[rand((B, H, T, D), BF16, 71 + r) for r in range(rounds)],
+                      v=[rand((B, H, T, D), BF16, 81 + r) for r in range(rounds)])
+
+        def kernel(i, pools, c):
+            cache = _cache(pools, c["rest"])
+            for r in range(rounds):
+                cache = cache.append(0, c["k"][r], c["v"][r], c["new"])
+            return cache.k_pages, cache.v_pages
+
+        def scatter(i, pools, c):
+            rest = c["rest"]
+            for r in range(rounds):
+                pools = tuple(_xla_paged_append(x, rest["page_table"], rest["lengths"], new,
+                                                c["new"], page)
+                              for x, new in zip(pools, (c["k"][r], c["v"][r])))
+            return pools
+
+        return pools, consts, kernel, {"scatter": scatter}
+
+    return Case("paged_append", f"{tokens} tokens H{H} D{D} page {page}", build,
+                2 * token * tokens, num_pages * page * token, iters, per_step=rounds,
+                target=target, requires=("PagedKVCache",), series=f"page {page}",
+                note=f"B{B}, at most {T} new tokens each, after random lengths")
+
+
+def _xla_paged_append(pool, table, lengths, x, counts, page):
+    """Scatter of x[b, :, t] to page table[b, p // page], slot p % page, p = lengths[b] + t."""
+    B, H, T, D = x.shape
+    t = jnp.arange(T)[None, :]
+    pos = lengths[:, None] + t
+    phys = jnp.take_along_axis(table, pos // page, axis=1, mode="clip")
+    phys = jnp.where(t < counts[:, None], phys, pool.shape[2])  # dropped
+    return pool.at[0, :, phys, pos % page].set(jnp.swapaxes(x, 1, 2), mode="drop")
+
+
+def paged_gather(B, N, H, D, page, iters, target=None, sweep=False) -> Case:
+    """Every sequence's N tokens of one layer into a dense [B, 2, H, N, D].
+
+    Iteration i gathers layer i % 2: a gather of loop-invariant inputs would otherwise be hoisted
+    out of the timed loop by XLA (and both layers together are twice the bytes for L2)."""
+    token = 2 * H * D * BF16.itemsize
+    pages_per_seq = -(-N // page)
+    num_pages = B * pages_per_seq
+    dense = B * N * token
+
+    def build():
+        pools, rest = _paged(num_pages, page, H, D, B, pages_per_seq, np.full(B, N), 90, 2)
+        out = rand((B, 2, H, N, D), BF16, 92)
+        consts = dict(pools=pools, rest=rest)
+
+        def kernel(i, out, c):
+            return _cache(c["pools"], c["rest"]).gather(i % 2, N)
+
+        def take(i, out, c):
+            table, lengths = c["rest"]["page_table"], c["rest"]["lengths"]
+            dense = []
+            for pool in c["pools"]:
+                pool = lax.dynamic_index_in_dim(pool, i % 2, 0, keepdims=False)
+                g = jnp.take(pool, table, axis=1, mode="clip")  # [H, B, pages, page, D]
+                g = jnp.moveaxis(g, 1, 0).reshape(B, H, pages_per_seq * page, D)[:, :, :N]
+                live = jnp.arange(N)[None, None, :, None] < lengths[:, None, None, None]
+                dense.append(jnp.where(live, g, 0))
+            return jnp.stack(dense, axis=1)
+
+        return out, consts, kernel, {"take": take}
+
+    return Case("paged_gather", f"B{B} N{N} H{H} D{D} page {page}", build, 2 * dense,
+                2 * num_pages * page * token, iters, donate=False, new_bytes=dense,
+                target=target, requires=("PagedKVCache",), sweep=sweep, series=f"page {page}")
+
+
+def paged_compact(B, N, H, D, page, iters, target=None) -> Case:
+    """PagedKVCache.compact: the page table and lengths move, the pages do not."""
+    token = 2 * H * D * BF16.itemsize
+    pages_per_seq = -(-N // page)
+    num_pages = B * pages_per_seq
+    lengths, mapping, _, _ = evict_half(B, N, seed=9)
+
+    def build():
+        pools, rest = _paged(num_pages, page, H, D, B, pages_per_seq, lengths, 95)
+
+        def kernel(i, cache, m):
+            return cache.compact(m)
+
+        return _cache(pools, rest), i32(mapping), kernel, {}
+
+    return Case("paged_compact", f"B{B} N{N} H{H} D{D} page {page}", build, 0,
+                num_pages * page * token, iters, target=target, requires=("PagedKVCache",),
+                note="min bytes 0: only the page table and lengths (O(batch)) may move")
+
+
+# --- the sizes ------------------------------------------------------------------------------------
+
+T_COMPACT = Target(">= 85% of copy BW on live bytes; >= 5x XLA (take)", copy_frac=0.85,
+                   speedup=5)
+T_HETERO = Target("one launch; >= 85% of copy BW", copy_frac=0.85, one_launch=True)
+T_SAVE = Target(">= 85% of copy BW at >= 64 MB; >= 5x XLA", copy_frac=0.85, speedup=5)
+T_SLOTS = Target(">= 85% of copy BW on bytes written", copy_frac=0.85)
+T_DECODE = Target("<= 5 us; beats .at[].set", max_us=5.0, beats_xla=True)
+T_PREFILL = Target(">= 80% of copy BW", copy_frac=0.80)
+T_PAGED = Target(">= 80% of copy BW", copy_frac=0.80)
+T_PAGED_COMPACT = Target("O(batch) bytes: no KV data moved", no_kv_bytes=True)
+MIXED = [(8, 128), (4, 256), (16, 64), (2, 128)]
+
+
+def cases(size: str) -> list[Case]:
+    if size == "cpu":  # tiny: the whole run in well under a minute on two cores
+        return [
+            compact_linear(2, 8, 2, 128, 64, 3, T_COMPACT),
+            compact_layers([(2, 64), (1, 128), (4, 32)], 8, 128, 3, T_HETERO),
+            save(2, 2, 2, 256, 64, 128, 5, T_SAVE),
+            instantiate(2, 2, 2, 256, 64, 128, 5, T_SAVE),
+            instantiate_slots(2, 8, 2, 128, 64, 64, 8, 3, T_SLOTS),
+            append(16, 2, 128, 64, 1, 2, 20, ragged=False, target=T_DECODE),
+            append(4, 2, 256, 64, 64, 2, 3, ragged=True, target=T_PREFILL),
+            paged_append(4, 64, 160, 2, 64, 16, 2, 3, T_PAGED),
+            paged_gather(4, 128, 2, 64, 16, 3, Target(">= 80% of copy BW", copy_frac=0.80)),
+            paged_compact(8, 128, 2, 64, 16, 10, T_PAGED_COMPACT),
+        ]
+    # The issue's sizes on the H200, and a few smaller points per op for the plot.
+    return [long_enough(c) for c in gpu_cases()]
+
+
+def long_enough(case: Case, call_s: float = 0.01, bandwidth: float = 4e12) -> Case:
+    """Enough iterations that one timed call lasts ~``call_s`` at ``bandwidth`` (dispatch and the
+    host's wait then cost under 1%), between the case's own count and 2000."""
+    per_op = case.min_bytes / bandwidth
+    n = 2000 if per_op == 0 else int(np.ceil(call_s / (per_op * case.per_step)))
+    return dataclasses.replace(case, iters=int(np.clip(n, case.iters, 2000)))
+
+
+def gpu_cases() -> list[Case]:
+    return [
+        compact_linear(32, 32, 8, 4096, 128, 5, T_COMPACT),
+        compact_linear(32, 32, 8, 1024, 128, 5, sweep=True),
+        compact_linear(32, 32, 8, 2048, 128, 5, sweep=True),
+        compact_layers(MIXED * 8, 32, 4096, 5, T_HETERO),
+        *[save(32, 4, 8, 8192, 128, t, 10, T_SAVE) for t in (1024, 2048, 4096, 8192)],
+        save(32, 4, 8, 8192, 128, 256, 20, sweep=True),
+        *[instantiate(32, 4, 8, 8192, 128, t, 10, T_SAVE) for t in (1024, 2048, 4096, 8192)],
+        instantiate(32, 4, 8, 8192, 128, 256, 20, sweep=True),
+        instantiate_slots(32, 32, 8, 2048, 128, 1024, 32, 5, T_SLOTS),
+        append(256, 8, 1024, 128, 1, 8, 250, ragged=False, target=T_DECODE),
+        append(8, 8, 8192, 128, 2048, 4, 5, ragged=True, target=T_PREFILL),
+        append(8, 8, 8192, 128, 512, 4, 10, ragged=True, sweep=True),
+        paged_append(8, 1024, 5000, 8, 128, 16, 4, 10, T_PAGED),
+        paged_append(8, 1024, 5000, 8, 128, 128, 4, 10, T_PAGED),
+        paged_gather(64, 4096, 8, 128, 16, 5, Target(">= 80% of copy BW", copy_frac=0.80)),
+        paged_gather(64, 1024, 8, 128, 16, 10, sweep=True),
+        paged_compact(64, 4096, 8, 128, 16, 100, T_PAGED_COMPACT),
+    ]
+
+
+OPS = ("compact_kv_cache", "save_kv_cache", "instantiate_kv_cache", "append", "paged_append",
+       "paged_gather", "paged_compact", "increment_lengths")
+
+
+def increment_lengths_costs(max_batch: int, n: int, reps: int) -> dict:
+    """Per-iteration time of a decode-like length update, three ways, to decide whether
+    ``increment_lengths`` should be a kernel: the neighbours alone, with ``lengths + 1`` fused into
+    them, and with the increment replaced by one custom call (``compact_tensor_batch`` with the
+    identity mapping, the cheapest jaxkv launch on a [max_batch] int32 array). The differences
+    are a fraction of a microsecond, so the three loops are timed in turn, repetition by
+    repetition (drift hits all three alike), three times as often as the other cases."""
+    capacity = 4096
+
+    def neighbours(lengths, active):  # what a decode step does around the increment
+        return jnp.where(active & (lengths < capacity), lengths, 0)
+
+    def base(i, c, k):
+        return neighbours(c, k["active"] ^ (i < 0))
+
+    def fused(i, c, k):
+        return neighbours(c + 1, k["active"] ^ (i < 0))
+
+    def launch(i, c, k):
+        # compact_tensor_batch moves float32, not int32: bitcasts are free.
+        moved = jaxkv.compact_tensor_batch(lax.bitcast_convert_type(c, jnp.float32), k["identity"])
+        return neighbours(lax.bitcast_convert_type(moved, jnp.int32), k["active"] ^ (i < 0))
+
+    consts = dict(active=jnp.arange(max_batch) < max_batch - 3, identity=i32(np.arange(max_batch)))
+    variants = {"neighbours_only": base, "fused_add": fused, "custom_call": launch}
+    carry, compiled, seconds = {}, {}, {name: [] for name in variants}
+    for name, step in variants.items():
+        carry[name] = i32(np.random.default_rng(11).integers(0, 100, max_batch))
+        compiled[name] = timing.loop(step, n).lower(carry[name], consts).compile()
+        carry[name] = compiled[name](carry[name], consts)  # warm-up
+    for _ in range(3 * reps):
+        for name in variants:
+            start = time.perf_counter()
+            carry[name] = compiled[name](carry[name], consts)
+            timing.block(carry[name])
+            seconds[name].append((time.perf_counter() - start) / n)
+    out = {f"{name}_us": float(np.median(s)) * 1e6 for name, s in seconds.items()}
+    out["spread_us"] = max(float(np.percentile(s, 75) - np.percentile(s, 25)) * 1e6
+                           for s in seconds.values())
+    out["extra_launch_us"] = out["custom_call_us"] - out["fused_add_us"]
+    out["max_batch"] = max_batch
+    return out

@@ -1,0 +1,312 @@
+"""Device time of an op, its peak memory, and what XLA compiled for it.
+
+An op is timed as ``n`` applications inside ONE jitted ``fori_loop`` whose carry (the cache, or the
+op's output) is donated and feeds the next iteration, so each application runs in place, nothing
+can be hoisted out of the loop, and one dispatch is spread over ``n`` applications. The wall time of
+the whole call (``block_until_ready``) over ``n`` is the per-op time; the loop's own per-iteration
+cost is measured separately (``loop_overhead``) and is included, not subtracted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import re
+import statistics
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Step = Callable  # (i: int32 scalar, carry, consts) -> carry
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line per step when stderr is not a terminal)."""
+
+    def __init__(self, total: int, enabled: bool = True, stream=None):
+        self.total, self.done, self.enabled = max(total, 1), 0, enabled
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.start = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        """Announces the next step."""
+        self.done += 1
+        self.label(label)
+
+    def label(self, label: str) -> None:
+        """Shows what the current step is doing now."""
+        if not self.enabled:
+            return
+        width = 24
+        filled = width * (self.done - 1) // self.total
+        bar = "#" * filled + "." * (width - filled)
+        line = f"[{bar}] {self.done}/{self.total} {time.perf_counter() - self.start:4.0f}s {label}"
+        if self.tty:
+            self.stream.write("\r\033[K" + line[:150])
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.done = self.total + 1
+            self.label("done")
+            if self.tty:
+                self.stream.write("\n")
+
+
+@dataclasses.dataclass
+class Measured:
+    """One implementation of one case."""
+
+    name: str
+    seconds: list[float]  # per-op device time of each repetition
+    launches: int  # jaxkv custom calls per op in the compiled loop
+    big_copies: int  # copy instructions of >= 1 MiB arrays in the compiled loop
+    mem_extra: int | None  # bytes allocated beyond the live inputs while one op ran (measured)
+    mem_static: int | None  # same from XLA's buffer assignment (temp + non-aliased outputs)
+
+    @property
+    def time(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the repetitions: the noise to compare differences against."""
+        return (max(self.seconds) - min(self.seconds)) / self.time if self.time > 0 else 0.0
+
+
+def block(tree) -> None:
+    jax.block_until_ready(tree)
+
+
+_WIDTH = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2,
+          "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_COPY = re.compile(r"=\s*(\w+)\[([\d,]*)\](?:\{[^}]*\})?\s+copy(?:-start)?\(")
+
+
+def big_copies(hlo: str, min_bytes: int = 1 << 20) -> int:
+    """Copy instructions of at least ``min_bytes`` in a compiled module (a cache copied)."""
+    count = 0
+    for dtype, dims in _COPY.findall(hlo):
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        count += n * _WIDTH.get(dtype, 4) >= min_bytes
+    return count
+
+
+def _entry(hlo: str) -> tuple[str, str]:
+    """(the module's entry computation, everything else)."""
+    start = hlo.find("\nENTRY")
+    if start < 0:
+        return "", hlo
+    end = hlo.find("\n}", start)
+    end = len(hlo) if end < 0 else end + 2
+    return hlo[start:end], hlo[:start] + hlo[end:]
+
+
+_PLUMBING_ENTRY = {"parameter", "constant", "tuple", "get-tuple-element", "while", "bitcast"}
+
+
+def entry_work(hlo: str) -> int:
+    """Bytes computed once per call outside the loop (e.g. a layout change of the whole carry
+    that XLA puts before and after the loop): a fixed cost that a single loop length would spread
+    over the iterations and count as the op's."""
+    entry, _ = _entry(hlo)
+    total = 0
+    for result, opcode in _RESULT.findall(entry):
+        if opcode not in _PLUMBING_ENTRY:
+            for dtype, dims in _ARRAY.findall(result):
+                n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+                total += n * _WIDTH.get(dtype, 4)
+    return total
+
+
+def jaxkv_calls(hlo: str) -> int:
+    """jaxkv custom calls inside the loop (the entry computation only runs once)."""
+    return len(re.findall(r'custom_call_target="jaxkv_', _entry(hlo)[1]))
+
+
+def _computations(hlo: str) -> dict[str, str]:
+    """Computation name -> its text, for a compiled module's text."""
+    comps, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        head = re.match(r"(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            name, lines = head.group(1), []
+        elif name and line.startswith("}"):
+            comps[name] = "\n".join(lines)
+            name = None
+        elif name:
+            lines.append(line)
+    return comps
+
+
+# An instruction's result type (an array or a tuple of them) and opcode.
+_RESULT = re.compile(r"=\s*(\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+([\w\-]+)\(")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+# Not the op's work: plumbing, and copies (a hoisted result is copied into the carry; copies
+# are counted on their own by big_copies).
+_NO_WORK = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "broadcast", "iota",
+            "copy", "copy-start", "copy-done"}
+
+
+def loop_work(hlo: str) -> int:
+    """Bytes of the largest array computed inside the timed loop (its body and every computation
+    the body calls). XLA hoists loop-invariant work out of a loop: an op that did not depend on
+    the loop counter or the carry would run once per call, and this would drop below the size of
+    the op's output."""
+    comps = _computations(hlo)
+    todo = re.findall(r"body=%([\w.\-]+)", hlo)
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        todo += [n for n in re.findall(r"%([\w.\-]+)", comps[name]) if n in comps]
+    largest = 0
+    for name in seen:
+        for result, opcode in _RESULT.findall(comps[name]):
+            if opcode in _NO_WORK:
+                continue
+            for dtype, dims in _ARRAY.findall(result):
+                n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+                largest = max(largest, n * _WIDTH.get(dtype, 4))
+    return largest
+
+
+def loop(step: Step, n: int):
+    """jit of ``n`` applications of ``step`` to a donated carry."""
+
+    def run(carry, consts):
+        return jax.lax.fori_loop(0, n, lambda i, c: step(i, c, consts), carry)
+
+    return jax.jit(run, donate_argnums=0)
+
+
+def time_loop(step: Step, carry, consts, n: int, reps: int, per_step: int = 1):
+    """(carry, per-op seconds of each repetition, compiled HLO text) after a warm-up call."""
+    compiled = loop(step, n).lower(carry, consts).compile()
+    carry = compiled(carry, consts)  # warm-up: module load, autotuning, first touch
+    block(carry)
+    seconds = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        carry = compiled(carry, consts)
+        block(carry)
+        seconds.append((time.perf_counter() - start) / (n * per_step))
+    return carry, seconds, compiled.as_text()
+
+
+def memory_stats() -> dict | None:
+    try:
+        return jax.devices()[0].memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return None
+
+
+def probe_memory(step: Step, carry, consts, donate: bool):
+    """(carry, measured extra bytes or None, static extra bytes or None) of ONE application.
+
+    The device's ``peak_bytes_in_use`` only ever grows, so before the op we allocate a pad that
+    brings the bytes in use up to the current peak: the op then raises the peak by exactly what it
+    allocates beyond its (already live) inputs, whatever ran before it in this process.
+    """
+    fn = jax.jit(lambda c, k: step(jnp.int32(0), c, k), donate_argnums=0 if donate else ())
+    compiled = fn.lower(carry, consts).compile()
+    static = None
+    try:
+        ma = compiled.memory_analysis()
+        static = int(ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes)
+    except Exception:  # not every backend reports it
+        pass
+    gc.collect()
+    stats = memory_stats()
+    if stats and "peak_bytes_in_use" in stats:
+        gap = stats["peak_bytes_in_use"] - stats["bytes_in_use"]
+        room = stats.get("bytes_limit", 1 << 62) - stats["bytes_in_use"] - gap
+        if room >= (static or 0) + (1 << 30):  # else no room for the pad and the op together
+            pad = jnp.zeros((gap,), jnp.uint8) if gap > 0 else None
+            block(pad)
+            before = memory_stats()
+            out = compiled(carry, consts)
+            block(out)
+            measured = max(memory_stats()["peak_bytes_in_use"] - before["bytes_in_use"], 0)
+            del pad
+            return (out if donate else carry), measured, static
+    out = compiled(carry, consts)  # no measurement: XLA's number is reported instead
+    block(out)
+    return (out if donate else carry), None, static
+
+
+def copy_bandwidth(nbytes: int, n: int, reps: int) -> dict:
+    """Bytes read + written per second of two plain device copies of ``nbytes``.
+
+    ``stream``: ``x ^ i`` over a uint32 buffer in one loop, in place: every byte read once and
+    written once per iteration, one elementwise kernel (the counter stops XLA from folding it).
+    ``memcpy``: a jitted ``jnp.copy`` of a non-donated buffer, which XLA compiles to one ``copy``
+    (a device-to-device memcpy), dispatched ``n`` times back to back (each call is long enough
+    that dispatch hides behind the previous one).
+    """
+    words = nbytes // 4
+    x = jax.random.bits(jax.random.key(1), (words,), jnp.uint32)
+    step = lambda i, c, _: c ^ i.astype(jnp.uint32)
+    x, stream, _ = time_loop(step, x, (), n, reps)
+    copy = jax.jit(jnp.copy)
+    block(copy(x))
+    memcpy = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(n):
+            y = copy(x)
+        block(y)
+        memcpy.append((time.perf_counter() - start) / n)
+    del x, y
+    moved = 2 * words * 4
+    return {
+        "bytes": moved,
+        "stream_gbps": moved / statistics.median(stream) / 1e9,
+        "memcpy_gbps": moved / statistics.median(memcpy) / 1e9,
+    }
+
+
+def loop_overhead(n: int, reps: int) -> float:
+    """Seconds per iteration of a loop whose body is one scalar add: included in every op time."""
+    step = lambda i, c, _: c + i
+    _, seconds, _ = time_loop(step, jnp.int32(0), (), n, reps)
+    return statistics.median(seconds)
+
+
+_HLO_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "s8", "uint8": "u8",
+              "int32": "s32", "uint32": "u32", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
+_INSTR = re.compile(r"%([\w.\-]+) = (\w+\[[\d,]*\])(?:\{[^}]*\})? ([\w\-]+)\((.*)")
+_PLUMBING = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
+             "opt-barrier"}
+
+
+def hlo_type(x) -> str:
+    return f"{_HLO_NAMES[np.dtype(x.dtype).name]}[{','.join(map(str, x.shape))}]"
+
+
+def touches(hlo: str, x) -> list[str]:
+    """Instructions of a compiled module that compute on an array of x's type (not just pass it)."""
+    t = hlo_type(x)
+    typed = {}
+    hits = []
+    for line in hlo.splitlines():
+        m = _INSTR.search(line)
+        if not m:
+            continue
+        name, ty, opcode, args = m.groups()
+        typed[name] = ty
+        if opcode in _PLUMBING:
+            continue
+        operands = re.findall(r"%([\w.\-]+)", args.split("), ")[0])
+        if ty == t or any(typed.get(o) == t for o in operands):
+            hits.append(opcode)
+    return hits

@@ -1,0 +1,211 @@
+"""Benchmarks every jaxkv op against its XLA-native formulation and the device's copy bandwidth.
+
+    python -m jaxkv.bench                         # the GPU sizes on a GPU, tiny ones elsewhere
+    python -m jaxkv.bench --op append --op compact_kv_cache --size cpu
+    python -m jaxkv.bench --json out.json --markdown docs/benchmarks.md --plot docs/benchmarks.png
+
+For each case: the bytes the op must move at least, the device time per op (the op repeated inside
+one jitted loop, donated carry, median of several calls), the achieved bandwidth and its ratio to
+the copy bandwidth measured in the same run, the XLA formulations of the same op under the same
+loop and donation, the extra device memory of one op, and the issue's target. See
+docs/perf-notes.md for the method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import traceback
+
+import jax
+
+import jaxkv
+from jaxkv._bench import cases as C
+from jaxkv._bench import report as R
+from jaxkv._bench import timing as T
+
+CALIBRATION = {  # copy bytes, copy iterations, loop-overhead and increment_lengths iterations
+    "cpu": dict(copy_bytes=64 << 20, copy_iters=5, loop_iters=200, max_batch=256),
+    "gpu": dict(copy_bytes=2 << 30, copy_iters=20, loop_iters=2000, max_batch=256),
+}
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m jaxkv.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--op", action="append", choices=C.OPS,
+                   help="only this op (repeatable; default: all)")
+    p.add_argument("--size", choices=("cpu", "gpu"),
+                   help="cpu: tiny shapes; gpu: the issue's H200 sizes (default: by backend)")
+    p.add_argument("--reps", type=int, default=5, help="timed calls per implementation (median)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the extra sizes for the plot")
+    p.add_argument("--json", metavar="PATH", help="write every number as JSON")
+    p.add_argument("--markdown", metavar="PATH", help="write the docs/benchmarks.md page")
+    p.add_argument("--plot", metavar="PATH",
+                   help="write the plot (default with --markdown: benchmarks.png beside it)")
+    p.add_argument("--explain", metavar="PATH",
+                   help='JSON {"op: case": "why"}: the measured explanation shown beside a row')
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    return p.parse_args(argv)
+
+
+def measure(step, carry, consts, case: C.Case, reps: int):
+    """(carry, result dict) of one implementation: memory probe first, then the timed loop."""
+    carry, extra, static = T.probe_memory(step, carry, consts, case.donate)
+    largest = max(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(carry))
+    carry, seconds, hlo = T.time_loop(step, carry, consts, case.iters, reps, case.per_step)
+    fixed = T.entry_work(hlo)
+    if fixed >= 1 << 16:  # work outside the loop: time 2n iterations too and take the difference
+        carry, twice, _ = T.time_loop(step, carry, consts, 2 * case.iters, reps, case.per_step)
+        seconds = [max(2 * b - a, 1e-12) for a, b in zip(seconds, twice)]
+    m = T.Measured("", seconds, T.jaxkv_calls(hlo) // case.per_step, T.big_copies(hlo), extra,
+                   static)
+    mem = extra if extra is not None else static
+    result = dict(
+        time_s=m.time, times_s=seconds, spread=m.spread,
+        gbps=case.min_bytes / m.time / 1e9, launches=m.launches, big_copies=m.big_copies,
+        mem_extra_bytes=extra, mem_static_bytes=static, mem_measured=extra is not None,
+        loop_work_bytes=T.loop_work(hlo), entry_work_bytes=fixed,
+        # Work of the size of the carry must happen inside the loop, unless nothing should move.
+        hoisted=case.min_bytes > 0 and T.loop_work(hlo) < largest,
+        mem_overhead_frac=None if mem is None else max(mem - case.new_bytes, 0) / case.cache_bytes,
+    )
+    return carry, result, hlo
+
+
+def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) -> dict:
+    row = dict(op=case.op, case=case.name, series=case.series, sweep=case.sweep, note=case.note,
+               status="ok", reason="", min_bytes=case.min_bytes, cache_bytes=case.cache_bytes,
+               iters=case.iters, per_step=case.per_step,
+               target=case.target.text if case.target else "", jaxkv=None, xla={},
+               xla_best=None, speedup=None, met=None, failed=[])
+    missing = case.missing()
+    progress.step(f"{case.op} {case.name}")
+    if missing:
+        row.update(status="not available", reason=f"jaxkv.{missing[0]} is not in this build")
+        return row
+    carry = consts = None
+    try:
+        carry, consts, kernel, xla = case.build()
+        progress.label(f"{case.op} {case.name}: jaxkv")
+        carry, row["jaxkv"], hlo = measure(kernel, carry, consts, case, reps)
+        if case.target and case.target.no_kv_bytes:
+            big = max(jax.tree_util.tree_leaves(carry), key=lambda x: x.size)
+            row["jaxkv"]["touches_kv"] = T.touches(hlo, big)
+        for name, step in xla.items():
+            progress.label(f"{case.op} {case.name}: XLA {name}")
+            try:
+                carry, row["xla"][name], _ = measure(step, carry, consts, case, reps)
+            except Exception as e:  # an XLA formulation that does not compile or fit
+                row["xla"][name] = dict(error=first_line(e))
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    traceback.print_exc()
+                if any(x.is_deleted() for x in jax.tree_util.tree_leaves(carry)):
+                    del carry, consts
+                    gc.collect()
+                    carry, consts, _, _ = case.build()  # it was donated to the failed call
+    except Exception as e:
+        traceback.print_exc()
+        row.update(status="error", reason=first_line(e))
+        return row
+    finally:
+        del carry, consts
+        gc.collect()
+    k = row["jaxkv"]
+    k["copy_frac"] = k["gbps"] / copy_gbps
+    timed = {n: x for n, x in row["xla"].items() if "time_s" in x and not x["hoisted"]}
+    for x in timed.values():
+        x["copy_frac"] = x["gbps"] / copy_gbps
+    if timed:
+        row["xla_best"] = min(timed, key=lambda n: timed[n]["time_s"])
+        row["speedup"] = timed[row["xla_best"]]["time_s"] / k["time_s"]
+    if case.target:
+        R.evaluate(row, case.target, on_gpu)
+    return row
+
+
+def first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+def command(args, size: str) -> str:
+    """The command line that reproduces the numbers (output paths left out)."""
+    words = ["python -m jaxkv.bench", f"--size {size}", f"--reps {args.reps}"]
+    words += [f"--op {op}" for op in args.op or []]
+    return " ".join(words + (["--no-sweep"] if args.no_sweep else []))
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    backend = jax.default_backend()
+    on_gpu = backend == "gpu"
+    size = args.size or ("gpu" if on_gpu else "cpu")
+    chosen = [c for c in C.cases(size) if (not args.op or c.op in args.op)
+              and not (args.no_sweep and c.sweep)]
+    if args.list:
+        for c in chosen:
+            target = c.target.text if c.target else "plot point"
+            print(f"{c.op:22s} {c.name:45s} {R.fmt_bytes(c.min_bytes):>9s}  {target}")
+        return {}
+    cal = CALIBRATION[size]
+    want_inc = not args.op or "increment_lengths" in args.op
+    progress = T.Progress(len(chosen) + 2 + want_inc, enabled=not args.no_progress)
+
+    progress.step("copy bandwidth")
+    copy = T.copy_bandwidth(cal["copy_bytes"], cal["copy_iters"], args.reps)
+    progress.step("loop overhead")
+    calibration = dict(copy, copy_gbps=max(copy["stream_gbps"], copy["memcpy_gbps"]),
+                       loop_overhead_s=T.loop_overhead(cal["loop_iters"], args.reps))
+    inc = None
+    if want_inc:
+        progress.step("increment_lengths: fused add vs one launch")
+        inc = C.increment_lengths_costs(cal["max_batch"], cal["loop_iters"], args.reps)
+    rows = [run_case(c, args.reps, calibration["copy_gbps"], on_gpu, progress) for c in chosen
+            if c.op != "increment_lengths"]
+    progress.close()
+    if args.explain:
+        with open(args.explain) as f:
+            explain = json.load(f)
+        for row in rows:
+            row["explanation"] = explain.get(f"{row['op']}: {row['case']}", "")
+
+    device = jax.devices()[0]
+    report = dict(
+        meta=dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                  device=getattr(device, "device_kind", str(device)), backend=backend,
+                  jax=jax.__version__, jaxkv=jaxkv.__version__, size=size, reps=args.reps,
+                  command=command(args, size)),
+        calibration=calibration, increment_lengths=inc, rows=rows,
+    )
+    print(R.text_table(report))
+    if inc:
+        print(f"increment_lengths per step: fused add {inc['fused_add_us']:.2f} us, one custom "
+              f"call {inc['custom_call_us']:.2f} us, neighbours only "
+              f"{inc['neighbours_only_us']:.2f} us")
+    # Beside the markdown under the docs' name, so the page's link survives copying both to docs/.
+    plot_path = args.plot or (os.path.join(os.path.dirname(args.markdown), "benchmarks.png")
+                              if args.markdown else None)
+    for path in (args.json, args.markdown, plot_path):
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    plotted = False
+    if plot_path:
+        from jaxkv._bench.plot import plot
+
+        plotted = plot(report, plot_path)
+    if args.json:
+        R.write_json(report, args.json)
+    if args.markdown:
+        name = os.path.relpath(plot_path, os.path.dirname(os.path.abspath(args.markdown))) \
+            if plotted else None
+        with open(args.markdown, "w") as f:
+            f.write(R.markdown(report, name))
+    return report
+
+
+if __name__ == "__main__":
+    main()

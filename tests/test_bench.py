@@ -1,0 +1,232 @@
+"""Smoke test of the benchmark harness at CPU size: a few cases end to end, JSON and markdown."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import bench
+from jaxkv._bench import cases as C
+from jaxkv._bench import report as R
+from jaxkv._bench import timing as T
+
+from helpers import assert_bytes_equal, copies_of
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    paths = dict(json=out / "bench.json", markdown=out / "bench.md", plot=out / "bench.png")
+    argv = ["--size", "cpu", "--reps", "2", "--no-progress"]  # every op, tiny shapes
+    argv += [x for name, p in paths.items() for x in (f"--{name}", str(p))]
+    report = bench.main(argv)
+    return report, paths
+
+
+def test_json_has_every_number(run):
+    report, paths = run
+    data = json.loads(paths["json"].read_text())
+    assert data["meta"]["jax"] == jax.__version__
+    cal = data["calibration"]
+    assert cal["copy_gbps"] == max(cal["stream_gbps"], cal["memcpy_gbps"]) > 0
+    assert cal["loop_overhead_s"] > 0
+    inc = data["increment_lengths"]
+    assert inc["extra_launch_us"] == pytest.approx(inc["custom_call_us"] - inc["fused_add_us"])
+    rows = data["rows"]
+    assert {r["op"] for r in rows} == set(C.OPS) - {"increment_lengths"}
+    for r in rows:
+        if r["status"] == "not available":  # an op this build does not export yet
+            assert not all(hasattr(jaxkv, n) for n in ("save_kv_cache", "PagedKVCache"))
+            continue
+        assert r["status"] == "ok", r["reason"]
+        if r["op"] == "paged_compact":
+            assert r["min_bytes"] == 0 and r["jaxkv"]["touches_kv"] == []
+            continue
+        k = r["jaxkv"]
+        assert r["min_bytes"] > 0 and k["time_s"] > 0 and len(k["times_s"]) == 2
+        assert k["gbps"] == pytest.approx(r["min_bytes"] / k["time_s"] / 1e9)
+        assert k["copy_frac"] == pytest.approx(k["gbps"] / cal["copy_gbps"])
+        assert k["launches"] == 1  # every layer in one launch
+        # The op's work happens inside the timed loop, not once before it (loop-invariant code
+        # motion), on both sides.
+        assert not k["hoisted"] and not any(x["hoisted"] for x in r["xla"].values())
+        assert r["xla"] and r["xla_best"] in r["xla"]
+        assert r["speedup"] == pytest.approx(r["xla"][r["xla_best"]]["time_s"] / k["time_s"])
+        # Targets are the H200's: evaluated on a GPU only (and not met at CPU size there).
+        assert r["met"] is None if jax.default_backend() != "gpu" else isinstance(r["met"], bool)
+        assert k["mem_overhead_frac"] is not None
+
+
+def test_markdown_table(run):
+    report, paths = run
+    md = paths["markdown"].read_text()
+    header = "| " + " | ".join(R.COLUMNS) + " |"
+    assert header in md
+    lines = md.splitlines()
+    start = lines.index(header) + 2
+    body = [line for line in lines[start:start + len(report["rows"])]]
+    assert all(line.startswith("| ") and line.count(" | ") == len(R.COLUMNS) - 1 for line in body)
+    assert [line.split(" | ")[1] for line in body] == [r["case"] for r in report["rows"]]
+    assert jax.__version__ in md
+    assert ("Not an H200 run" in md) == (jax.default_backend() != "gpu")
+    assert "increment_lengths" in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not paths["plot"].exists()
+    else:
+        assert paths["plot"].read_bytes()[:4] == b"\x89PNG"
+        assert "](bench.png)" in md
+
+
+def test_missing_op_is_not_an_error():
+    case = C.Case("save_kv_cache", "absent", lambda: None, 1, 1, 1, requires=("no_such_op",))
+    row = bench.run_case(case, 1, 1.0, False, T.Progress(1, enabled=False))
+    assert row["status"] == "not available" and "jaxkv.no_such_op" in row["reason"]
+    assert "not available" in R.cells(row)
+
+
+def test_targets_fail_when_missed():
+    row = dict(jaxkv=dict(copy_frac=0.5, time_s=10e-6, launches=2, mem_overhead_frac=0.5),
+               speedup=0.9)
+    target = C.Target("t", copy_frac=0.85, speedup=5, max_us=5, beats_xla=True, one_launch=True)
+    R.evaluate(row, target, on_gpu=True)
+    assert row["met"] is False and len(row["failed"]) == 6
+    row["jaxkv"] = dict(copy_frac=0.9, time_s=1e-6, launches=1, mem_overhead_frac=0.0)
+    row["speedup"] = 6.0
+    R.evaluate(row, target, on_gpu=True)
+    assert row["met"] is True and row["failed"] == []
+
+
+def test_hlo_copy_counting():
+    x = jnp.ones((512, 1024), jnp.float32)  # 2 MiB
+    hlo = jax.jit(jnp.copy).lower(x).compile().as_text()
+    assert T.big_copies(hlo) == 1 and T.big_copies(hlo, min_bytes=4 << 20) == 0
+    assert "copy" in T.touches(hlo, x)
+    assert T.touches(jax.jit(lambda x: x.sum()).lower(x).compile().as_text(), x)
+    assert not T.touches(jax.jit(lambda x, y: y + 1).lower(x, 1.0).compile().as_text(), x)
+
+
+def test_timed_loop_runs_in_place():
+    """The harness's loop must not copy the cache per iteration, or it would time the copy."""
+    case = C.compact_linear(2, 8, 2, 128, 64, 3)
+    buffer, consts, kernel, _ = case.build()
+    hlo = T.loop(kernel, 3).lower(buffer, consts).compile().as_text()
+    assert not copies_of(hlo, buffer)
+    assert T.jaxkv_calls(hlo) == 1
+    pointer = buffer.unsafe_buffer_pointer()
+    buffer, seconds, _ = T.time_loop(kernel, buffer, consts, 3, 2)
+    assert buffer.unsafe_buffer_pointer() == pointer and len(seconds) == 2
+
+
+def test_minimum_bytes_count_only_moving_live_tokens():
+    lengths, mapping, moved, _ = C.evict_half(8, 128, seed=1)
+    survivors = np.flatnonzero(mapping >= 0)
+    assert len(survivors) == 4 and moved <= lengths[survivors].sum()
+    expect = sum(int(lengths[i]) for i in survivors if mapping[i] != i)
+    assert moved == expect
+    case = C.compact_linear(2, 8, 2, 128, 64, 3)
+    assert case.min_bytes == 2 * moved * 2 * 2 * 2 * 64 * 2  # read+write, L, K/V, H, D, bf16
+    assert jaxkv.LinearKVCache  # the case runs through the public API
+
+
+def test_gpu_sizes_trace(monkeypatch):
+    """Every H200-size case traces (abstract inputs: nothing is allocated), so the device run
+    cannot stop on a shape or validation error. The paged cases build a real page table with
+    compiled allocator code, seconds each on CPU: they are traced at CPU size above."""
+    monkeypatch.setattr(C, "rand", lambda shape, dtype, seed: jax.ShapeDtypeStruct(shape, dtype))
+    for case in C.cases("gpu"):
+        if case.missing() or case.op.startswith("paged"):
+            continue
+        carry, consts, kernel, xla = case.build()
+        for step in [kernel, *xla.values()]:
+            T.loop(step, 2).lower(carry, consts)
+
+
+def _live(tree, consts):
+    """The specified part of a compaction's output: the live tokens of every survivor's new row."""
+    lengths, mapping = np.asarray(consts["lengths"]), np.asarray(consts["mapping"])
+    out = []
+    for x in jax.tree_util.tree_leaves(tree):
+        x = np.asarray(x)
+        stacked = x.ndim == 6  # LinearKVCache [L, B, 2, H, S, D]
+        for i in np.flatnonzero(mapping >= 0):
+            row = x[:, mapping[i]] if stacked else x[mapping[i]]
+            out.append(row[..., : lengths[i], :])
+    return out
+
+
+@pytest.mark.parametrize("case", [c for c in C.cases("cpu") if c.op != "paged_compact"],
+                         ids=lambda c: f"{c.op}-{c.name}")
+def test_xla_formulations_compute_the_same(case):
+    """A baseline that did less work than the op would make the speed-up a lie: every XLA
+    formulation must produce the op's specified bytes, from the same inputs."""
+    if case.missing():
+        pytest.skip(f"jaxkv.{case.missing()[0]} is not in this build")
+    carry, consts, kernel, xla = case.build()
+    run = lambda step: jax.jit(step)(jnp.int32(1), carry, consts)
+    expected = run(kernel)
+    pick = (lambda t: _live(t, consts)) if case.op == "compact_kv_cache" else (
+        jax.tree_util.tree_leaves)
+    for name, step in xla.items():
+        got = run(step)
+        for e, g in zip(pick(expected), pick(got), strict=True):
+            assert_bytes_equal(g, e, f"{case.name}: {name}")
+
+
+def test_memory_probe_pads_to_the_peak(monkeypatch):
+    """The probe's arithmetic with a device's memory_stats (CPU has none): it pads the bytes in use
+    up to the old peak, so the new peak minus the bytes in use is what the op allocated."""
+    seen = []
+    gap = 4096
+
+    def fake_stats():
+        seen.append(len(seen))
+        used = 1000 + (gap if len(seen) > 1 else 0)  # the pad is live from the 2nd reading on
+        peak = 1000 + gap + (123 if len(seen) > 2 else 0)  # the op lifts the peak by 123
+        return dict(bytes_in_use=used, peak_bytes_in_use=peak, bytes_limit=1 << 40)
+
+    monkeypatch.setattr(T, "memory_stats", fake_stats)
+    step = lambda i, c, k: c * 2
+    x = jnp.ones((8,), jnp.float32)
+    out, measured, static = T.probe_memory(step, x, (), donate=True)
+    assert measured == 123 and len(seen) == 3
+    np.testing.assert_array_equal(out, 2 * np.ones(8, np.float32))
+    assert static is not None and static >= 0
+
+    # No room for the pad and the op: no measurement, XLA's number only, the op still ran once.
+    monkeypatch.setattr(T, "memory_stats", lambda: dict(bytes_in_use=10, peak_bytes_in_use=20,
+                                                        bytes_limit=40))
+    out, measured, _ = T.probe_memory(step, out, (), donate=True)
+    assert measured is None
+    np.testing.assert_array_equal(out, 4 * np.ones(8, np.float32))
+
+
+def test_a_hoisted_op_is_detected():
+    """What the harness's `hoisted` flag relies on, on an op XLA does hoist."""
+    x = jnp.ones((64, 1024), jnp.float32)
+    invariant = lambda i, c, k: k * 2  # ignores the carry and the counter
+    assert T.loop_work(T.loop(invariant, 3).lower(x, x).compile().as_text()) < x.nbytes
+    dependent = lambda i, c, k: c * 2
+    assert T.loop_work(T.loop(dependent, 3).lower(x, x).compile().as_text()) >= x.nbytes
+
+
+def test_a_failing_xla_formulation_is_reported_and_the_others_run():
+    case = C.compact_linear(2, 8, 2, 128, 64, 2)
+    build = case.build
+
+    def with_failure():
+        carry, consts, kernel, xla = build()
+
+        def fails(i, c, k):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory (simulated)")
+
+        return carry, consts, kernel, {"fails": fails, **xla}
+
+    case.build = with_failure
+    row = bench.run_case(case, 1, 10.0, False, T.Progress(1, enabled=False))
+    assert row["status"] == "ok" and "RESOURCE_EXHAUSTED" in row["xla"]["fails"]["error"]
+    assert row["xla_best"] in ("take", "scatter") and row["speedup"] > 0
