@@ -1,0 +1,130 @@
+"""Command line of ``python -m jaxkv demo``: options, progress bar, per-phase report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import numpy as np
+
+from . import caches, loop
+from . import model as M
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m jaxkv demo",
+        description="Serve a stream of requests with continuous batching from a jaxkv KV cache.",
+    )
+    p.add_argument("--cache", default="linear", choices=sorted(caches.KINDS),
+                   help="cache kind (default: linear)")
+    p.add_argument("--baseline", choices=["xla"], help="also run the loop with plain-XLA cache ops")
+    p.add_argument("--model", metavar="PATH",
+                   help="local Hugging Face Llama checkpoint (config.json + *.safetensors)")
+    p.add_argument("--requests", type=int, default=24, help="requests in the stream (default: 24)")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default: 8)")
+    p.add_argument("--system-len", type=int, default=32, help="shared system prompt tokens (default: 32)")
+    p.add_argument("--max-prompt-len", type=int, default=24, help="longest user turn (default: 24)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="longest answer (default: 48)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="model and cache dtype (default: float32)")
+    p.add_argument("--seed", type=int, default=0, help="weights and request stream seed")
+    p.add_argument("--show", type=int, default=3, help="requests whose tokens are printed")
+    args = p.parse_args(argv)
+    for name in ("requests", "max_batch", "system_len", "max_prompt_len", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def load_model(args):
+    if args.model:
+        from . import hf_loader
+
+        cfg, params = hf_loader.load(args.model, dtype=args.dtype)
+        return cfg, params, f"{args.model}"
+    cfg = M.LlamaConfig()
+    return cfg, M.init_params(cfg, seed=args.seed, dtype=args.dtype), f"random weights, seed {args.seed}"
+
+
+class ProgressBar:
+    """One line, redrawn in place on a terminal and printed once at the end elsewhere."""
+
+    def __init__(self, total: int, label: str, width: int = 30):
+        self.total, self.label, self.width, self.done = total, label, width, 0
+        self.tty = sys.stdout.isatty()
+
+    def __call__(self, finished, stats: loop.Stats):
+        self.done += len(finished)
+        if self.tty or self.done == self.total:
+            filled = self.width * self.done // self.total
+            rate = stats.generated / max(stats.serving_time, 1e-9)
+            line = (f"{self.label:>6} [{'#' * filled}{'.' * (self.width - filled)}] "
+                    f"{self.done}/{self.total} requests, {stats.generated} tokens, {rate:.0f} tok/s")
+            end = "\n" if self.done == self.total else ""
+            print(("\r" if self.tty else "") + line, end=end, flush=True)
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def report(results: dict[str, loop.Stats]) -> list[str]:
+    names = list(results)
+    rows = [("phase", *names)]
+    for phase in loop.PHASES:
+        rows.append((phase, *(f"{results[n].times[phase] * 1e3:.1f} ms" for n in names)))
+    rows.append(("serving total", *(f"{results[n].serving_time * 1e3:.1f} ms" for n in names)))
+    rows.append(("tokens/s (generated)",
+                 *(f"{results[n].generated / results[n].serving_time:.0f}" for n in names)))
+    rows.append(("tokens/s (decode phase)", *(
+        f"{results[n].decode_tokens / max(results[n].times['decode'], 1e-9):.0f}"
+        for n in names)))
+    rows.append(("cache in use (peak)", *(mib(results[n].peak_in_use) for n in names)))
+    rows.append(("cache allocated", *(mib(results[n].allocated) for n in names)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            for r in rows]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg, params, source = load_model(args)
+    rng = np.random.default_rng(args.seed + 1)
+    system_prompt = rng.integers(0, cfg.vocab_size, args.system_len).astype(np.int32)
+    prompt_range = (max(1, args.max_prompt_len // 4), args.max_prompt_len)
+    answer_range = (max(1, args.max_new_tokens // 8), args.max_new_tokens)
+
+    print(f"jaxkv demo on {jax.default_backend()} ({jax.devices()[0].device_kind})")
+    print(f"model: Llama, {source}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads x {cfg.head_dim}, "
+          f"vocab {cfg.vocab_size}, {args.dtype}")
+    print(f"stream: {args.requests} requests into {args.max_batch} slots; a {args.system_len}-token "
+          f"system prompt computed once and instantiated into every new slot; user turns "
+          f"{prompt_range[0]}-{prompt_range[1]} tokens, answers {answer_range[0]}-{answer_range[1]} tokens")
+
+    results, outputs = {}, {}
+    for ops in ["jaxkv"] + ([args.baseline] if args.baseline else []):
+        kind = caches.make_kind(args.cache, cfg, dtype=args.dtype, ops=ops)
+        engine = loop.Engine(cfg, params, kind, max_batch=args.max_batch, system_prompt=system_prompt,
+                             max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens)
+        requests = loop.make_requests(args.requests, cfg.vocab_size, args.seed + 2, prompt_range,
+                                      answer_range)
+        label = ops
+        results[label] = engine.run(requests, ProgressBar(len(requests), label))
+        outputs[label] = [r.output for r in requests]
+
+    first = outputs["jaxkv"]
+    for r_id, out in enumerate(first[: args.show]):
+        shown = " ".join(map(str, out[:16])) + (" ..." if len(out) > 16 else "")
+        print(f"request {r_id}: {len(out)} tokens: {shown}")
+    print(f"\ncache: {args.cache}, max_seq_len {engine.max_seq_len}, "
+          f"{results['jaxkv'].admissions} admissions, {results['jaxkv'].decode_steps} decode steps")
+    print("\n".join(report(results)))
+    if args.baseline:
+        same = outputs[args.baseline] == first
+        print(f"\n{args.baseline} baseline generated {'the same' if same else 'DIFFERENT'} tokens")
+        if not same:
+            return 1
+    return 0
