@@ -167,15 +167,21 @@ def forward_no_cache(cfg: LlamaConfig, params: Params, tokens: jax.Array, length
     return logits(cfg, params, x[0, length - 1])
 
 
-def generate_no_cache(cfg: LlamaConfig, params: Params, prompt, max_new_tokens: int) -> list[int]:
-    """Greedy generation by full recomputation at every step (slow, obviously right)."""
-    capacity = len(prompt) + max_new_tokens
-    step = jax.jit(lambda p, toks, n: forward_no_cache(cfg, p, toks, n))
+_no_cache_step = jax.jit(forward_no_cache, static_argnums=0)
+
+
+def generate_no_cache(cfg: LlamaConfig, params: Params, prompt, max_new_tokens: int,
+                      capacity: int | None = None) -> list[int]:
+    """Greedy generation by full recomputation at every step (slow, obviously right).
+
+    ``capacity`` (default: just enough) pads the sequence so that calls share one compilation.
+    """
+    capacity = capacity or len(prompt) + max_new_tokens
     tokens = np.zeros((capacity,), np.int32)
     tokens[: len(prompt)] = prompt
     out = []
-    for n in range(len(prompt), capacity):
-        nxt = int(jnp.argmax(step(params, jnp.asarray(tokens), n)))
+    for n in range(len(prompt), len(prompt) + max_new_tokens):
+        nxt = int(jnp.argmax(_no_cache_step(cfg, params, jnp.asarray(tokens), n)))
         tokens[n] = nxt
         out.append(nxt)
     return out

@@ -1,0 +1,66 @@
+"""A tiny random Llama from transformers, loaded by the demo, decodes what transformers decodes."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from jaxkv.demo import caches, cli, hf_loader, loop
+
+pytestmark = pytest.mark.hf
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    cfg = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rope_theta=5000.0, rms_norm_eps=1e-5, initializer_range=0.3,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(int(np.random.default_rng().integers(2**31)))
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms away from 1, so a wrong norm weight layout shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path, model
+
+
+def test_loader_reads_safetensors_without_the_package(checkpoint, monkeypatch):
+    path, model = checkpoint
+    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)  # forces the built-in reader
+    tensors = hf_loader.read_safetensors(next(path.glob("*.safetensors")))
+    state = model.state_dict()
+    assert set(tensors) == set(state)
+    for name, value in state.items():
+        np.testing.assert_array_equal(tensors[name], value.numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("kind_name", ["linear"])
+def test_greedy_tokens_match_transformers_generate(checkpoint, kind_name):
+    path, model = checkpoint
+    cfg, params = hf_loader.load(path)
+    system = np.random.default_rng(1).integers(0, cfg.vocab_size, 5).astype(np.int32)
+    eng = loop.Engine(cfg, params, caches.make_kind(kind_name, cfg), max_batch=3,
+                      system_prompt=system, max_prompt_len=6, max_new_tokens=8)
+    requests = loop.make_requests(5, cfg.vocab_size, seed=2, prompt_len=(1, 6), new_tokens=(1, 8))
+    eng.run(requests)
+    for r in requests:
+        ids = torch.tensor(np.concatenate([system, r.prompt])[None].astype(np.int64))
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=r.max_new_tokens, do_sample=False)
+        assert r.output == out[0, ids.shape[1]:].tolist(), f"request {r.id}"
+
+
+def test_demo_command_loads_a_checkpoint(checkpoint, capsys):
+    path, _ = checkpoint
+    argv = ["--model", str(path), "--requests", "3", "--max-batch", "2", "--system-len", "3",
+            "--max-prompt-len", "3", "--max-new-tokens", "4"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert str(path) in out and "3/3 requests" in out and "vocab 300" in out
