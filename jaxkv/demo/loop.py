@@ -84,7 +84,7 @@ class Engine:
             cache = kind.clear(cache, 1)
             lengths = jnp.zeros((batch,), jnp.int32).at[0].set(tokens.shape[1])
             _, cache = M.forward(cfg, params, kind, cache, tokens, lengths)
-            saved = kind.save(cache, 0, tokens.shape[1])
+            cache, saved = kind.save(cache, 0, tokens.shape[1])
             return kind.clear(cache, 0), saved
 
         def admit(params, cache, saved, next_tokens, tokens, new_lengths, n_old, n_new):
