@@ -41,7 +41,7 @@ def test_loader_reads_safetensors_without_the_package(checkpoint, monkeypatch):
         np.testing.assert_array_equal(tensors[name], value.numpy(), err_msg=name)
 
 
-@pytest.mark.parametrize("kind_name", ["linear"])
+@pytest.mark.parametrize("kind_name", ["linear", "paged"])
 def test_greedy_tokens_match_transformers_generate(checkpoint, kind_name):
     path, model = checkpoint
     cfg, params = hf_loader.load(path)
