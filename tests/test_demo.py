@@ -20,9 +20,16 @@ KINDS = [
     ("manager", "jaxkv", {}), ("manager", "xla", {}),
     ("paged", "jaxkv", dict(page_size=4)), ("paged", "xla", dict(page_size=4)),
     # JAX's Pallas paged_attention for decode steps (interpreted on CPU, compiled on GPU).
-    ("paged", "jaxkv", dict(page_size=4, attention="pallas")),
+    ("paged", "jaxkv", dict(page_size=16, attention="pallas")),
 ]
 KIND_IDS = [f"{k}-{o}" + "".join(f"-{v}" for v in opt.values()) for k, o, opt in KINDS]
+
+
+@pytest.fixture(autouse=True)
+def exact_matmuls():
+    """float32 matmuls in float32 on GPUs too (no TF32), so greedy choices are comparable."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 def engine(kind_name, ops, max_batch=3, **options):

@@ -2,6 +2,7 @@
 
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -10,6 +11,13 @@ from jaxkv.demo import caches, cli, hf_loader, loop
 pytestmark = pytest.mark.hf
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def exact_matmuls():
+    """float32 matmuls in float32 on GPUs too (no TF32), as torch computes them on CPU."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -244,9 +244,7 @@ class PagedKind:
     def attend(self, cache, layer, q, positions):
         batch = self._batch(cache)
         visible = cache.lengths + cache.new_tokens  # committed tokens and the ones just appended
-        use_pallas = self.attention == "pallas" or (
-            self.attention == "auto" and jax.default_backend() == "gpu")
-        if use_pallas and q.shape[1] == 1:
+        if self._use_pallas(cache) and q.shape[1] == 1:
             return self._pallas(cache, layer, q, visible)[:, None]
         max_len = cache.max_pages_per_seq * cache.page_size
         if self.ops == "jaxkv":
@@ -258,17 +256,42 @@ class PagedKind:
             k, v = kv[:, 0], kv[:, 1]
         return dense_attention(q, k[:batch], v[:batch], positions)
 
+    def _use_pallas(self, cache) -> bool:
+        on_gpu = jax.default_backend() == "gpu"
+        if self.attention == "dense" or (self.attention == "auto" and not on_gpu):
+            return False
+        _, per_block = _pallas_blocks(cache.max_pages_per_seq)
+        block, d = per_block * cache.page_size, cache.head_dim
+        fits = all(n >= 16 and n & (n - 1) == 0 for n in (block, d))  # Triton block shapes
+        if not fits and self.attention == "pallas" and on_gpu:
+            raise ValueError(f"Pallas paged_attention needs power-of-two blocks of at least 16: "
+                             f"{per_block} pages x page_size {cache.page_size}, head_dim {d}")
+        return fits or not on_gpu
+
     def _pallas(self, cache, layer, q, visible):
+        """One decode step of attention straight from the pool, with no slice of it.
+
+        ``k_pages[layer]`` would be a copy of the layer's pool on every step. Instead the whole
+        pool [L, H, P, S, D] is seen as one KV head with L * H * P pages (a free reshape), and each
+        (sequence, KV head) pair as a sequence of its own whose page table points into its layer
+        and head: the kernel reads exactly the pages it would have read, in place.
+        """
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-        batch, _, _, head_dim = q.shape
-        pages = cache.max_pages_per_seq
-        k_splits = math.gcd(pages, 16)  # the kernel splits the page table evenly
+        num_layers, heads, pages, size, head_dim = cache.k_pages.shape
+        batch, _, q_heads, _ = q.shape
+        pool = lambda x: x.reshape(1, num_layers * heads * pages, size, head_dim)
+        offset = (layer * heads + jnp.arange(heads, dtype=jnp.int32)) * pages  # [H]
+        tables = cache.block_tables[:batch, None, :] + offset[None, :, None]  # [B, H, M]
+        per_head = q_heads // heads
         scaled = (q[:, 0] / np.sqrt(head_dim).astype(np.float32)).astype(q.dtype)
-        return paged_attention(
-            scaled, cache.k_pages[layer], cache.v_pages[layer], cache.block_tables[:batch],
-            visible[:batch], k_splits=k_splits, pages_per_compute_block=min(8, pages // k_splits),
-            interpret=jax.default_backend() != "gpu")
+        k_splits, per_block = _pallas_blocks(cache.max_pages_per_seq)
+        out = paged_attention(
+            scaled.reshape(batch * heads, per_head, head_dim), pool(cache.k_pages),
+            pool(cache.v_pages), tables.reshape(batch * heads, -1),
+            jnp.repeat(visible[:batch], heads), k_splits=k_splits,
+            pages_per_compute_block=per_block, interpret=jax.default_backend() != "gpu")
+        return out.reshape(batch, q_heads, head_dim)
 
     def commit(self, cache, new_lengths):
         return cache.commit(self._pad(new_lengths))
@@ -293,6 +316,13 @@ class PagedKind:
         used = int(np.sum(np.asarray(cache.ref_counts) > 0))
         pool = cache.k_pages.nbytes + cache.v_pages.nbytes
         return used * pool // cache.num_pages, sum(x.nbytes for x in jax.tree.leaves(cache))
+
+
+def _pallas_blocks(pages_per_seq: int) -> tuple[int, int]:
+    """(k_splits, pages_per_compute_block) for the Pallas kernel: both must divide the table."""
+    k_splits = math.gcd(pages_per_seq, 16)
+    part = pages_per_seq // k_splits
+    return k_splits, max(c for c in (8, 4, 2, 1) if part % c == 0)
 
 
 KINDS = {"linear": LinearKind, "manager": ManagerKind, "paged": PagedKind}

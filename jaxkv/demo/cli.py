@@ -27,12 +27,13 @@ def parse_args(argv):
     p.add_argument("--system-len", type=int, default=32, help="shared system prompt tokens (default: 32)")
     p.add_argument("--max-prompt-len", type=int, default=24, help="longest user turn (default: 24)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="longest answer (default: 48)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page, paged cache (default: 16)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="model and cache dtype (default: float32)")
     p.add_argument("--seed", type=int, default=0, help="weights and request stream seed")
     p.add_argument("--show", type=int, default=3, help="requests whose tokens are printed")
     args = p.parse_args(argv)
-    for name in ("requests", "max_batch", "system_len", "max_prompt_len", "max_new_tokens"):
+    for name in ("requests", "max_batch", "system_len", "max_prompt_len", "max_new_tokens", "page_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
@@ -81,6 +82,7 @@ def report(results: dict[str, loop.Stats]) -> list[str]:
     rows.append(("tokens/s (decode phase)", *(
         f"{results[n].decode_tokens / max(results[n].times['decode'], 1e-9):.0f}"
         for n in names)))
+    rows.append(("cache copies in the steps", *(str(results[n].cache_copies) for n in names)))
     rows.append(("cache in use (peak)", *(mib(results[n].peak_in_use) for n in names)))
     rows.append(("cache allocated", *(mib(results[n].allocated) for n in names)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -106,13 +108,15 @@ def main(argv=None) -> int:
 
     results, outputs = {}, {}
     for ops in ["jaxkv"] + ([args.baseline] if args.baseline else []):
-        kind = caches.make_kind(args.cache, cfg, dtype=args.dtype, ops=ops)
+        options = dict(page_size=args.page_size) if args.cache == "paged" else {}
+        kind = caches.make_kind(args.cache, cfg, dtype=args.dtype, ops=ops, **options)
         engine = loop.Engine(cfg, params, kind, max_batch=args.max_batch, system_prompt=system_prompt,
                              max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens)
         requests = loop.make_requests(args.requests, cfg.vocab_size, args.seed + 2, prompt_range,
                                       answer_range)
         label = ops
         results[label] = engine.run(requests, ProgressBar(len(requests), label))
+        results[label].cache_copies = engine.cache_copies()
         outputs[label] = [r.output for r in requests]
 
     first = outputs["jaxkv"]

@@ -15,6 +15,7 @@ place:
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from typing import Callable
 
@@ -58,6 +59,7 @@ class Stats:
     evictions: int = 0
     peak_in_use: int = 0
     allocated: int = 0
+    cache_copies: int = -1  # set by the caller (Engine.cache_copies)
 
     @property
     def serving_time(self) -> float:
@@ -145,6 +147,18 @@ class Engine:
             jax.block_until_ready(self._compiled["prompt"](self.params, cache, tokens))
         return self._compiled
 
+    def cache_copies(self) -> int:
+        """Copies of a cache data buffer in the compiled step functions (0 when all in place)."""
+        cache = jax.eval_shape(lambda: self.kind.create(self.max_batch, self.max_seq_len))
+        types = {_hlo_type(x) for x in jax.tree.leaves(cache) if x.ndim >= 4}
+        pattern = re.compile(r"=\s*(\S+?)(\{[^}]*\})?\s+copy(-start)?\(")
+        return sum(
+            1
+            for fn in self.compile().values()
+            for m in pattern.finditer(fn.as_text())
+            if m.group(1) in types
+        )
+
     def run(self, requests: list[Request], progress: Callable | None = None) -> Stats:
         """Serves ``requests`` (more than ``max_batch`` is the point) and fills their outputs."""
         stats = Stats()
@@ -217,3 +231,9 @@ class Engine:
             if progress is not None:
                 progress(finished, stats)
         return stats
+
+
+def _hlo_type(x) -> str:
+    """HLO spelling of an array type, e.g. 'f32[2,4,2,8,64,128]'."""
+    name = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[jnp.dtype(x.dtype).name]
+    return f"{name}[{','.join(map(str, x.shape))}]"
