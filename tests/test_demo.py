@@ -91,8 +91,9 @@ def test_step_functions_update_the_cache_in_place(kind_name):
     next_tokens = jnp.zeros((eng.max_batch,), jnp.int32)
     n = jnp.int32(eng.max_batch)
     prompts = jnp.ones((eng.max_batch, eng.max_prompt_len), jnp.int32)
-    cache, next_tokens = compiled["admit"](eng.params, cache, saved, next_tokens, prompts,
-                                           jnp.full((eng.max_batch,), 2, jnp.int32), jnp.int32(0), n)
+    lengths = jnp.full((eng.max_batch,), 2, jnp.int32)
+    cache, next_tokens = compiled["admit"](eng.params, cache, saved, next_tokens, prompts, lengths,
+                                           jnp.int32(0), n)
     assert pointers(cache) == before
     cache, next_tokens, _ = compiled["decode"](eng.params, cache, next_tokens, jnp.int32(2))
     assert pointers(cache) == before

@@ -17,36 +17,39 @@ def parse_args(argv):
         prog="python -m jaxkv demo",
         description="Serve a stream of requests with continuous batching from a jaxkv KV cache.",
     )
-    p.add_argument("--cache", default="linear", choices=sorted(caches.KINDS),
-                   help="cache kind (default: linear)")
-    p.add_argument("--baseline", choices=["xla"], help="also run the loop with plain-XLA cache ops")
-    p.add_argument("--model", metavar="PATH",
-                   help="local Hugging Face Llama checkpoint (config.json + *.safetensors)")
-    p.add_argument("--requests", type=int, default=24, help="requests in the stream (default: 24)")
-    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default: 8)")
-    p.add_argument("--system-len", type=int, default=32, help="shared system prompt tokens (default: 32)")
-    p.add_argument("--max-prompt-len", type=int, default=24, help="longest user turn (default: 24)")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="longest answer (default: 48)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page, paged cache (default: 16)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="model and cache dtype (default: float32)")
-    p.add_argument("--seed", type=int, default=0, help="weights and request stream seed")
-    p.add_argument("--show", type=int, default=3, help="requests whose tokens are printed")
+    add = p.add_argument
+    add("--cache", default="linear", choices=sorted(caches.KINDS), help="cache kind (linear)")
+    add("--baseline", choices=["xla"], help="run the loop again with plain-XLA cache ops")
+    add("--model", metavar="PATH",
+        help="local Hugging Face Llama checkpoint (config.json + *.safetensors)")
+    add("--requests", type=int, default=64, help="requests in the stream (64)")
+    add("--max-batch", type=int, default=16, help="sequences decoded together (16)")
+    add("--system-len", type=int, default=32, help="tokens of the shared system prompt (32)")
+    add("--max-prompt-len", type=int, default=24, help="longest user turn (24)")
+    add("--max-new-tokens", type=int, default=48, help="longest answer (48)")
+    add("--page-size", type=int, default=16, help="tokens per page of the paged cache (16)")
+    add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="model and cache dtype (float32)")
+    add("--seed", type=int, default=0, help="seed of the random weights and requests (0)")
+    add("--show", type=int, default=3, help="requests whose tokens are printed (3)")
     args = p.parse_args(argv)
-    for name in ("requests", "max_batch", "system_len", "max_prompt_len", "max_new_tokens", "page_size"):
+    for name in ("requests", "max_batch", "system_len", "max_prompt_len", "max_new_tokens",
+                 "page_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
 
 
 def load_model(args):
+    """(config, params, description) of the model to serve."""
     if args.model:
         from . import hf_loader
 
         cfg, params = hf_loader.load(args.model, dtype=args.dtype)
-        return cfg, params, f"{args.model}"
+        return cfg, params, args.model
     cfg = M.LlamaConfig()
-    return cfg, M.init_params(cfg, seed=args.seed, dtype=args.dtype), f"random weights, seed {args.seed}"
+    params = M.init_params(cfg, seed=args.seed, dtype=args.dtype)
+    return cfg, params, f"random weights, seed {args.seed}"
 
 
 class ProgressBar:
@@ -62,7 +65,8 @@ class ProgressBar:
             filled = self.width * self.done // self.total
             rate = stats.generated / max(stats.serving_time, 1e-9)
             line = (f"{self.label:>6} [{'#' * filled}{'.' * (self.width - filled)}] "
-                    f"{self.done}/{self.total} requests, {stats.generated} tokens, {rate:.0f} tok/s")
+                    f"{self.done}/{self.total} requests, {stats.generated} tokens, "
+                    f"{rate:.0f} tok/s")
             end = "\n" if self.done == self.total else ""
             print(("\r" if self.tty else "") + line, end=end, flush=True)
 
@@ -72,29 +76,30 @@ def mib(n: int) -> str:
 
 
 def report(results: dict[str, loop.Stats]) -> list[str]:
-    names = list(results)
-    rows = [("phase", *names)]
+    """The per-phase table, one column per run."""
+    runs = list(results.values())
+    rows = [("", *results)]
     for phase in loop.PHASES:
-        rows.append((phase, *(f"{results[n].times[phase] * 1e3:.1f} ms" for n in names)))
-    rows.append(("serving total", *(f"{results[n].serving_time * 1e3:.1f} ms" for n in names)))
-    rows.append(("tokens/s (generated)",
-                 *(f"{results[n].generated / results[n].serving_time:.0f}" for n in names)))
-    rows.append(("tokens/s (decode phase)", *(
-        f"{results[n].decode_tokens / max(results[n].times['decode'], 1e-9):.0f}"
-        for n in names)))
-    rows.append(("cache copies in the steps", *(str(results[n].cache_copies) for n in names)))
-    rows.append(("cache in use (peak)", *(mib(results[n].peak_in_use) for n in names)))
-    rows.append(("cache allocated", *(mib(results[n].allocated) for n in names)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-            for r in rows]
+        rows.append((phase, *(f"{r.times[phase] * 1e3:.1f} ms" for r in runs)))
+    rows += [
+        ("serving total", *(f"{r.serving_time * 1e3:.1f} ms" for r in runs)),
+        ("tokens/s (generated)", *(f"{r.generated / r.serving_time:.0f}" for r in runs)),
+        ("tokens/s (decode phase)",
+         *(f"{r.decode_tokens / max(r.times['decode'], 1e-9):.0f}" for r in runs)),
+        ("cache copies in the steps", *(str(r.cache_copies) for r in runs)),
+        ("cache in use (peak)", *(mib(r.peak_in_use) for r in runs)),
+        ("cache allocated", *(mib(r.allocated) for r in runs)),
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg, params, source = load_model(args)
     rng = np.random.default_rng(args.seed + 1)
-    system_prompt = rng.integers(0, cfg.vocab_size, args.system_len).astype(np.int32)
+    system_prompt = rng.integers(0, cfg.vocab_size, args.system_len, dtype=np.int32)
     prompt_range = (max(1, args.max_prompt_len // 4), args.max_prompt_len)
     answer_range = (max(1, args.max_new_tokens // 8), args.max_new_tokens)
 
@@ -102,32 +107,35 @@ def main(argv=None) -> int:
     print(f"model: Llama, {source}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads x {cfg.head_dim}, "
           f"vocab {cfg.vocab_size}, {args.dtype}")
-    print(f"stream: {args.requests} requests into {args.max_batch} slots; a {args.system_len}-token "
-          f"system prompt computed once and instantiated into every new slot; user turns "
-          f"{prompt_range[0]}-{prompt_range[1]} tokens, answers {answer_range[0]}-{answer_range[1]} tokens")
+    print(f"stream: {args.requests} requests, {args.max_batch} slots; a {args.system_len}-token "
+          f"system prompt computed once, reused by every request; user turns "
+          f"{prompt_range[0]}-{prompt_range[1]} tokens, answers "
+          f"{answer_range[0]}-{answer_range[1]} tokens")
 
     results, outputs = {}, {}
     for ops in ["jaxkv"] + ([args.baseline] if args.baseline else []):
         options = dict(page_size=args.page_size) if args.cache == "paged" else {}
         kind = caches.make_kind(args.cache, cfg, dtype=args.dtype, ops=ops, **options)
-        engine = loop.Engine(cfg, params, kind, max_batch=args.max_batch, system_prompt=system_prompt,
-                             max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens)
+        engine = loop.Engine(cfg, params, kind, max_batch=args.max_batch,
+                             system_prompt=system_prompt, max_prompt_len=args.max_prompt_len,
+                             max_new_tokens=args.max_new_tokens)
         requests = loop.make_requests(args.requests, cfg.vocab_size, args.seed + 2, prompt_range,
                                       answer_range)
-        label = ops
-        results[label] = engine.run(requests, ProgressBar(len(requests), label))
-        results[label].cache_copies = engine.cache_copies()
-        outputs[label] = [r.output for r in requests]
+        results[ops] = engine.run(requests, ProgressBar(len(requests), ops))
+        results[ops].cache_copies = engine.cache_copies()
+        outputs[ops] = [r.output for r in requests]
 
-    first = outputs["jaxkv"]
-    for r_id, out in enumerate(first[: args.show]):
+    for i, out in enumerate(outputs["jaxkv"][: args.show]):
         shown = " ".join(map(str, out[:16])) + (" ..." if len(out) > 16 else "")
-        print(f"request {r_id}: {len(out)} tokens: {shown}")
-    print(f"\ncache: {args.cache}, max_seq_len {engine.max_seq_len}, "
-          f"{results['jaxkv'].admissions} admissions, {results['jaxkv'].decode_steps} decode steps")
+        print(f"request {i}: {len(out)} tokens: {shown}")
+    stats = results["jaxkv"]
+    print(f"\ncache: {args.cache}, max_seq_len {engine.max_seq_len}; {stats.admissions} "
+          f"admissions, {stats.decode_steps} decode steps, {stats.evictions} evictions; "
+          f"{stats.prefilled} tokens prefilled ({args.system_len * (args.requests - 1)} more "
+          f"without the reused system prompt)")
     print("\n".join(report(results)))
     if args.baseline:
-        same = outputs[args.baseline] == first
+        same = outputs[args.baseline] == outputs["jaxkv"]
         print(f"\n{args.baseline} baseline generated {'the same' if same else 'DIFFERENT'} tokens")
         if not same:
             return 1

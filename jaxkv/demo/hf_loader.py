@@ -49,7 +49,8 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     """LlamaConfig of a Hugging Face ``config.json`` (Llama architecture only)."""
     archs = hf.get("architectures") or ["LlamaForCausalLM"]
     if hf.get("model_type", "llama") != "llama" or archs[0] != "LlamaForCausalLM":
-        raise ValueError(f"only Llama checkpoints are supported, got {hf.get('model_type')} {archs}")
+        raise ValueError(
+            f"only Llama checkpoints are supported, got {hf.get('model_type')} {archs}")
     # transformers 5 writes rope_parameters (with rope_theta in it), earlier versions rope_scaling.
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -78,7 +79,8 @@ def load(path, dtype="float32"):
     """(LlamaConfig, params) of the checkpoint in directory ``path``."""
     root = pathlib.Path(path)
     if not (root / "config.json").is_file():
-        raise FileNotFoundError(f"{root}: no config.json (expected a local Hugging Face checkpoint)")
+        raise FileNotFoundError(
+            f"{root}: no config.json (expected a local Hugging Face checkpoint)")
     cfg = config_from_hf(json.loads((root / "config.json").read_text()))
     files = sorted(root.glob("*.safetensors"))
     if not files:

@@ -39,8 +39,12 @@ def make_requests(num: int, vocab: int, seed: int, prompt_len: tuple[int, int],
     """A random request stream: user turns and answer lengths drawn from the given ranges."""
     rng = np.random.default_rng(seed)
     return [
-        Request(i, rng.integers(0, vocab, rng.integers(prompt_len[0], prompt_len[1] + 1)).astype(np.int32),
-                int(rng.integers(new_tokens[0], new_tokens[1] + 1)))
+        Request(
+            id=i,
+            prompt=rng.integers(0, vocab, rng.integers(prompt_len[0], prompt_len[1] + 1),
+                                dtype=np.int32),
+            max_new_tokens=int(rng.integers(new_tokens[0], new_tokens[1] + 1)),
+        )
         for i in range(num)
     ]
 
@@ -130,8 +134,8 @@ class Engine:
         _, saved = jax.eval_shape(self.functions["prompt"], params, cache, prompt)
         return dict(
             prompt=(params, cache, prompt),
-            admit=(params, cache, saved, i32(self.max_batch), i32(self.max_batch, self.max_prompt_len),
-                   i32(self.max_batch), i32(), i32()),
+            admit=(params, cache, saved, i32(self.max_batch),
+                   i32(self.max_batch, self.max_prompt_len), i32(self.max_batch), i32(), i32()),
             decode=(params, cache, i32(self.max_batch), i32()),
             evict=(cache, i32(self.max_batch), i32(self.max_batch)),
         )
@@ -160,58 +164,62 @@ class Engine:
         )
 
     def run(self, requests: list[Request], progress: Callable | None = None) -> Stats:
-        """Serves ``requests`` (more than ``max_batch`` is the point) and fills their outputs."""
-        stats = Stats()
+        """Serves ``requests`` (more than ``max_batch`` is the point) and fills their outputs.
+
+        ``progress(finished_requests, stats)`` is called after every eviction.
+        """
         for r in requests:
-            if not 1 <= len(r.prompt) <= self.max_prompt_len or not 1 <= r.max_new_tokens <= self.max_new_tokens:
+            if not (1 <= len(r.prompt) <= self.max_prompt_len
+                    and 1 <= r.max_new_tokens <= self.max_new_tokens):
                 raise ValueError(f"request {r.id}: prompt length {len(r.prompt)} or max_new_tokens "
                                  f"{r.max_new_tokens} outside this engine's limits")
+        stats = Stats()
         t = time.perf_counter()
         fns = self.compile()
         stats.times["compile + warm-up"] += time.perf_counter() - t
 
         def timed(phase, fn, *args):
             t = time.perf_counter()
-            out = jax.block_until_ready(fn(*args))
+            out = jax.block_until_ready(fns[fn](*args))
             stats.times[phase] += time.perf_counter() - t
             return out
 
-        batch, kind = self.max_batch, self.kind
+        batch, kind, params = self.max_batch, self.kind, self.params
         cache = kind.create(batch, self.max_seq_len)
         stats.allocated = kind.memory(cache)[1]
-        # The system prompt: computed once in row 0 and saved; row 0 is then free again.
-        sys_len = len(self.system_prompt)
-        tokens = jnp.asarray(np.broadcast_to(self.system_prompt, (batch, sys_len)))
-        cache, saved = timed("system prompt", fns["prompt"], self.params, cache, tokens)
-        stats.prefilled += sys_len
+        # The system prompt: computed once and saved; every admitted request starts from it.
+        tokens = np.broadcast_to(self.system_prompt, (batch, len(self.system_prompt)))
+        cache, saved = timed("system prompt", "prompt", params, cache, jnp.asarray(tokens))
+        stats.prefilled += len(self.system_prompt)
 
         pending = list(reversed(requests))
-        rows: list[Request] = []  # the request in each live row
-        next_tokens = jnp.zeros((batch,), jnp.int32)
+        rows: list[Request] = []  # the request in each live row, rows [0, len(rows))
+        next_tokens = jnp.zeros((batch,), jnp.int32)  # each row's last token, not yet in the cache
         while pending or rows:
-            if pending and len(rows) < batch:
-                n_old, new = len(rows), []
+            if pending and len(rows) < batch:  # admit into the free rows
+                n_old = len(rows)
                 while pending and len(rows) < batch:
                     rows.append(pending.pop())
-                    new.append(rows[-1])
                 prompts = np.zeros((batch, self.max_prompt_len), np.int32)
                 lengths = np.zeros((batch,), np.int32)
                 for row, r in enumerate(rows[n_old:], n_old):
                     prompts[row, : len(r.prompt)] = r.prompt
                     lengths[row] = len(r.prompt)
                 cache, next_tokens = timed(
-                    "admit + prefill", fns["admit"], self.params, cache, saved, next_tokens,
-                    jnp.asarray(prompts), jnp.asarray(lengths), jnp.int32(n_old), jnp.int32(len(new)))
+                    "admit + prefill", "admit", params, cache, saved, next_tokens,
+                    jnp.asarray(prompts), jnp.asarray(lengths), jnp.int32(n_old),
+                    jnp.int32(len(rows) - n_old))
                 first = np.asarray(next_tokens)
                 for row, r in enumerate(rows[n_old:], n_old):
                     r.output.append(int(first[row]))
                 stats.admissions += 1
                 stats.prefilled += int(lengths.sum())
-                stats.generated += len(new)
+                stats.generated += len(rows) - n_old
             stats.peak_in_use = max(stats.peak_in_use, kind.memory(cache)[0])
+            # Decode until the first request is done.
             steps = min(r.max_new_tokens - len(r.output) for r in rows)
             if steps > 0:
-                cache, next_tokens, out = timed("decode", fns["decode"], self.params, cache,
+                cache, next_tokens, out = timed("decode", "decode", params, cache,
                                                 next_tokens, jnp.int32(steps))
                 out = np.asarray(out)[:steps]
                 for row, r in enumerate(rows):
@@ -220,11 +228,12 @@ class Engine:
                 stats.decode_tokens += steps * len(rows)
                 stats.decode_steps += steps
                 stats.peak_in_use = max(stats.peak_in_use, kind.memory(cache)[0])
+            # Evict the finished requests; the others move to rows [0, survivors), in order.
             done = [len(r.output) >= r.max_new_tokens for r in rows]
-            mapping = np.full((batch,), -1, np.int32)
             survivors = [i for i, d in enumerate(done) if not d]
+            mapping = np.full((batch,), -1, np.int32)
             mapping[survivors] = np.arange(len(survivors), dtype=np.int32)
-            cache, next_tokens = timed("evict", fns["evict"], cache, next_tokens, jnp.asarray(mapping))
+            cache, next_tokens = timed("evict", "evict", cache, next_tokens, jnp.asarray(mapping))
             stats.evictions += 1
             finished = [r for r, d in zip(rows, done) if d]
             rows = [rows[i] for i in survivors]

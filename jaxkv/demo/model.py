@@ -1,9 +1,9 @@
 """A small Llama-style decoder in JAX: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-The layer math follows Hugging Face's ``LlamaForCausalLM`` (rotate-half RoPE, RMSNorm in float32),
-so a checkpoint loaded by ``hf_loader`` computes what ``transformers`` computes. Attention itself is
-the cache's business: ``forward`` hands each layer's new K/V to a ``cache kind`` (see ``caches.py``),
-which writes them and attends over everything the sequence holds.
+The layer math follows Hugging Face's ``LlamaForCausalLM`` (rotate-half RoPE, RMSNorm in
+float32), so a checkpoint loaded by ``hf_loader`` computes what ``transformers`` computes.
+Attention is the cache's business: ``forward`` hands each layer's new K/V to a cache kind
+(``caches.py``), which writes them and attends over everything the sequence holds.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def forward_no_cache(cfg: LlamaConfig, params: Params, tokens: jax.Array, length
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)[None, :]
 
     def attend(state, i, q, k, v):
-        return dense_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions), state
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        return dense_attention(q, k, v, positions), state
 
     x, _ = decoder(cfg, params, tokens[None], positions, attend, None)
     return logits(cfg, params, x[0, length - 1])
