@@ -20,14 +20,12 @@ def exact_matmuls():
         yield
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
+def save_tiny_llama(path, **rope):
     cfg = transformers.LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        rope_theta=5000.0, rms_norm_eps=1e-5, initializer_range=0.3,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        rms_norm_eps=1e-5, initializer_range=0.3, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, **rope,
     )
     torch.manual_seed(int(np.random.default_rng().integers(2**31)))
     model = transformers.LlamaForCausalLM(cfg).eval()
@@ -37,6 +35,21 @@ def checkpoint(tmp_path_factory):
                 p.add_(0.2 * torch.randn_like(p))
     model.save_pretrained(path)
     return path, model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), rope_theta=5000.0)
+
+
+@pytest.fixture(scope="module")
+def llama3_checkpoint(tmp_path_factory):
+    # Llama 3 RoPE scaling with a short original context, so most frequencies are rescaled.
+    rope = dict(rope_type="llama3", rope_theta=5000.0, factor=8.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position_embeddings=8)
+    new_style = "rope_parameters" in transformers.LlamaConfig().to_dict()  # transformers >= 5
+    key = "rope_parameters" if new_style else "rope_scaling"
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama3"), **{key: rope})
 
 
 def test_loader_reads_safetensors_without_the_package(checkpoint, monkeypatch):
@@ -49,9 +62,7 @@ def test_loader_reads_safetensors_without_the_package(checkpoint, monkeypatch):
         np.testing.assert_array_equal(tensors[name], value.numpy(), err_msg=name)
 
 
-@pytest.mark.parametrize("kind_name", ["linear", "paged"])
-def test_greedy_tokens_match_transformers_generate(checkpoint, kind_name):
-    path, model = checkpoint
+def greedy_matches_transformers(path, model, kind_name):
     cfg, params = hf_loader.load(path)
     system = np.random.default_rng(1).integers(0, cfg.vocab_size, 5).astype(np.int32)
     eng = loop.Engine(cfg, params, caches.make_kind(kind_name, cfg), max_batch=3,
@@ -63,6 +74,17 @@ def test_greedy_tokens_match_transformers_generate(checkpoint, kind_name):
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=r.max_new_tokens, do_sample=False)
         assert r.output == out[0, ids.shape[1]:].tolist(), f"request {r.id}"
+    return cfg
+
+
+@pytest.mark.parametrize("kind_name", ["linear", "paged"])
+def test_greedy_tokens_match_transformers_generate(checkpoint, kind_name):
+    greedy_matches_transformers(*checkpoint, kind_name)
+
+
+def test_llama3_rope_scaling_matches_transformers(llama3_checkpoint):
+    cfg = greedy_matches_transformers(*llama3_checkpoint, "linear")
+    assert cfg.rope_llama3 == (8.0, 1.0, 4.0, 8)
 
 
 def test_demo_command_loads_a_checkpoint(checkpoint, capsys):

@@ -54,8 +54,12 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     # transformers 5 writes rope_parameters (with rope_theta in it), earlier versions rope_scaling.
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"RoPE type {rope_type!r} is not supported (plain RoPE only)")
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"RoPE type {rope_type!r} is not supported (default and llama3 only)")
+    llama3 = None
+    if rope_type == "llama3":
+        llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]),
+                  float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError("attention_bias / mlp_bias are not supported")
     if hf.get("hidden_act", "silu") != "silu":
@@ -70,6 +74,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_llama3=llama3,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )

@@ -26,6 +26,8 @@ class LlamaConfig:
     num_kv_heads: int = 2
     head_dim: int = 32
     rope_theta: float = 10000.0
+    # Llama 3 RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_positions).
+    rope_llama3: tuple[float, float, float, int] | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
 
@@ -76,14 +78,28 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * x32.astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
+    """float32 [head_dim / 2]: RoPE's inverse frequencies, with Llama 3 scaling when configured
+    (transformers' ``_compute_llama3_parameters``)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    if cfg.rope_llama3 is None:
+        return inv_freq.astype(np.float32)
+    factor, low, high, context = cfg.rope_llama3
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotate-half RoPE (Hugging Face's convention). x: [B, T, H, D]; positions: int32 [B, T]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    half = d // 2
+    half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
 
@@ -112,13 +128,14 @@ def decoder(cfg: LlamaConfig, params: Params, tokens, positions, attend, state):
     ``state`` keeps (a KV cache, or nothing): q [B, T, Hq, D], k and v [B, T, Hkv, D] after RoPE.
     """
     batch, steps = tokens.shape
+    inv_freq = rope_frequencies(cfg)
     x = params["embed"][tokens]
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         q = (h @ layer["wq"]).reshape(batch, steps, cfg.num_heads, cfg.head_dim)
         k = (h @ layer["wk"]).reshape(batch, steps, cfg.num_kv_heads, cfg.head_dim)
         v = (h @ layer["wv"]).reshape(batch, steps, cfg.num_kv_heads, cfg.head_dim)
-        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
         attn, state = attend(state, i, q, k, v)
         x = x + attn.reshape(batch, steps, -1) @ layer["wo"]
         h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
