@@ -119,3 +119,11 @@ def test_demo_command_runs(capsys):
     assert "5/5 requests" in out
     assert "tokens/s (generated)" in out and "cache allocated" in out
     assert "xla baseline generated the same tokens" in out
+
+
+@pytest.mark.gpu
+def test_paged_decode_attends_with_pallas_on_gpu():
+    eng = engine("paged", "jaxkv", page_size=16)  # attention="auto": Pallas for decode on a GPU
+    assert "paged_attention" in eng.compile()["decode"].as_text()
+    dense = engine("paged", "jaxkv", page_size=16, attention="dense")
+    assert "paged_attention" not in dense.compile()["decode"].as_text()
