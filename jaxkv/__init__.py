@@ -2,8 +2,13 @@
 
 from . import reference as reference
 from .linear import LinearKVCache as LinearKVCache
+from .manager import KVCacheManager as KVCacheManager
+from .manager import KVLayerConfig as KVLayerConfig
 from .ops import compact_kv_cache as compact_kv_cache
 from .ops import compact_tensor_batch as compact_tensor_batch
 from .ops import increment_lengths as increment_lengths
+from .reuse import SavedKV as SavedKV
+from .reuse import instantiate_kv_cache as instantiate_kv_cache
+from .reuse import save_kv_cache as save_kv_cache
 
 __version__ = "0.1.0"

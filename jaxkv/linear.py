@@ -167,6 +167,25 @@ class LinearKVCache:
         )
         return LinearKVCache(buffer=buffer, lengths=lengths, active_batch_size=survivors)
 
+    def save(self, batch_idx: IntOrArray, seq_len: int):
+        """Tokens ``[0, seq_len)`` of row ``batch_idx``, every layer, in one launch: a
+        ``jaxkv.SavedKV`` (see ``jaxkv.save_kv_cache``)."""
+        from . import reuse  # the prompt-reuse family, reuse.py
+
+        op = "LinearKVCache.save"
+        return reuse.save_saved_kv(op, [self.buffer], ["buffer"], batch_idx, seq_len)
+
+    def instantiate(self, saved, batch_idx: IntOrArray) -> "LinearKVCache":
+        """Writes a ``jaxkv.SavedKV`` into tokens ``[0, T)`` of row ``batch_idx`` (an int, an int32
+        scalar or an int32 ``[n]`` array of rows), every layer in one launch. Lengths are
+        unchanged: pass ``saved.length`` to ``reset``."""
+        from . import reuse
+
+        (buffer,) = reuse.instantiate_saved_kv(
+            "LinearKVCache.instantiate", [self.buffer], ["buffer"], saved, batch_idx
+        )
+        return dataclasses.replace(self, buffer=buffer)
+
 
 def surviving_count(batch_mapping: jax.Array, rows: int) -> jax.Array:
     return jnp.sum((batch_mapping >= 0) & (batch_mapping < rows)).astype(jnp.int32)
@@ -187,8 +206,10 @@ def commit_lengths(op, lengths, active_batch_size, new_lengths, max_seq_len) -> 
 
 
 def append_stacked(op, buffer, layer_idx, k, v_, lengths, active_batch_size, new_lengths=None):
-    """Checks the arguments and makes the one FFI call of an append into ``[L, B, 2, H, S, D]``."""
-    num_layers, batch, _, heads, capacity, head_dim = buffer.shape
+    """Checks the arguments and makes the one FFI call of an append into ``[L, B, 2, H, S, D]``,
+    or into one layer ``[B, 2, H, S, D]`` (``layer_idx`` 0; reshaping it would cost a copy)."""
+    stack = buffer.shape if buffer.ndim == 6 else (1, *buffer.shape)
+    num_layers, batch, _, heads, capacity, head_dim = stack
     layer_idx = v.int_scalar(op, "layer_idx", layer_idx)
     for name, x in (("k", k), ("v", v_)):
         v.array(op, name, x)

@@ -53,3 +53,39 @@ def append_layer(layer, k, v, lengths, active_batch_size, new_lengths=None):
     kv = jnp.stack([k, v], axis=1)  # [B, 2, H, T, D]
     kv = jnp.moveaxis(kv, 3, 1)  # [B, T, 2, H, D]
     return layer.at[b, :, :, pos].set(kv, mode="drop")
+
+
+# --- prompt reuse ---
+
+
+def _map_layers(fn, layers, *others):
+    if isinstance(layers, (list, tuple)):
+        return type(layers)(fn(*xs) for xs in zip(layers, *others))
+    return fn(layers, *others)
+
+
+def save_kv_cache(layers, batch_idx, seq_len: int):
+    """Tokens [0, seq_len) of row batch_idx, [2, H, seq_len, D] per layer; zeros when batch_idx is
+    outside [0, max_batch)."""
+
+    def one(layer):
+        rows = layer.shape[0]
+        valid = (batch_idx >= 0) & (batch_idx < rows)
+        row = layer[jnp.clip(batch_idx, 0, rows - 1), :, :, :seq_len]
+        return jnp.where(valid, row, jnp.zeros_like(row))
+
+    return _map_layers(one, layers)
+
+
+def instantiate_kv_cache(layers, saved, batch_idx):
+    """saved [2, H, T, D] into tokens [0, T) of every row in batch_idx ([] or [n]); rows outside
+    [0, max_batch) are skipped."""
+
+    def one(layer, s):
+        rows = layer.shape[0]
+        slots = jnp.atleast_1d(jnp.asarray(batch_idx, jnp.int32))
+        slots = jnp.where((slots >= 0) & (slots < rows), slots, rows)  # dropped
+        update = jnp.broadcast_to(s, (slots.shape[0],) + s.shape)
+        return layer.at[slots, :, :, : s.shape[2]].set(update, mode="drop")
+
+    return _map_layers(one, layers, saved)

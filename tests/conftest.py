@@ -15,6 +15,12 @@ def pytest_report_header(config):
     return f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}"
 
 
+def pytest_configure(config):
+    # The GPU script sets this so that a run that silently fell back to CPU cannot pass.
+    if os.environ.get("JAXKV_REQUIRE_GPU") and jax.default_backend() != "gpu":
+        raise pytest.UsageError(f"JAXKV_REQUIRE_GPU is set but the backend is {jax.default_backend()}")
+
+
 def pytest_collection_modifyitems(config, items):
     if jax.default_backend() == "gpu":
         return

@@ -15,11 +15,12 @@ export PYTHONUNBUFFERED=1
 echo "== build" | tee "$OUT/build.log"
 JAXKV_CUDA=ON JAXKV_CUDA_ARCHITECTURES=90 python3 -m pip install --no-build-isolation --no-deps \
   --no-index . >>"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-python3 -c "import jaxkv._ffi as f; assert f.WITH_CUDA, 'built without CUDA'; print('CUDA build ok')"
+(cd /tmp && python3 -c "import jax, jaxkv._ffi as f; assert f.WITH_CUDA, 'built without CUDA'; \
+  assert jax.default_backend() == 'gpu', jax.default_backend(); print('CUDA build ok, backend gpu')") || exit 1
 
 echo "== tests"
 # From tests/ so that `import jaxkv` is the installed package, not the source folder.
-(cd tests && python3 -m pytest -q -p no:cacheprovider "$@" 2>&1) | tee "$OUT/tests.log"
+(cd tests && JAXKV_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1) | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 if [ -z "${SKIP_BENCH:-}" ] && python3 -c "import jaxkv.bench" 2>/dev/null; then

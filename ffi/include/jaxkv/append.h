@@ -15,7 +15,7 @@
 namespace jaxkv {
 
 struct AppendParams {
-  char* cache;                  // [L, B, 2, H, S, D]
+  char* cache;                  // [L, B, 2, H, S, D], or [B, 2, H, S, D] (L = 1)
   const char* k;                // [B, H, T, D]
   const char* v;                // [B, H, T, D]
   const int32_t* lengths;       // [B] write position of each row
@@ -67,7 +67,7 @@ auto bind_append(Binding b) {
       .template Arg<ffi::Buffer<ffi::S32>>()   // new_lengths [B], or [0]: all T tokens
       .template Arg<ffi::Buffer<ffi::S32>>()   // active_batch_size []
       .template Arg<ffi::Buffer<ffi::S32>>()   // layer_idx []
-      .template Arg<ffi::AnyBuffer>()          // cache [L, B, 2, H, S, D] (used through the alias)
+      .template Arg<ffi::AnyBuffer>()          // cache [L, B, 2, H, S, D] / [B, 2, H, S, D] (aliased)
       .template Ret<ffi::AnyBuffer>();         // cache, aliased to the input
 }
 
@@ -79,9 +79,15 @@ inline ffi::ErrorOr<AppendParams> make_append_params(
   constexpr const char* op = "append";
   auto elem = element_bytes(cache->element_type(), op);
   if (elem.has_error()) return ffi::Unexpected(elem.error());
-  auto cd = cache->dimensions();
+  auto dims = cache->dimensions();
   auto kd = k.dimensions();
-  if (cd.size() != 6 || kd.size() != 4 || cd[2] != 2) return ffi::Unexpected(invalid(op, "bad ranks"));
+  // A rank-5 cache [B, 2, H, S, D] is one layer (KVCacheManager: a reshape would cost a copy).
+  if ((dims.size() != 6 && dims.size() != 5) || kd.size() != 4)
+    return ffi::Unexpected(invalid(op, "bad ranks"));
+  const size_t o = dims.size() - 5;  // 1 for a stack of layers, 0 for one layer
+  const int64_t cd[6] = {o ? dims[0] : 1, dims[o],     dims[o + 1],
+                         dims[o + 2],     dims[o + 3], dims[o + 4]};
+  if (cd[2] != 2) return ffi::Unexpected(invalid(op, "bad ranks"));
   if (k.element_type() != cache->element_type() || v.element_type() != cache->element_type())
     return ffi::Unexpected(invalid(op, "k/v dtype differs from the cache"));
   if (kd[0] != cd[1] || kd[1] != cd[3] || kd[3] != cd[5] || v.size_bytes() != k.size_bytes())

@@ -15,14 +15,22 @@ inline ffi::Error cuda_status(const char* op, cudaError_t err = cudaGetLastError
   return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
 }
 
-// Blocks for a persistent grid: enough resident blocks to fill every multiprocessor once.
-// The device properties are read once per device and cached.
-inline int persistent_blocks(const void* kernel, int threads, size_t smem) {
-  int device = 0, sms = 0, per_sm = 0;
+// Multiprocessors of the current device, read once per device.
+inline int multiprocessor_count() {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  int device = 0;
   cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  int& sms = cached[device % kMaxDevices];
+  if (sms == 0) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms;
+}
+
+// Blocks for a persistent grid: enough resident blocks to fill every multiprocessor once.
+inline int persistent_blocks(const void* kernel, int threads, size_t smem) {
+  int per_sm = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
-  return sms * (per_sm > 0 ? per_sm : 1);
+  return multiprocessor_count() * (per_sm > 0 ? per_sm : 1);
 }
 
 // Raw 16/8/4/2/1-byte words: the kernels move bytes, whatever the dtype.

@@ -1,0 +1,221 @@
+"""KVCacheManager: one buffer per attention layer, so layers may differ in heads, head_dim and
+max_seq_len (TensorRT Edge-LLM's KVCacheManager and KVLayerConfig)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from . import _validate as v
+from . import linear, ops, reuse
+from .linear import LinearKVCache
+from .reuse import SavedKV
+
+IntOrArray = Union[int, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayerConfig:
+    """Shape of one attention layer's cache; ``max_seq_len=None`` means the cache-wide maximum."""
+
+    num_kv_heads: int
+    head_dim: int
+    max_seq_len: int | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCacheManager:
+    """KV cache with one buffer per attention layer; the layers may have different shapes.
+
+    Same lifecycle as ``LinearKVCache`` (reset, append, commit, compact, save, instantiate). Every
+    op that touches several layers (compact, save, instantiate) is one kernel launch for all of
+    them, whatever their shapes. Methods return a new cache; donate it to ``jit`` to run in place.
+
+    >>> cfg = [KVLayerConfig(8, 64), KVLayerConfig(2, 128, max_seq_len=8)]
+    >>> cache = KVCacheManager.create(cfg, max_batch=2, max_seq_len=16, dtype=jnp.float32)
+    >>> cache = cache.reset(jnp.zeros((2,), jnp.int32))
+    >>> cache = cache.append(0, jnp.ones((2, 8, 3, 64)), jnp.ones((2, 8, 3, 64)))
+    >>> cache = cache.append(1, jnp.ones((2, 2, 3, 128)), jnp.ones((2, 2, 3, 128))).commit(3)
+    >>> cache.lengths, cache.combined(1).shape
+    (Array([3, 3], dtype=int32), (2, 2, 2, 8, 128))
+    """
+
+    layers: tuple[jax.Array, ...]  # per layer [max_batch, 2, H_i, S_i, D_i] (layer_config(i))
+    lengths: jax.Array  # int32 [max_batch]: tokens stored per sequence
+    active_batch_size: jax.Array  # int32 []: sequences [0, active_batch_size) are live
+
+    @classmethod
+    def create(
+        cls,
+        layer_configs: Sequence[KVLayerConfig],
+        max_batch: int,
+        max_seq_len: int,
+        dtype=jnp.bfloat16,
+    ) -> "KVCacheManager":
+        op = "KVCacheManager.create"
+        v.static_int(op, "max_batch", max_batch, lo=1)
+        v.static_int(op, "max_seq_len", max_seq_len, lo=1)
+        if np.dtype(dtype) not in v.CACHE_DTYPES:
+            raise TypeError(f"{op}: unsupported dtype {np.dtype(dtype)}")
+        configs = list(layer_configs)
+        if not 1 <= len(configs) <= v.MAX_LAYERS:
+            raise ValueError(f"{op}: 1 to {v.MAX_LAYERS} layer configs needed, got {len(configs)}")
+        layers = []
+        for i, c in enumerate(configs):
+            if not isinstance(c, KVLayerConfig):
+                raise TypeError(
+                    f"{op}: layer_configs[{i}] must be a KVLayerConfig, got {type(c).__name__}"
+                )
+            v.static_int(op, f"layer_configs[{i}].num_kv_heads", c.num_kv_heads, lo=1)
+            v.static_int(op, f"layer_configs[{i}].head_dim", c.head_dim, lo=1)
+            seq = max_seq_len if c.max_seq_len is None else c.max_seq_len
+            v.static_int(op, f"layer_configs[{i}].max_seq_len", seq, lo=1, hi=max_seq_len)
+            layers.append(jnp.zeros((max_batch, 2, c.num_kv_heads, seq, c.head_dim), dtype))
+        return cls(
+            layers=tuple(layers),
+            lengths=jnp.zeros((max_batch,), jnp.int32),
+            active_batch_size=jnp.zeros((), jnp.int32),
+        )
+
+    # Static configuration, read off the buffers' shapes.
+    num_layers = property(lambda self: len(self.layers))
+    max_batch = property(lambda self: self.lengths.shape[0])
+    # Cache-wide max_seq_len (lengths stop there): the longest layer's.
+    max_seq_len = property(lambda self: max(layer.shape[3] for layer in self.layers))
+    dtype = property(lambda self: self.layers[0].dtype)
+
+    def _index(self, op: str, i: int) -> int:
+        return v.static_int(op, "layer_idx", i, 0, self.num_layers - 1)
+
+    def layer_config(self, i: int) -> KVLayerConfig:
+        """The configuration of layer ``i`` (``max_seq_len`` filled in)."""
+        _, _, h, s, d = self.layers[self._index("KVCacheManager.layer_config", i)].shape
+        return KVLayerConfig(num_kv_heads=h, head_dim=d, max_seq_len=s)
+
+    @property
+    def is_uniform(self) -> bool:
+        """Every layer has the same shape and dtype (the cache could be a LinearKVCache)."""
+        return len({(layer.shape, layer.dtype) for layer in self.layers}) == 1
+
+    def combined(self, i: int) -> jax.Array:
+        """``[max_batch, 2, H_i, S_i, D_i]`` of layer ``i``."""
+        return self.layers[self._index("KVCacheManager.combined", i)]
+
+    def separate(self, i: int) -> tuple[jax.Array, jax.Array]:
+        """``(K, V)`` of layer ``i``, each ``[max_batch, H_i, S_i, D_i]``."""
+        layer = self.layers[self._index("KVCacheManager.separate", i)]
+        return layer[:, 0], layer[:, 1]
+
+    @classmethod
+    def from_linear(cls, cache: LinearKVCache) -> "KVCacheManager":
+        """The same cache with one buffer per layer. XLA has no views of a buffer, so the layers
+        are copied once (under ``jit`` with the cache donated, that one copy is all); lengths and
+        the active batch size are carried over."""
+        layers = tuple(cache.buffer[i] for i in range(cache.num_layers))
+        return cls(layers=layers, lengths=cache.lengths, active_batch_size=cache.active_batch_size)
+
+    def to_linear(self) -> LinearKVCache:
+        """A LinearKVCache of a uniform cache: the layers stacked into one buffer (one copy)."""
+        if not self.is_uniform:
+            raise ValueError("KVCacheManager.to_linear: layers differ in shape or dtype")
+        return LinearKVCache(
+            buffer=jnp.stack(self.layers),
+            lengths=self.lengths,
+            active_batch_size=self.active_batch_size,
+        )
+
+    @property
+    def all_empty(self) -> jax.Array:
+        """bool ``[]``: no active sequence holds a token."""
+        active = jnp.arange(self.max_batch) < self.active_batch_size
+        return jnp.all(jnp.where(active, self.lengths, 0) == 0)
+
+    def set_active_batch_size(self, n: IntOrArray) -> "KVCacheManager":
+        op = "KVCacheManager.set_active_batch_size"
+        if isinstance(n, (int, np.integer)):
+            v.static_int(op, "n", n, 0, self.max_batch)
+        n = v.int_scalar(op, "n", n)
+        checkify.debug_check((n >= 0) & (n <= self.max_batch), f"{op}: n out of [0, max_batch]")
+        return dataclasses.replace(self, active_batch_size=jnp.clip(n, 0, self.max_batch))
+
+    def reset(self, reuse_lengths: jax.Array) -> "KVCacheManager":
+        """Starts a new batch of ``n`` sequences; ``reuse_lengths``: int32 ``[n]``, tokens already
+        in the cache for each (a prompt instantiated with ``instantiate``; 0 for none)."""
+        op = "KVCacheManager.reset"
+        v.array(op, "reuse_lengths", reuse_lengths)
+        v.int32(op, "reuse_lengths", reuse_lengths)
+        v.rank(op, "reuse_lengths", reuse_lengths, 1, "[n]")
+        n = reuse_lengths.shape[0]
+        if n > self.max_batch:
+            raise ValueError(f"{op}: reuse_lengths has {n} entries, max_batch is {self.max_batch}")
+        checkify.debug_check(
+            jnp.all((reuse_lengths >= 0) & (reuse_lengths <= self.max_seq_len)),
+            f"{op}: reuse_lengths outside [0, max_seq_len]",
+        )
+        lengths = jnp.zeros((self.max_batch,), jnp.int32).at[:n].set(reuse_lengths)
+        return dataclasses.replace(
+            self, lengths=lengths, active_batch_size=jnp.asarray(n, jnp.int32)
+        )
+
+    def append(self, layer_idx: int, k: jax.Array, v_: jax.Array, new_lengths=None):
+        """Writes ``k``, ``v`` ``[max_batch, H_i, T, D_i]`` into layer ``layer_idx`` (a static int:
+        layers differ in shape) after each active sequence's tokens; see ``LinearKVCache.append``.
+        Tokens past the layer's ``max_seq_len`` are dropped (reported through ``checkify``)."""
+        op = "KVCacheManager.append"
+        i = self._index(op, layer_idx)
+        layer = linear.append_stacked(
+            op, self.layers[i], 0, k, v_, self.lengths, self.active_batch_size, new_lengths
+        )
+        return dataclasses.replace(self, layers=self.layers[:i] + (layer,) + self.layers[i + 1 :])
+
+    def commit(self, new_lengths: IntOrArray) -> "KVCacheManager":
+        """Advances the lengths of active sequences (a Python int or int32 ``[max_batch]``);
+        lengths stop at ``max_seq_len`` (reported through ``checkify``)."""
+        lengths = linear.commit_lengths(
+            "KVCacheManager.commit", self.lengths, self.active_batch_size, new_lengths,
+            self.max_seq_len,
+        )
+        return dataclasses.replace(self, lengths=lengths)
+
+    def compact(self, batch_mapping: jax.Array) -> "KVCacheManager":
+        """Evicts and compacts every layer in one launch (see ``LinearKVCache.compact``)."""
+        op = "KVCacheManager.compact"
+        v.array(op, "batch_mapping", batch_mapping)
+        v.int32(op, "batch_mapping", batch_mapping)
+        v.shape(op, "batch_mapping", batch_mapping, (self.max_batch,), "[max_batch]")
+        ops.check_mapping_injective(op, batch_mapping, self.max_batch)
+        lengths, layers = ops.compact_buffers(
+            list(self.layers), self.lengths, batch_mapping, kv=True, rows=self.max_batch
+        )
+        survivors = linear.surviving_count(batch_mapping, self.max_batch)
+        checkify.debug_check(
+            jnp.all(jnp.where(batch_mapping >= 0, batch_mapping < survivors, True)),
+            f"{op}: survivors must land on rows [0, survivors)",
+        )
+        return KVCacheManager(layers=tuple(layers), lengths=lengths, active_batch_size=survivors)
+
+    def _names(self) -> list[str]:
+        return [f"layers[{i}]" for i in range(self.num_layers)]
+
+    def save(self, batch_idx: IntOrArray, seq_len: int) -> SavedKV:
+        """Tokens ``[0, seq_len)`` of row ``batch_idx``, every layer, in one launch (see
+        ``jaxkv.save_kv_cache``); ``seq_len`` (static) must fit every layer."""
+        return reuse.save_saved_kv(
+            "KVCacheManager.save", list(self.layers), self._names(), batch_idx, seq_len
+        )
+
+    def instantiate(self, saved: SavedKV, batch_idx: IntOrArray) -> "KVCacheManager":
+        """Writes ``saved`` into tokens ``[0, T)`` of row ``batch_idx`` (an int, an int32 scalar or
+        an int32 ``[n]`` array of rows), every layer in one launch (see
+        ``jaxkv.instantiate_kv_cache``). Lengths are unchanged: pass ``saved.length`` to ``reset``.
+        """
+        layers = reuse.instantiate_saved_kv(
+            "KVCacheManager.instantiate", list(self.layers), self._names(), saved, batch_idx
+        )
+        return dataclasses.replace(self, layers=tuple(layers))

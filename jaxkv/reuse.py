@@ -1,0 +1,226 @@
+"""Prompt KV reuse: saving the first tokens of a cache row and instantiating them into other rows.
+
+TensorRT Edge-LLM's saveKVCacheLayerIntoTensor / saveKVCacheBatched and
+instantiateKVCacheLayerFromTensor / instantiateKVCacheBatched, for layers of any shape and dtype
+in one launch. Both directions are one FFI target ("jaxkv_copy_prefix"): per (layer, slot, K/V
+head) the copy is one contiguous run of ``T * head_dim`` elements on both sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from . import _ffi
+from . import _validate as v
+from . import ops
+
+Layers = Union[jax.Array, Sequence[jax.Array]]
+IntOrArray = Union[int, jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SavedKV:
+    """A saved prompt: the first ``T`` tokens of one cache row, every layer.
+
+    Made by ``LinearKVCache.save`` / ``KVCacheManager.save``; instantiate it into any cache whose
+    layers have the same heads, head dims and dtypes (and ``max_seq_len >= T``), as often as
+    wanted: it is an ordinary pytree (pass it through ``jit``, keep it across requests).
+    """
+
+    layers: tuple[jax.Array, ...]  # per layer [2, num_kv_heads_i, T, head_dim_i]
+    length: jax.Array  # int32 []: tokens of the prompt, the reuse length to pass to reset (T)
+
+    num_layers = property(lambda self: len(self.layers))
+    tokens = property(lambda self: self.layers[0].shape[2])  # T, static
+
+
+def _described(op: str, buffers: Sequence[jax.Array], names: Sequence[str]):
+    """(name, [max_batch, 2, H, S, D] shape, dtype) of every layer the kernel sees, in order:
+    a rank-6 stack [L, max_batch, 2, H, S, D] is L layers."""
+    out = []
+    for buf, name in zip(buffers, names):
+        if buf.ndim == 6:
+            out += [(f"{name}[{l}]", buf.shape[1:], buf.dtype) for l in range(buf.shape[0])]
+        else:
+            out.append((name, buf.shape, buf.dtype))
+    if len(out) > v.MAX_LAYERS:
+        raise ValueError(f"{op}: at most {v.MAX_LAYERS} layers per call, got {len(out)}")
+    return out
+
+
+def _slots(op: str, batch_idx, rows: int, allow_many: bool) -> jax.Array:
+    """``batch_idx`` as an int32 ``[]`` (or ``[n]``) array of cache rows.
+
+    A Python int is checked now; array entries outside ``[0, rows)`` are reported through
+    ``checkify`` and the kernel skips them.
+    """
+    if isinstance(batch_idx, (int, np.integer)) and not isinstance(batch_idx, (bool, np.bool_)):
+        v.static_int(op, "batch_idx", batch_idx, 0, rows - 1)
+        return jnp.asarray(batch_idx, jnp.int32)
+    if isinstance(batch_idx, (bool, np.bool_)):
+        raise TypeError(f"{op}: batch_idx must be an int or an int32 array, got bool")
+    v.array(op, "batch_idx", batch_idx)
+    v.int32(op, "batch_idx", batch_idx)
+    if batch_idx.ndim != 0 and not (allow_many and batch_idx.ndim == 1):
+        layout = "[] or [n]" if allow_many else "[]"
+        raise ValueError(
+            f"{op}: batch_idx must have shape {layout}, got {tuple(batch_idx.shape)}"
+        )
+    checkify.debug_check(
+        jnp.all((batch_idx >= 0) & (batch_idx < rows)),
+        f"{op}: batch_idx outside [0, max_batch): nothing written there",
+    )
+    return batch_idx
+
+
+def save_buffers(op, buffers, names, batch_idx, seq_len) -> list[jax.Array]:
+    """The one FFI call of a save; ``buffers``: rank-5 layers or rank-6 stacks, same max_batch.
+
+    Returns one ``[2, H, seq_len, D]`` array per described layer (a stack gives one per layer).
+    """
+    rows = buffers[0].shape[-5]
+    layers = _described(op, buffers, names)
+    seq_len = v.static_int(op, "seq_len", seq_len, lo=0)
+    for name, (_, _, h, s, d), _ in layers:
+        if seq_len > s:
+            raise ValueError(f"{op}: seq_len {seq_len} exceeds max_seq_len {s} of {name}")
+    slots = _slots(op, batch_idx, rows, allow_many=False)
+    results = [jax.ShapeDtypeStruct((2, h, seq_len, d), dt) for _, (_, _, h, _, d), dt in layers]
+    out = _ffi.call("jaxkv_copy_prefix", results, slots, *buffers, to_cache=False, rows=rows)
+    return list(out)
+
+
+def instantiate_buffers(op, buffers, names, saved, saved_names, batch_idx) -> list[jax.Array]:
+    """The one FFI call of an instantiate; ``saved``: one ``[2, H, T, D]`` per described layer.
+
+    Returns the new ``buffers`` (aliased: donate them to run in place).
+    """
+    rows = buffers[0].shape[-5]
+    layers = _described(op, buffers, names)
+    if len(saved) != len(layers):
+        raise ValueError(f"{op}: {len(saved)} saved tensors for {len(layers)} cache layers")
+    for (name, (_, _, h, s, d), dt), x, sname in zip(layers, saved, saved_names):
+        v.array(op, sname, x)
+        v.rank(op, sname, x, 4, "[2, num_kv_heads, T, head_dim]")
+        if x.dtype != dt:
+            raise TypeError(f"{op}: {sname} has dtype {x.dtype} but {name} holds {dt}")
+        if x.shape[0] != 2 or x.shape[1] != h or x.shape[3] != d:
+            raise ValueError(
+                f"{op}: {sname} must have shape (2, {h}, T, {d}) to fit {name}, got {x.shape}"
+            )
+        if x.shape[2] > s:
+            raise ValueError(
+                f"{op}: {sname} holds {x.shape[2]} tokens, more than max_seq_len {s} of {name}"
+            )
+    slots = _slots(op, batch_idx, rows, allow_many=True)
+    n = len(saved)
+    out = _ffi.call(
+        "jaxkv_copy_prefix",
+        [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers],
+        slots,
+        *saved,
+        *buffers,
+        input_output_aliases={1 + n + i: i for i in range(len(buffers))},
+        to_cache=True,
+        rows=rows,
+    )
+    return list(out)
+
+
+def _layer_list(op: str, layers: Layers) -> tuple[list[jax.Array], list[str]]:
+    items = ops.validate_kv_layers(op, layers)
+    is_list = isinstance(layers, (list, tuple))
+    names = [f"layers[{i}]" for i in range(len(items))] if is_list else ["layers"]
+    rows = items[0].shape[0]
+    for name, layer in zip(names, items):
+        if layer.shape[0] != rows:
+            raise ValueError(f"{op}: {name} has max_batch {layer.shape[0]}, layers[0] has {rows}")
+    return items, names
+
+
+def _like(layers: Layers, out: list[jax.Array]):
+    return type(layers)(out) if isinstance(layers, (list, tuple)) else out[0]
+
+
+def save_kv_cache(layers: Layers, batch_idx: IntOrArray, seq_len: int):
+    """Copies tokens ``[0, seq_len)`` of cache row ``batch_idx`` out of every layer, in one launch.
+
+    **Arguments:**
+    - ``layers``: one ``[max_batch, 2, H, S, D]`` array or a list/tuple of them; H, S, D and the
+      dtype may differ per layer.
+    - ``batch_idx``: the row, a Python int or an int32 scalar (traced is fine). A traced index
+      outside ``[0, max_batch)`` reads nothing (the result is zeros) and is reported through
+      ``checkify``.
+    - ``seq_len``: static int, ``seq_len <= S`` of every layer.
+
+    **Returns:** with the structure of ``layers``, ``[2, H, seq_len, D]`` per layer: the K and V of
+    tokens ``[0, seq_len)`` of row ``batch_idx``. Fresh arrays; the cache is not modified.
+
+    >>> cache = jnp.arange(2 * 2 * 1 * 4 * 2, dtype=jnp.float32).reshape(2, 2, 1, 4, 2)
+    >>> save_kv_cache(cache, 1, 2)[0, 0]
+    Array([[16., 17.],
+           [18., 19.]], dtype=float32)
+    """
+    op = "save_kv_cache"
+    items, names = _layer_list(op, layers)
+    return _like(layers, save_buffers(op, items, names, batch_idx, seq_len))
+
+
+def instantiate_kv_cache(layers: Layers, saved: Layers, batch_idx: IntOrArray):
+    """Writes saved prefixes into tokens ``[0, T)`` of cache rows, every layer in one launch.
+
+    **Arguments:**
+    - ``layers``: one ``[max_batch, 2, H, S, D]`` array or a list/tuple of them. Donate them to
+      run in place.
+    - ``saved``: the same structure, ``[2, H, T, D]`` per layer (``T <= S``; H, D and dtype those
+      of the layer), e.g. from ``save_kv_cache``.
+    - ``batch_idx``: the target row: a Python int, an int32 scalar, or an int32 ``[n]`` array of
+      rows that all receive the same prefix in the one launch (one system prompt shared by many
+      new requests). Traced rows outside ``[0, max_batch)`` are skipped and reported through
+      ``checkify``.
+
+    **Returns:** ``layers'``: tokens ``[0, T)`` of each target row replaced by ``saved``;
+    every other byte unchanged.
+
+    >>> cache = jnp.zeros((3, 2, 1, 4, 2), jnp.float32)
+    >>> prefix = jnp.ones((2, 1, 2, 2), jnp.float32)
+    >>> out = instantiate_kv_cache(cache, prefix, jnp.array([0, 2], jnp.int32))
+    >>> out[:, 0, 0, :, 0]
+    Array([[1., 1., 0., 0.],
+           [0., 0., 0., 0.],
+           [1., 1., 0., 0.]], dtype=float32)
+    """
+    op = "instantiate_kv_cache"
+    items, names = _layer_list(op, layers)
+    if isinstance(layers, (list, tuple)):
+        if not isinstance(saved, (list, tuple)):
+            raise TypeError(f"{op}: layers is a {type(layers).__name__}, so saved must be one too")
+        saved_items = list(saved)
+        saved_names = [f"saved[{i}]" for i in range(len(saved_items))]
+    else:
+        if isinstance(saved, (list, tuple)):
+            raise TypeError(f"{op}: layers is one array, so saved must be one array too")
+        saved_items, saved_names = [saved], ["saved"]
+    out = instantiate_buffers(op, items, names, saved_items, saved_names, batch_idx)
+    return _like(layers, out)
+
+
+def save_saved_kv(op, buffers, names, batch_idx, seq_len) -> SavedKV:
+    """``save`` of the cache classes: a SavedKV of every layer of ``buffers``."""
+    out = save_buffers(op, buffers, names, batch_idx, seq_len)
+    return SavedKV(layers=tuple(out), length=jnp.asarray(seq_len, jnp.int32))
+
+
+def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx) -> list[jax.Array]:
+    """``instantiate`` of the cache classes: ``saved`` into every layer of ``buffers``."""
+    if not isinstance(saved, SavedKV):
+        raise TypeError(f"{op}: saved must be a SavedKV, got {type(saved).__name__}")
+    names_saved = [f"saved.layers[{i}]" for i in range(saved.num_layers)]
+    return instantiate_buffers(op, buffers, names, list(saved.layers), names_saved, batch_idx)
