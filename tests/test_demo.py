@@ -67,13 +67,7 @@ def big_buffers(cache):
     return [x for x in jax.tree.leaves(cache) if x.ndim >= 4]
 
 
-MANAGER_COPIES = pytest.mark.xfail(
-    strict=True, reason="KVCacheManager.append copies the layer under donation (its [None]/[0] "
-    "around the FFI call); see the report of issue 6")
-
-
-@pytest.mark.parametrize("kind_name", ["linear", pytest.param("manager", marks=MANAGER_COPIES),
-                                       "paged"])
+@pytest.mark.parametrize("kind_name", ["linear", "manager", "paged"])
 def test_step_functions_update_the_cache_in_place(kind_name):
     eng = engine(kind_name, "jaxkv")
     compiled = eng.compile()
