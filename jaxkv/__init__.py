@@ -7,6 +7,11 @@ from .manager import KVLayerConfig as KVLayerConfig
 from .ops import compact_kv_cache as compact_kv_cache
 from .ops import compact_tensor_batch as compact_tensor_batch
 from .ops import increment_lengths as increment_lengths
+from .paged import PagedKVCache as PagedKVCache
+from .paged_ops import NO_PAGE as NO_PAGE
+from .paged_ops import copy_pages as copy_pages
+from .paged_ops import paged_append as paged_append
+from .paged_ops import paged_gather as paged_gather
 from .reuse import SavedKV as SavedKV
 from .reuse import instantiate_kv_cache as instantiate_kv_cache
 from .reuse import save_kv_cache as save_kv_cache

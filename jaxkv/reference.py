@@ -89,3 +89,82 @@ def instantiate_kv_cache(layers, saved, batch_idx):
         return layer.at[slots, :, :, : s.shape[2]].set(update, mode="drop")
 
     return _map_layers(one, layers, saved)
+
+# --- paged ---
+
+
+def _to_hnd(pool, layout):
+    return pool if layout == "HND" else jnp.transpose(pool, (0, 3, 1, 2, 4))
+
+
+def _from_hnd(pool, layout):
+    return pool if layout == "HND" else jnp.transpose(pool, (0, 2, 3, 1, 4))
+
+
+def _page_of(page_table, rows, logical, num_pages):
+    """Physical page of (row, logical page), or num_pages (dropped) when unassigned/out of range."""
+    in_table = (logical >= 0) & (logical < page_table.shape[1])
+    page = page_table[rows, jnp.clip(logical, 0, page_table.shape[1] - 1)]
+    ok = in_table & (page >= 0) & (page < num_pages)
+    return jnp.where(ok, page, num_pages)
+
+
+def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_lengths=None,
+                 layout="HND"):
+    """Token t < new_lengths[b] of row b goes to page page_table[b, pos // S], slot pos % S of
+    layer layer_idx (pos = lengths[b] + t); tokens without a valid page are dropped. k, v
+    [L, B, H, T, D] write every layer."""
+    if k.ndim == 5:
+        for layer in range(k.shape[0]):
+            k_pages, v_pages = paged_append(k_pages, v_pages, page_table, lengths, layer, k[layer],
+                                            v[layer], new_lengths, layout)
+        return k_pages, v_pages
+    kp, vp = _to_hnd(k_pages, layout), _to_hnd(v_pages, layout)
+    num_layers, _, num_pages, size, _ = kp.shape
+    batch, _, tokens, _ = k.shape
+    count = jnp.full((batch,), tokens, jnp.int32) if new_lengths is None else new_lengths
+    t = jnp.arange(tokens)[None, :]
+    pos = lengths[:, None] + t  # [B, T]
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], pos.shape)
+    page = _page_of(page_table, rows, pos // size, num_pages)
+    page = jnp.where((t < count[:, None]) & (pos >= 0), page, num_pages)
+    layer_ok = (layer_idx >= 0) & (layer_idx < num_layers)
+    layer = jnp.clip(layer_idx, 0, num_layers - 1)
+
+    def write(pool, x):  # pool [L, H, P, S, D], x [B, H, T, D]
+        new = pool[layer].at[:, page, pos % size].set(jnp.swapaxes(x, 0, 1), mode="drop")
+        return jnp.where(layer_ok, pool.at[layer].set(new), pool)
+
+    return _from_hnd(write(kp, k), layout), _from_hnd(write(vp, v), layout)
+
+
+def paged_gather(k_pages, v_pages, page_table, lengths, layer_idx, max_len, layout="HND"):
+    """[B, 2, H, max_len, D]: token t < lengths[b] of row b, zeros elsewhere."""
+    kp, vp = _to_hnd(k_pages, layout), _to_hnd(v_pages, layout)
+    num_layers, _, num_pages, size, _ = kp.shape
+    batch = page_table.shape[0]
+    t = jnp.arange(max_len)[None, :]
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, max_len))
+    page = _page_of(page_table, rows, t // size, num_pages)
+    layer_ok = (layer_idx >= 0) & (layer_idx < num_layers)
+    ok = (t < lengths[:, None]) & (page < num_pages) & layer_ok  # [B, M]
+    layer = jnp.clip(layer_idx, 0, num_layers - 1)
+    page = jnp.clip(page, 0, num_pages - 1)
+
+    def read(pool):  # -> [B, H, M, D]
+        x = pool[layer][:, page, t % size]  # [H, B, M, D]
+        x = jnp.swapaxes(x, 0, 1)
+        return jnp.where(ok[:, None, :, None], x, jnp.zeros((), x.dtype))
+
+    return jnp.stack([read(kp), read(vp)], axis=1)
+
+
+def copy_pages(k_pages, v_pages, src_pages, dst_pages, layout="HND"):
+    """Page dst[i] of every layer becomes page src[i]; pairs with an invalid page are skipped."""
+    kp, vp = _to_hnd(k_pages, layout), _to_hnd(v_pages, layout)
+    num_pages = kp.shape[2]
+    ok = (src_pages >= 0) & (src_pages < num_pages) & (dst_pages >= 0) & (dst_pages < num_pages)
+    dst = jnp.where(ok, dst_pages, num_pages)
+    src = jnp.clip(src_pages, 0, num_pages - 1)
+    move = lambda pool: pool.at[:, :, dst].set(pool[:, :, src], mode="drop")
+    return _from_hnd(move(kp), layout), _from_hnd(move(vp), layout)

@@ -1,0 +1,200 @@
+// CUDA handlers of the paged cache: append, gather and copy_pages.
+//
+// append / gather: block (span, chunk) moves a chunk of tokens of one (layer, row, head) span,
+// K and V together; each thread carries kUnroll words of each in flight (16-byte words whenever
+// head_dim allows). Lanes cover consecutive words of consecutive tokens, so the dense side is read
+// or written as one contiguous run and the paged side in whole-token runs. A token whose page is
+// unassigned is skipped (append) or zero-filled (gather), never dereferenced.
+// copy_pages: block (pair, layer, run) copies one contiguous run of a page, K and V.
+#include <algorithm>
+
+#include "jaxkv/cuda_launch.h"
+#include "jaxkv/paged.h"
+#include "jaxkv/registry.h"
+
+namespace jaxkv {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+constexpr int64_t kMaxGridY = 65535;
+
+// Threads for a block moving `words` words: enough for kUnroll each, whole warps, at most kThreads.
+int threads_for(int64_t words) {
+  const int64_t per_thread = (words + kUnroll - 1) / kUnroll;
+  return static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(32, (per_thread + 31) / 32 * 32)));
+}
+
+// Moves words [0, words) of the chunk of span s that starts at token t0. In gather the source is
+// the pool and the destination the dense tensor; in append the other way round.
+template <int kBytes, bool kGather>
+__device__ __forceinline__ void move_chunk(const TokenMove& m, const SpanRef& s, int64_t t0,
+                                           int32_t words) {
+  using W = typename Word<kBytes>::type;
+  const int32_t wpt = m.cache.token_bytes / kBytes;
+  const char* src_k = kGather ? m.cache.k : m.dense_k;
+  const char* src_v = kGather ? m.cache.v : m.dense_v;
+  char* dst_k = kGather ? m.dense_k : m.cache.k;
+  char* dst_v = kGather ? m.dense_v : m.cache.v;
+  for (int32_t base = threadIdx.x; base < words; base += blockDim.x * kUnroll) {
+    W k[kUnroll], v[kUnroll];
+    int64_t to[kUnroll];  // byte offset of the destination word, or -1: skip
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int32_t i = base + u * blockDim.x;
+      to[u] = -1;
+      k[u] = W{};
+      v[u] = W{};
+      if (i >= words) continue;
+      const int64_t w = int64_t{i % wpt} * kBytes;
+      TokenRef r;
+      const TokenAction a = token_ref(m, s, t0 + i / wpt, &r);
+      if (a == TokenAction::kSkip) continue;
+      to[u] = (kGather ? r.dense : r.paged) + w;
+      if (a == TokenAction::kCopy) {
+        const int64_t from = (kGather ? r.paged : r.dense) + w;
+        k[u] = *reinterpret_cast<const W*>(src_k + from);
+        v[u] = *reinterpret_cast<const W*>(src_v + from);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (to[u] < 0) continue;
+      *reinterpret_cast<W*>(dst_k + to[u]) = k[u];
+      *reinterpret_cast<W*>(dst_v + to[u]) = v[u];
+    }
+  }
+}
+
+template <int kBytes, bool kGather>
+__global__ void __launch_bounds__(kThreads)
+    move_kernel(const TokenMove m, int32_t chunk_tokens, int64_t chunks) {
+  const SpanRef s = span_ref(m, blockIdx.x);
+  for (int64_t c = blockIdx.y; c < chunks; c += gridDim.y) {
+    const int64_t t0 = c * chunk_tokens;
+    if (!kGather && t0 >= s.count) return;  // append: nothing left to write in this span
+    const int64_t tokens = min(int64_t{chunk_tokens}, m.tokens - t0);
+    move_chunk<kBytes, kGather>(m, s, t0, static_cast<int32_t>(tokens * (m.cache.token_bytes / kBytes)));
+  }
+}
+
+template <bool kGather>
+void launch_move_kernel(int width, dim3 grid, int threads, cudaStream_t stream, const TokenMove& m,
+                        int32_t chunk_tokens, int64_t chunks) {
+  switch (width) {
+    case 16: move_kernel<16, kGather><<<grid, threads, 0, stream>>>(m, chunk_tokens, chunks); break;
+    case 8: move_kernel<8, kGather><<<grid, threads, 0, stream>>>(m, chunk_tokens, chunks); break;
+    case 4: move_kernel<4, kGather><<<grid, threads, 0, stream>>>(m, chunk_tokens, chunks); break;
+    case 2: move_kernel<2, kGather><<<grid, threads, 0, stream>>>(m, chunk_tokens, chunks); break;
+    default: move_kernel<1, kGather><<<grid, threads, 0, stream>>>(m, chunk_tokens, chunks); break;
+  }
+}
+
+ffi::Error launch_move(cudaStream_t stream, const TokenMove& m, const char* op) {
+  const int width = vector_width(m.cache.token_bytes);
+  const int64_t wpt = m.cache.token_bytes / width;
+  if (m.spans() == 0 || m.tokens == 0 || wpt == 0) return ffi::Error::Success();
+  const int64_t chunk_tokens =
+      std::min<int64_t>(m.tokens, std::max<int64_t>(1, kThreads * kUnroll / wpt));
+  if (m.spans() > 0x7fffffff || chunk_tokens * wpt > 0x7fffffff)
+    return invalid(op, "too many (layer, row, head) spans for one launch");
+  const int64_t chunks = (m.tokens + chunk_tokens - 1) / chunk_tokens;
+  const dim3 grid(static_cast<unsigned>(m.spans()), static_cast<unsigned>(std::min(chunks, kMaxGridY)));
+  const int threads = threads_for(chunk_tokens * wpt);
+  if (m.gather)
+    launch_move_kernel<true>(width, grid, threads, stream, m, static_cast<int32_t>(chunk_tokens), chunks);
+  else
+    launch_move_kernel<false>(width, grid, threads, stream, m, static_cast<int32_t>(chunk_tokens), chunks);
+  return cuda_status(op);
+}
+
+template <int kBytes>
+__device__ __forceinline__ void copy_run(char* k, char* v, int64_t from, int64_t to, int64_t first,
+                                         int64_t words) {
+  using W = typename Word<kBytes>::type;
+  const W* sk = reinterpret_cast<const W*>(k + from);
+  const W* sv = reinterpret_cast<const W*>(v + from);
+  W* dk = reinterpret_cast<W*>(k + to);
+  W* dv = reinterpret_cast<W*>(v + to);
+  W bk[kUnroll], bv[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = first + u * blockDim.x;
+    if (i < words) bk[u] = sk[i], bv[u] = sv[i];
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = first + u * blockDim.x;
+    if (i < words) dk[i] = bk[u], dv[i] = bv[u];
+  }
+}
+
+template <int kBytes>
+__global__ void __launch_bounds__(kThreads) copy_kernel(const PageCopy p, int64_t chunks) {
+  int64_t from, to;
+  if (!p.unit(blockIdx.x, &from, &to)) return;
+  const int64_t words = p.cache.run_bytes() / kBytes;
+  for (int64_t c = blockIdx.y; c < chunks; c += gridDim.y)
+    copy_run<kBytes>(p.cache.k, p.cache.v, from, to, c * blockDim.x * kUnroll + threadIdx.x, words);
+}
+
+ffi::Error paged_append_cuda(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                             ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lengths,
+                             ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> layer,
+                             ffi::AnyBuffer, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> k_pages,
+                             ffi::Result<ffi::AnyBuffer> v_pages, bool nhd) {
+  auto m = make_append(k, v, table, lengths, counts, layer, k_pages, v_pages, nhd);
+  if (m.has_error()) return m.error();
+  return launch_move(stream, *m, "paged_append");
+}
+
+ffi::Error paged_gather_cuda(cudaStream_t stream, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                             ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lengths,
+                             ffi::Buffer<ffi::S32> layer, ffi::RemainingRets outs, bool nhd) {
+  auto m = make_gather(k_pages, v_pages, table, lengths, layer, outs, nhd);
+  if (m.has_error()) return m.error();
+  return launch_move(stream, *m, "paged_gather");
+}
+
+ffi::Error paged_copy_cuda(cudaStream_t stream, ffi::Buffer<ffi::S32> src,
+                           ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer, ffi::AnyBuffer,
+                           ffi::Result<ffi::AnyBuffer> k_pages,
+                           ffi::Result<ffi::AnyBuffer> v_pages, bool nhd) {
+  auto p = make_copy(src, dst, k_pages, v_pages, nhd);
+  if (p.has_error()) return p.error();
+  const int width = vector_width(p->cache.run_bytes());
+  const int64_t words = p->cache.run_bytes() / width;
+  if (p->units() == 0 || words == 0) return ffi::Error::Success();
+  if (p->units() > 0x7fffffff) return invalid("copy_pages", "too many pages for one launch");
+  const int threads = threads_for(words);
+  const int64_t chunks = (words + int64_t{threads} * kUnroll - 1) / (int64_t{threads} * kUnroll);
+  const dim3 grid(static_cast<unsigned>(p->units()), static_cast<unsigned>(std::min(chunks, kMaxGridY)));
+  switch (width) {
+    case 16: copy_kernel<16><<<grid, threads, 0, stream>>>(*p, chunks); break;
+    case 8: copy_kernel<8><<<grid, threads, 0, stream>>>(*p, chunks); break;
+    case 4: copy_kernel<4><<<grid, threads, 0, stream>>>(*p, chunks); break;
+    case 2: copy_kernel<2><<<grid, threads, 0, stream>>>(*p, chunks); break;
+    default: copy_kernel<1><<<grid, threads, 0, stream>>>(*p, chunks); break;
+  }
+  return cuda_status("copy_pages");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxkv_paged_append_cuda, paged_append_cuda,
+    bind_paged_append(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxkv_paged_gather_cuda, paged_gather_cuda,
+    bind_paged_gather(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxkv_paged_copy_cuda, paged_copy_cuda,
+    bind_paged_copy(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+JAXKV_REGISTER_TARGET("jaxkv_paged_append", "CUDA", jaxkv_paged_append_cuda);
+JAXKV_REGISTER_TARGET("jaxkv_paged_gather", "CUDA", jaxkv_paged_gather_cuda);
+JAXKV_REGISTER_TARGET("jaxkv_paged_copy", "CUDA", jaxkv_paged_copy_cuda);
+
+}  // namespace jaxkv

@@ -1,0 +1,389 @@
+"""PagedKVCache: a pool of fixed-size pages shared by every sequence (Modular MAX's PagedKVCache).
+
+The allocator lives in the pytree as arrays (a reference count per page; a page is free when its
+count is 0), so reserving, forking and releasing run on device under ``jit`` with no host round
+trip. Data moves through the kernels of ``paged_ops``; everything else is small jnp arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from . import _validate as v
+from . import ops
+from . import paged_ops
+from .paged_ops import NO_PAGE
+
+IntOrArray = Union[int, jax.Array]
+_INT32_MAX = 2**31 - 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """Paged KV cache of every decoder layer: pools of pages, a page table, lengths, an allocator.
+
+    Every method returns a new cache; under ``jit`` with the cache donated the pools are updated in
+    place. A decode step: ``reserve`` pages for the new tokens, ``append`` each layer's K/V,
+    ``commit`` the lengths; ``release`` finished sequences.
+
+    >>> cache = PagedKVCache.create(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2,
+    ...                             head_dim=8, max_batch=2, max_pages_per_seq=4,
+    ...                             dtype=jnp.float32)
+    >>> n = jnp.array([5, 3], jnp.int32)                      # ragged prefill
+    >>> cache, served = cache.reserve(n)
+    >>> k = v = jnp.ones((2, 2, 5, 8), jnp.float32)
+    >>> cache = cache.append(0, k, v, n).append(1, k, v, n).commit(n)
+    >>> cache.lengths, cache.num_free_pages
+    (Array([5, 3], dtype=int32), Array(5, dtype=int32))
+    """
+
+    k_pages: jax.Array  # HND [L, H, num_pages, page_size, D]; NHD [L, num_pages, page_size, H, D]
+    v_pages: jax.Array  # same as k_pages
+    page_table: jax.Array  # int32 [max_batch, max_pages_per_seq]: physical page, or NO_PAGE
+    lengths: jax.Array  # int32 [max_batch]: tokens stored per sequence (cache_lengths)
+    ref_counts: jax.Array  # int32 [num_pages]: page-table entries naming each page; 0 = free
+    new_tokens: jax.Array  # int32 [max_batch]: tokens the last reserve made room for
+    layout: str = dataclasses.field(default="HND", metadata=dict(static=True))
+
+    @classmethod
+    def create(
+        cls,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_batch: int,
+        max_pages_per_seq: int,
+        dtype=jnp.bfloat16,
+        layout: str = "HND",
+    ) -> "PagedKVCache":
+        op = "PagedKVCache.create"
+        dims = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
+                    num_kv_heads=num_kv_heads, head_dim=head_dim, max_batch=max_batch,
+                    max_pages_per_seq=max_pages_per_seq)
+        for name, value in dims.items():
+            v.static_int(op, name, value, lo=1, hi=_INT32_MAX)
+        if layout not in paged_ops.LAYOUTS:
+            raise ValueError(f"{op}: layout must be one of {paged_ops.LAYOUTS}, got {layout!r}")
+        if np.dtype(dtype) not in v.CACHE_DTYPES:
+            raise TypeError(f"{op}: unsupported dtype {np.dtype(dtype)}")
+        if max_pages_per_seq * page_size > _INT32_MAX:
+            raise ValueError(f"{op}: max_pages_per_seq * page_size must fit in int32 positions")
+        if num_layers * max_batch * num_kv_heads > _INT32_MAX:
+            raise ValueError(f"{op}: num_layers * max_batch * num_kv_heads must fit in int32")
+        if layout == "HND":
+            shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+        else:
+            shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        return cls(
+            k_pages=jnp.zeros(shape, dtype),
+            v_pages=jnp.zeros(shape, dtype),
+            page_table=jnp.full((max_batch, max_pages_per_seq), NO_PAGE, jnp.int32),
+            lengths=jnp.zeros((max_batch,), jnp.int32),
+            ref_counts=jnp.zeros((num_pages,), jnp.int32),
+            new_tokens=jnp.zeros((max_batch,), jnp.int32),
+            layout=layout,
+        )
+
+    # Static configuration, read off the shapes.
+    def _geometry(self) -> dict:
+        return paged_ops.pool_geometry(self.layout, self.k_pages.shape)
+
+    num_layers = property(lambda self: self._geometry()["num_layers"])
+    num_kv_heads = property(lambda self: self._geometry()["num_kv_heads"])
+    num_pages = property(lambda self: self._geometry()["num_pages"])
+    page_size = property(lambda self: self._geometry()["page_size"])
+    head_dim = property(lambda self: self._geometry()["head_dim"])
+    max_batch = property(lambda self: self.page_table.shape[0])
+    max_pages_per_seq = property(lambda self: self.page_table.shape[1])
+    dtype = property(lambda self: self.k_pages.dtype)
+
+    # Read-side queries (the seed's).
+    @property
+    def pages_held(self) -> jax.Array:
+        """int32 ``[max_batch]``: pages assigned to each sequence (a prefix of its table row)."""
+        return paged_ops.pages_held(self.page_table)
+
+    @property
+    def num_free_pages(self) -> jax.Array:
+        """int32 ``[]``: pages no sequence holds."""
+        return jnp.sum(self.ref_counts == 0, dtype=jnp.int32)
+
+    @property
+    def max_context_length(self) -> jax.Array:
+        """int32 ``[]``: the longest sequence in the cache (max of ``lengths``)."""
+        return jnp.max(self.lengths)
+
+    @property
+    def max_prompt_length(self) -> jax.Array:
+        """int32 ``[]``: the most tokens the last ``reserve`` made room for in one sequence."""
+        return jnp.max(self.new_tokens)
+
+    @property
+    def empty(self) -> jax.Array:
+        """bool ``[]``: no sequence holds a token (the seed's empty_cache)."""
+        return jnp.all(self.lengths == 0)
+
+    def cache_length(self, b: IntOrArray) -> jax.Array:
+        """int32 ``[]``: tokens stored for sequence ``b``."""
+        return self.lengths[b]
+
+    @property
+    def block_tables(self) -> jax.Array:
+        """The page table with unassigned entries pointing at page 0, for readers that load whole
+        blocks of pages past a sequence's length and mask by length (JAX's Pallas
+        ``paged_attention``): int32 ``[max_batch, max_pages_per_seq]``."""
+        return jnp.maximum(self.page_table, 0)
+
+    # Allocation.
+    def reserve(self, num_new_tokens: jax.Array) -> tuple["PagedKVCache", jax.Array]:
+        """Assigns the pages each sequence needs for its next ``num_new_tokens`` tokens.
+
+        ``num_new_tokens``: int32 ``[max_batch]`` (0 for slots with nothing to add). Sequences are
+        served in slot order while free pages last; a sequence whose pages do not fit (in the
+        pool, or past ``max_pages_per_seq``) is not served and is left as it was, and so is every
+        later sequence that needs pages (first come, first served). Pages are taken lowest index
+        first, so the result is deterministic.
+
+        **Returns:** ``(cache, served)``, ``served`` bool ``[max_batch]``. A shortage is reported
+        through ``checkify``; ``max_prompt_length`` then reads the served sequences' counts.
+        """
+        op = "PagedKVCache.reserve"
+        v.array(op, "num_new_tokens", num_new_tokens)
+        v.int32(op, "num_new_tokens", num_new_tokens)
+        v.shape(op, "num_new_tokens", num_new_tokens, (self.max_batch,), "[max_batch]")
+        checkify.debug_check(jnp.all(num_new_tokens >= 0), f"{op}: num_new_tokens < 0")
+        n = jnp.maximum(num_new_tokens, 0)
+        held = self.pages_held
+        room = self.max_pages_per_seq * self.page_size - self.lengths
+        fits = n <= room
+        end = self.lengths + jnp.minimum(n, room)  # no int32 overflow
+        want = end // self.page_size + (end % self.page_size != 0).astype(jnp.int32)
+        need = jnp.where(fits, jnp.maximum(want - held, 0), 0).astype(jnp.int32)
+        ref_counts, served, first, free_ids = _allocate(self.ref_counts, need, fits)
+        checkify.debug_check(
+            jnp.all(fits), f"{op}: a sequence would pass max_pages_per_seq * page_size tokens"
+        )
+        checkify.debug_check(jnp.all(served | ~fits), f"{op}: out of pages")
+        # Row b's new pages go to table entries [held[b], held[b] + need[b]).
+        k = jnp.arange(self.max_pages_per_seq, dtype=jnp.int32)[None, :] - held[:, None]
+        new = served[:, None] & (k >= 0) & (k < need[:, None])
+        pick = jnp.clip(first[:, None] + k, 0, self.num_pages - 1)
+        page_table = jnp.where(new, free_ids[pick], self.page_table)
+        new_tokens = jnp.where(served, n, 0)
+        cache = dataclasses.replace(
+            self, page_table=page_table, ref_counts=ref_counts, new_tokens=new_tokens
+        )
+        return cache, served
+
+    def release(self, mask: jax.Array) -> "PagedKVCache":
+        """Ends the sequences where ``mask`` (bool ``[max_batch]``) is set: their pages go back to
+        the pool (a shared page when its last holder ends), their lengths become 0."""
+        op = "PagedKVCache.release"
+        v.array(op, "mask", mask)
+        if mask.dtype != jnp.bool_:
+            raise TypeError(f"{op}: mask must be bool, got {mask.dtype}")
+        v.shape(op, "mask", mask, (self.max_batch,), "[max_batch]")
+        return self._release(mask)
+
+    def _release(self, mask: jax.Array) -> "PagedKVCache":
+        held = mask[:, None] & (self.page_table >= 0) & (self.page_table < self.num_pages)
+        pages = jnp.where(held, self.page_table, self.num_pages)
+        ref_counts = self.ref_counts.at[pages].add(-1, mode="drop")
+        return dataclasses.replace(
+            self,
+            page_table=jnp.where(mask[:, None], NO_PAGE, self.page_table),
+            lengths=jnp.where(mask, 0, self.lengths),
+            new_tokens=jnp.where(mask, 0, self.new_tokens),
+            ref_counts=ref_counts,
+        )
+
+    def compact(self, batch_mapping: jax.Array) -> "PagedKVCache":
+        """Moves sequences to new slots; page-table rows and lengths move, KV data does not.
+
+        ``batch_mapping``: int32 ``[max_batch]``, the new slot of each sequence or -1 to end it
+        (its pages are released). Any injective mapping works; slots no sequence moves into become
+        empty. Two sequences sent to one slot is reported through ``checkify``; the higher old slot
+        keeps it and the other is released, so no page leaks.
+        """
+        op = "PagedKVCache.compact"
+        v.array(op, "batch_mapping", batch_mapping)
+        v.int32(op, "batch_mapping", batch_mapping)
+        v.shape(op, "batch_mapping", batch_mapping, (self.max_batch,), "[max_batch]")
+        ops.check_mapping_injective(op, batch_mapping, self.max_batch)
+        rows = self.max_batch
+        old = jnp.arange(rows, dtype=jnp.int32)
+        moves = (batch_mapping >= 0) & (batch_mapping < rows)
+        target = jnp.where(moves, batch_mapping, rows)
+        source = jnp.full((rows,), -1, jnp.int32).at[target].max(old, mode="drop")
+        kept = moves & (source[jnp.clip(target, 0, rows - 1)] == old)
+        cache = self._release(~kept)
+        src = jnp.clip(source, 0, rows - 1)
+        filled = source >= 0
+        return dataclasses.replace(
+            cache,
+            page_table=jnp.where(filled[:, None], self.page_table[src], NO_PAGE),
+            lengths=jnp.where(filled, self.lengths[src], 0),
+            new_tokens=jnp.where(filled, self.new_tokens[src], 0),
+        )
+
+    def fork(self, src_slot: IntOrArray, dst_slots: jax.Array) -> tuple["PagedKVCache", jax.Array]:
+        """Starts sequences in ``dst_slots`` as copies of the one in ``src_slot``.
+
+        They share the source's full pages (reference counts go up: a shared prompt is stored
+        once) and each gets a private copy of its partially filled last page (copy-on-write, one
+        ``copy_pages`` launch), so every sequence can append on its own. Pages the destinations
+        held before are released.
+
+        ``src_slot``: int or int32 scalar (may be traced); ``dst_slots``: int32 ``[n]``, distinct
+        slots other than ``src_slot``. **Returns:** ``(cache, forked)``, ``forked`` bool ``[n]``:
+        false where a destination is invalid or no page was left for its copy (``checkify``
+        reports both); such a destination is left empty.
+        """
+        op = "PagedKVCache.fork"
+        src = v.int_scalar(op, "src_slot", src_slot)
+        v.array(op, "dst_slots", dst_slots)
+        v.int32(op, "dst_slots", dst_slots)
+        v.rank(op, "dst_slots", dst_slots, 1, "[n]")
+        rows, size = self.max_batch, self.page_size
+        src_ok = (src >= 0) & (src < rows)
+        ok = src_ok & (dst_slots >= 0) & (dst_slots < rows) & (dst_slots != src)
+        dst_index = jnp.where(ok, dst_slots, rows)
+        hits = jnp.zeros((rows + 1,), jnp.int32).at[dst_index].add(1)[:rows]
+        checkify.debug_check(
+            jnp.all(ok) & jnp.all(hits <= 1),
+            f"{op}: dst_slots must be distinct valid slots other than src_slot",
+        )
+        is_dst = hits > 0
+        cache = self._release(is_dst)
+
+        src = jnp.clip(src, 0, rows - 1)
+        length = self.lengths[src]
+        src_row = self.page_table[src]  # the source's own row is untouched by the release above
+        full = length // size
+        partial = length % size != 0
+        need = jnp.where(is_dst & partial, 1, 0).astype(jnp.int32)
+        ref_counts, served, first, free_ids = _allocate(cache.ref_counts, need, is_dst)
+        checkify.debug_check(jnp.all(served | ~is_dst), f"{op}: out of pages")
+        new_page = jnp.where(served & partial, free_ids[jnp.clip(first, 0, self.num_pages - 1)],
+                             NO_PAGE)
+        j = jnp.arange(self.max_pages_per_seq, dtype=jnp.int32)[None, :]
+        row = jnp.where(j < full, src_row[None, :], NO_PAGE)
+        row = jnp.where(j == full, new_page[:, None], row)
+        page_table = jnp.where(served[:, None], row, cache.page_table)
+        shared = jnp.where((j[0] < full) & (src_row >= 0), src_row, self.num_pages)
+        ref_counts = ref_counts.at[shared].add(jnp.sum(served, dtype=jnp.int32), mode="drop")
+        last = src_row[jnp.clip(full, 0, self.max_pages_per_seq - 1)]
+        copy_src = jnp.where(new_page >= 0, last, NO_PAGE)
+        k_pages, v_pages = paged_ops.copy_pages(
+            cache.k_pages, cache.v_pages, copy_src, new_page, layout=self.layout
+        )
+        cache = dataclasses.replace(
+            cache,
+            k_pages=k_pages,
+            v_pages=v_pages,
+            page_table=page_table,
+            lengths=jnp.where(served, length, cache.lengths),
+            ref_counts=ref_counts,
+        )
+        slot = jnp.clip(dst_slots, 0, rows - 1)
+        forked = ok & served[slot]
+        return cache, forked
+
+    def copy_pages(self, src_pages: jax.Array, dst_pages: jax.Array) -> "PagedKVCache":
+        """Copies physical pages ``src_pages[i]`` -> ``dst_pages[i]`` (every layer, K and V, one
+        launch); see ``jaxkv.paged_ops.copy_pages``. The page table is not changed."""
+        k_pages, v_pages = paged_ops.copy_pages(
+            self.k_pages, self.v_pages, src_pages, dst_pages, layout=self.layout
+        )
+        return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+
+    # Data.
+    def append(self, layer_idx: IntOrArray, k: jax.Array, v_: jax.Array, new_lengths=None):
+        """Writes ``k``, ``v`` ``[max_batch, H, T, D]`` at positions ``lengths[b] ..`` of layer
+        ``layer_idx`` (may be traced), through the page table, K and V in one launch.
+
+        ``new_lengths``: int32 ``[max_batch]``: tokens of each row to write (ragged prefill; 0 for
+        idle slots); None writes all ``T``. Positions without a reserved page are skipped and
+        reported through ``checkify``. Lengths are unchanged (see ``commit``).
+        """
+        op = "PagedKVCache.append"
+        for name, x in (("k", k), ("v", v_)):
+            v.array(op, name, x)
+            v.rank(op, name, x, 4, "[max_batch, num_kv_heads, T, head_dim]")
+        k_pages, v_pages = paged_ops.paged_append(
+            self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, k, v_,
+            new_lengths, layout=self.layout,
+        )
+        return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+
+    def append_layers(self, k: jax.Array, v_: jax.Array, new_lengths=None):
+        """``append`` of every layer at once, one launch: ``k``, ``v`` ``[L, max_batch, H, T, D]``."""
+        op = "PagedKVCache.append_layers"
+        for name, x in (("k", k), ("v", v_)):
+            v.array(op, name, x)
+            v.rank(op, name, x, 5, "[num_layers, max_batch, num_kv_heads, T, head_dim]")
+        k_pages, v_pages = paged_ops.paged_append(
+            self.k_pages, self.v_pages, self.page_table, self.lengths, 0, k, v_, new_lengths,
+            layout=self.layout,
+        )
+        return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+
+    def commit(self, num_new_tokens: IntOrArray) -> "PagedKVCache":
+        """Advances the lengths by ``num_new_tokens`` (a Python int or int32 ``[max_batch]``).
+
+        Lengths stop at each sequence's reserved pages (reported through ``checkify``), so a
+        sequence ``reserve`` did not serve does not advance.
+        """
+        op = "PagedKVCache.commit"
+        if isinstance(num_new_tokens, (bool, np.bool_)):
+            raise TypeError(f"{op}: num_new_tokens must be an int or an int32 array, got bool")
+        if not isinstance(num_new_tokens, (int, np.integer)):
+            v.array(op, "num_new_tokens", num_new_tokens)
+            v.int32(op, "num_new_tokens", num_new_tokens)
+            v.shape(op, "num_new_tokens", num_new_tokens, (self.max_batch,), "[max_batch]")
+        n = jnp.asarray(num_new_tokens, jnp.int32)
+        capacity = self.pages_held * self.page_size
+        grown = self.lengths + jnp.maximum(n, 0)
+        checkify.debug_check(
+            jnp.all((n >= 0) & (grown <= capacity)),
+            f"{op}: lengths would pass the reserved pages (or num_new_tokens < 0)",
+        )
+        return dataclasses.replace(self, lengths=jnp.maximum(jnp.minimum(grown, capacity), self.lengths))
+
+    def gather(self, layer_idx: IntOrArray, max_len: int, *, split: bool = False):
+        """Layer ``layer_idx``'s tokens in dense memory: ``[max_batch, 2, H, max_len, D]``, or with
+        ``split`` a ``(k, v)`` pair of ``[max_batch, H, max_len, D]``. Positions at or past a
+        sequence's length are zeros."""
+        return paged_ops.paged_gather(
+            self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, max_len,
+            layout=self.layout, split=split,
+        )
+
+
+def _allocate(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array):
+    """Takes ``need[b]`` free pages for each eligible row, in row order, while they last.
+
+    Returns ``(ref_counts', served, first, free_ids)``: row ``b`` (served) owns
+    ``free_ids[first[b] : first[b] + need[b]]``, each now with count 1. A row needing no page is
+    served when eligible; once one row does not fit, no later row needing pages is served, so no
+    page is ever given twice.
+    """
+    num_pages = ref_counts.shape[0]
+    free = ref_counts == 0
+    free_ids = jnp.nonzero(free, size=num_pages, fill_value=num_pages)[0].astype(jnp.int32)
+    want = jnp.where(eligible, need, 0)
+    served = eligible & ((need == 0) | (jnp.cumsum(want) <= jnp.sum(free, dtype=jnp.int32)))
+    take = jnp.where(served, need, 0)
+    first = jnp.cumsum(take) - take
+    total = jnp.sum(take)
+    taken = jnp.where(jnp.arange(num_pages) < total, free_ids, num_pages)
+    return ref_counts.at[taken].set(1, mode="drop"), served, first.astype(jnp.int32), free_ids

@@ -1,0 +1,193 @@
+"""The paged cache's kernels: append, gather and copy_pages on a pair of page pools.
+
+A pool stacks every layer's pages: ``"HND"`` ``[L, H, P, S, D]`` (``pool[l]`` is what JAX's Pallas
+``paged_attention`` takes) or ``"NHD"`` ``[L, P, S, H, D]`` (vLLM / FlashInfer / MAX). The page
+table ``[B, max_pages_per_seq]`` maps (row, logical page) to a physical page; entries outside
+``[0, P)`` (``NO_PAGE`` for unassigned) are never dereferenced. ``PagedKVCache`` wraps these; they
+are public for callers that keep their own page tables.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from . import _ffi
+from . import _validate as v
+
+NO_PAGE = -1  # page-table sentinel: no page assigned
+LAYOUTS = ("HND", "NHD")
+
+
+def pool_geometry(layout: str, shape) -> dict:
+    """num_layers, num_kv_heads, num_pages, page_size, head_dim of a pool shape."""
+    if layout == "HND":
+        layers, heads, pages, page_size, head_dim = shape
+    else:
+        layers, pages, page_size, heads, head_dim = shape
+    return dict(num_layers=layers, num_kv_heads=heads, num_pages=pages, page_size=page_size,
+                head_dim=head_dim)
+
+
+def _check_pools(op: str, k_pages, v_pages, layout: str) -> dict:
+    if layout not in LAYOUTS:
+        raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
+    hint = "[L, H, P, S, D]" if layout == "HND" else "[L, P, S, H, D]"
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        v.array(op, name, x)
+        v.rank(op, name, x, 5, hint)
+        v.cache_dtype(op, name, x)
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(
+            f"{op}: k_pages {k_pages.dtype}{tuple(k_pages.shape)} and v_pages "
+            f"{v_pages.dtype}{tuple(v_pages.shape)} differ"
+        )
+    return pool_geometry(layout, k_pages.shape)
+
+
+def _check_table(op: str, page_table, lengths) -> int:
+    v.array(op, "lengths", lengths)
+    v.int32(op, "lengths", lengths)
+    v.rank(op, "lengths", lengths, 1, "[max_batch]")
+    v.array(op, "page_table", page_table)
+    v.int32(op, "page_table", page_table)
+    v.rank(op, "page_table", page_table, 2, "[max_batch, max_pages_per_seq]")
+    if page_table.shape[0] != lengths.shape[0]:
+        raise ValueError(
+            f"{op}: page_table has {page_table.shape[0]} rows, lengths {lengths.shape[0]}"
+        )
+    return lengths.shape[0]
+
+
+def pages_held(page_table: jax.Array) -> jax.Array:
+    """int32 ``[B]``: pages assigned to each row (they are a prefix of its page-table row)."""
+    return jnp.sum(page_table != NO_PAGE, axis=1, dtype=jnp.int32)
+
+
+def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v_, new_lengths=None,
+                 *, layout: str = "HND"):
+    """Writes ``k``, ``v`` into the pools through the page table, K and V in one launch.
+
+    **Arguments:**
+    - ``k_pages``, ``v_pages``: the pools (see the module docstring). Donate them to run in place.
+    - ``page_table``: int32 ``[B, max_pages_per_seq]``; ``lengths``: int32 ``[B]``.
+    - ``layer_idx``: int or int32 scalar (may be traced): the layer ``k`` belongs to. Ignored when
+      ``k`` has a leading layer axis.
+    - ``k``, ``v``: ``[B, H, T, D]`` (one layer) or ``[L, B, H, T, D]`` (every layer, one launch).
+    - ``new_lengths``: int32 ``[B]`` or None: row ``b`` writes its first ``min(T, new_lengths[b])``
+      tokens (ragged prefill; 0 for rows with nothing to add); None writes all ``T``.
+
+    **Returns:** ``(k_pages', v_pages')``: token ``t`` of row ``b`` is at position
+    ``lengths[b] + t`` of that row, i.e. in page ``page_table[b, pos // S]``, slot ``pos % S``.
+    Positions without an assigned page are skipped (reported through ``checkify``); no other
+    byte of the pools is written.
+    """
+    op = "paged_append"
+    g = _check_pools(op, k_pages, v_pages, layout)
+    batch = _check_table(op, page_table, lengths)
+    all_layers = getattr(k, "ndim", None) == 5
+    layer_idx = jnp.zeros((), jnp.int32) if all_layers else v.int_scalar(op, "layer_idx", layer_idx)
+    lead = (g["num_layers"],) if all_layers else ()
+    for name, x in (("k", k), ("v", v_)):
+        v.array(op, name, x)
+        v.rank(op, name, x, len(lead) + 4, "[B, H, T, D] or [L, B, H, T, D]")
+        if x.dtype != k_pages.dtype:
+            raise TypeError(f"{op}: {name} has dtype {x.dtype}, the pools hold {k_pages.dtype}")
+        expected = lead + (batch, g["num_kv_heads"], x.shape[-2], g["head_dim"])
+        v.shape(op, name, x, expected, "[(L,) B, H, T, D]")
+    if k.shape != v_.shape:
+        raise ValueError(f"{op}: k and v shapes differ: {k.shape} vs {v_.shape}")
+    tokens = k.shape[-2]
+    if new_lengths is None:
+        count = jnp.full((batch,), tokens, jnp.int32)
+        counts_in = jnp.zeros((0,), jnp.int32)
+    else:
+        v.array(op, "new_lengths", new_lengths)
+        v.int32(op, "new_lengths", new_lengths)
+        v.shape(op, "new_lengths", new_lengths, (batch,), "[max_batch]")
+        count = jnp.clip(new_lengths, 0, tokens)
+        counts_in = new_lengths
+    checkify.debug_check(
+        (layer_idx >= 0) & (layer_idx < g["num_layers"]), f"{op}: layer_idx out of range"
+    )
+    capacity = pages_held(page_table) * g["page_size"]
+    checkify.debug_check(
+        jnp.all((count == 0) | (lengths + count <= capacity)),
+        f"{op}: tokens past a row's reserved pages are dropped (reserve first)",
+    )
+    return _ffi.call(
+        "jaxkv_paged_append",
+        (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),) * 2,
+        k, v_, page_table, lengths, counts_in, layer_idx, k_pages, v_pages,
+        input_output_aliases={6: 0, 7: 1},
+        nhd=layout == "NHD",
+    )
+
+
+def paged_gather(k_pages, v_pages, page_table, lengths, layer_idx, max_len: int, *,
+                 layout: str = "HND", split: bool = False):
+    """Copies one layer's tokens into dense memory.
+
+    **Returns:** ``[B, 2, H, max_len, D]`` (K then V), or with ``split`` a pair of
+    ``[B, H, max_len, D]``. Position ``t`` of row ``b`` holds the cached token for
+    ``t < lengths[b]`` and zeros after it (also where no page is assigned). The pools are read,
+    not copied.
+    """
+    op = "paged_gather"
+    g = _check_pools(op, k_pages, v_pages, layout)
+    batch = _check_table(op, page_table, lengths)
+    layer_idx = v.int_scalar(op, "layer_idx", layer_idx)
+    max_len = v.static_int(op, "max_len", max_len, lo=1)
+    checkify.debug_check(
+        (layer_idx >= 0) & (layer_idx < g["num_layers"]), f"{op}: layer_idx out of range"
+    )
+    heads, head_dim, dtype = g["num_kv_heads"], g["head_dim"], k_pages.dtype
+    if split:
+        results = (jax.ShapeDtypeStruct((batch, heads, max_len, head_dim), dtype),) * 2
+    else:
+        results = (jax.ShapeDtypeStruct((batch, 2, heads, max_len, head_dim), dtype),)
+    out = _ffi.call(
+        "jaxkv_paged_gather", results, k_pages, v_pages, page_table, lengths, layer_idx,
+        nhd=layout == "NHD",
+    )
+    return tuple(out) if split else out[0]
+
+
+def copy_pages(k_pages, v_pages, src_pages, dst_pages, *, layout: str = "HND"):
+    """Copies physical page ``src_pages[i]`` to ``dst_pages[i]``, every layer, K and V, in one
+    launch (vLLM's copy_blocks).
+
+    ``src_pages``, ``dst_pages``: int32 ``[n]``. Pairs with an entry outside ``[0, num_pages)``
+    are skipped. Destinations must be distinct and not among the sources (``checkify``); donate the
+    pools to run in place.
+    """
+    op = "copy_pages"
+    g = _check_pools(op, k_pages, v_pages, layout)
+    for name, x in (("src_pages", src_pages), ("dst_pages", dst_pages)):
+        v.array(op, name, x)
+        v.int32(op, name, x)
+        v.rank(op, name, x, 1, "[n]")
+    if src_pages.shape != dst_pages.shape:
+        raise ValueError(
+            f"{op}: src_pages {tuple(src_pages.shape)} and dst_pages {tuple(dst_pages.shape)} differ"
+        )
+    pages = g["num_pages"]
+    valid = (src_pages >= 0) & (src_pages < pages) & (dst_pages >= 0) & (dst_pages < pages)
+    valid &= src_pages != dst_pages  # the kernel skips these too
+    dst = jnp.where(valid, dst_pages, pages)
+    hits = jnp.zeros((pages + 1,), jnp.int32).at[dst].add(1)[:pages]
+    is_src = jnp.zeros((pages + 1,), jnp.bool_).at[jnp.where(valid, src_pages, pages)].set(True)
+    checkify.debug_check(
+        jnp.all((hits <= 1) & ~((hits > 0) & is_src[:pages])),
+        f"{op}: destination pages must be distinct and not among the sources",
+    )
+    if src_pages.shape[0] == 0:
+        return k_pages, v_pages
+    return tuple(_ffi.call(
+        "jaxkv_paged_copy",
+        (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),) * 2,
+        src_pages, dst_pages, k_pages, v_pages,
+        input_output_aliases={2: 0, 3: 1},
+        nhd=layout == "NHD",
+    ))
