@@ -62,6 +62,19 @@ def test_loader_reads_safetensors_without_the_package(checkpoint, monkeypatch):
         np.testing.assert_array_equal(tensors[name], value.numpy(), err_msg=name)
 
 
+def test_loader_reads_bfloat16_checkpoints(checkpoint, tmp_path):
+    _, model = checkpoint
+    half = transformers.LlamaForCausalLM(model.config).to(torch.bfloat16)
+    half.load_state_dict(model.state_dict())
+    half.save_pretrained(tmp_path)
+    _, params = hf_loader.load(tmp_path, dtype="bfloat16")
+    want = lambda name: half.state_dict()[name].float().numpy()
+    np.testing.assert_array_equal(np.asarray(params["embed"], np.float32),
+                                  want("model.embed_tokens.weight"))
+    np.testing.assert_array_equal(np.asarray(params["layers"][1]["wk"], np.float32),
+                                  want("model.layers.1.self_attn.k_proj.weight").T)
+
+
 def greedy_matches_transformers(path, model, kind_name):
     cfg, params = hf_loader.load(path)
     system = np.random.default_rng(1).integers(0, cfg.vocab_size, 5).astype(np.int32)
