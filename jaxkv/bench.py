@@ -58,9 +58,11 @@ def measure(step, carry, consts, case: C.Case, reps: int):
     largest = max(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(carry))
     carry, seconds, hlo = T.time_loop(step, carry, consts, case.iters, reps, case.per_step)
     fixed = T.entry_work(hlo)
-    if fixed >= 1 << 16:  # work outside the loop: time 2n iterations too and take the difference
-        carry, twice, _ = T.time_loop(step, carry, consts, 2 * case.iters, reps, case.per_step)
-        seconds = [max(2 * b - a, 1e-12) for a, b in zip(seconds, twice)]
+    if fixed >= 1 << 16:  # work outside the loop: time 4n iterations too, take the difference
+        carry, long, _ = T.time_loop(step, carry, consts, 4 * case.iters, reps, case.per_step)
+        diff = [(4 * b - a) / 3 for a, b in zip(seconds, long)]  # per op, fixed cost removed
+        # If noise beats the difference, the long loop's own average is the honest bound.
+        seconds = diff if min(diff) > 0 else long
     m = T.Measured("", seconds, T.jaxkv_calls(hlo) // case.per_step, T.big_copies(hlo), extra,
                    static)
     mem = extra if extra is not None else static

@@ -34,16 +34,16 @@ class Progress:
         self.start = time.perf_counter()
 
     def step(self, label: str) -> None:
-        """Announces the next step."""
-        self.done += 1
+        """Starts the next step."""
+        self.done = min(self.done + 1, self.total)
         self.label(label)
 
-    def label(self, label: str) -> None:
+    def label(self, label: str, finished: int | None = None) -> None:
         """Shows what the current step is doing now."""
         if not self.enabled:
             return
         width = 24
-        filled = width * (self.done - 1) // self.total
+        filled = width * (self.done - 1 if finished is None else finished) // self.total
         bar = "#" * filled + "." * (width - filled)
         line = f"[{bar}] {self.done}/{self.total} {time.perf_counter() - self.start:4.0f}s {label}"
         if self.tty:
@@ -54,8 +54,8 @@ class Progress:
 
     def close(self) -> None:
         if self.enabled:
-            self.done = self.total + 1
-            self.label("done")
+            self.done = self.total
+            self.label("done", finished=self.total)
             if self.tty:
                 self.stream.write("\n")
 
