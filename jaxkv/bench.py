@@ -53,13 +53,14 @@ def parse(argv):
 
 
 def measure(step, carry, consts, case: C.Case, reps: int):
-    """(carry, result dict) of one implementation: memory probe first, then the timed loop."""
-    carry, extra, static = T.probe_memory(step, carry, consts, case.donate)
+    """(carry, result dict, compiled HLO) of one implementation: the timed loop, whose warm-up
+    call is also the memory probe."""
     largest = max(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(carry))
-    carry, seconds, hlo = T.time_loop(step, carry, consts, case.iters, reps, case.per_step)
+    carry, seconds, hlo, (extra, static) = T.time_loop(
+        step, carry, consts, case.iters, reps, case.per_step, memory=True)
     fixed = T.entry_work(hlo)
     if fixed >= 1 << 16:  # work outside the loop: time 4n iterations too, take the difference
-        carry, long, _ = T.time_loop(step, carry, consts, 4 * case.iters, reps, case.per_step)
+        carry, long, _, _ = T.time_loop(step, carry, consts, 4 * case.iters, reps, case.per_step)
         diff = [(4 * b - a) / 3 for a, b in zip(seconds, long)]  # per op, fixed cost removed
         # If noise beats the difference, the long loop's own average is the honest bound.
         seconds = diff if min(diff) > 0 else long
@@ -70,10 +71,10 @@ def measure(step, carry, consts, case: C.Case, reps: int):
         time_s=m.time, times_s=seconds, spread=m.spread,
         gbps=case.min_bytes / m.time / 1e9, launches=m.launches, big_copies=m.big_copies,
         mem_extra_bytes=extra, mem_static_bytes=static, mem_measured=extra is not None,
+        mem_overhead_frac=None if mem is None else mem / case.cache_bytes,
         loop_work_bytes=T.loop_work(hlo), entry_work_bytes=fixed,
         # Work of the size of the carry must happen inside the loop, unless nothing should move.
         hoisted=case.min_bytes > 0 and T.loop_work(hlo) < largest,
-        mem_overhead_frac=None if mem is None else max(mem - case.new_bytes, 0) / case.cache_bytes,
     )
     return carry, result, hlo
 

@@ -118,7 +118,7 @@ def test_timed_loop_runs_in_place():
     assert not copies_of(hlo, buffer)
     assert T.jaxkv_calls(hlo) == 1
     pointer = buffer.unsafe_buffer_pointer()
-    buffer, seconds, _ = T.time_loop(kernel, buffer, consts, 3, 2)
+    buffer, seconds, _, _ = T.time_loop(kernel, buffer, consts, 3, 2)
     assert buffer.unsafe_buffer_pointer() == pointer and len(seconds) == 2
 
 
@@ -179,30 +179,35 @@ def test_xla_formulations_compute_the_same(case):
 
 def test_memory_probe_pads_to_the_peak(monkeypatch):
     """The probe's arithmetic with a device's memory_stats (CPU has none): it pads the bytes in use
-    up to the old peak, so the new peak minus the bytes in use is what the op allocated."""
+    up to the old peak, so the new peak minus the bytes in use is what the call allocated."""
     seen = []
     gap = 4096
 
     def fake_stats():
         seen.append(len(seen))
         used = 1000 + (gap if len(seen) > 1 else 0)  # the pad is live from the 2nd reading on
-        peak = 1000 + gap + (123 if len(seen) > 2 else 0)  # the op lifts the peak by 123
+        peak = 1000 + gap + (123 if len(seen) > 2 else 0)  # the call lifts the peak by 123
         return dict(bytes_in_use=used, peak_bytes_in_use=peak, bytes_limit=1 << 40)
 
     monkeypatch.setattr(T, "memory_stats", fake_stats)
-    step = lambda i, c, k: c * 2
     x = jnp.ones((8,), jnp.float32)
-    out, measured, static = T.probe_memory(step, x, (), donate=True)
+    out, measured = T.peak_extra(lambda: x * 2, 0)
     assert measured == 123 and len(seen) == 3
     np.testing.assert_array_equal(out, 2 * np.ones(8, np.float32))
-    assert static is not None and static >= 0
 
-    # No room for the pad and the op: no measurement, XLA's number only, the op still ran once.
+    # No room for the pad and the call: no measurement, the call still ran once.
     monkeypatch.setattr(T, "memory_stats", lambda: dict(bytes_in_use=10, peak_bytes_in_use=20,
                                                         bytes_limit=40))
-    out, measured, _ = T.probe_memory(step, out, (), donate=True)
+    out, measured = T.peak_extra(lambda: out * 2, 0)
     assert measured is None
     np.testing.assert_array_equal(out, 4 * np.ones(8, np.float32))
+
+    # Through time_loop: its warm-up call is the probe.
+    monkeypatch.setattr(T, "memory_stats", lambda: None)
+    out, seconds, _, (measured, static) = T.time_loop(lambda i, c, k: c * 2, out, (), 3, 2,
+                                                       memory=True)
+    assert measured is None and static is not None and static >= 0 and len(seconds) == 2
+    np.testing.assert_array_equal(out, 4 * 2**9 * np.ones(8, np.float32))
 
 
 def test_a_hoisted_op_is_detected():

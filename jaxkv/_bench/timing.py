@@ -189,10 +189,26 @@ def loop(step: Step, n: int):
     return jax.jit(run, donate_argnums=0)
 
 
-def time_loop(step: Step, carry, consts, n: int, reps: int, per_step: int = 1):
-    """(carry, per-op seconds of each repetition, compiled HLO text) after a warm-up call."""
+def time_loop(step: Step, carry, consts, n: int, reps: int, per_step: int = 1,
+              memory: bool = False):
+    """(carry, per-op seconds of each repetition, compiled HLO text, memory) after a warm-up call.
+
+    With ``memory`` the warm-up call doubles as the memory probe: ``(measured, static)`` extra
+    bytes (see ``peak_extra``); a loop holds one application's buffers, and its carry is the op's
+    cache or output, so that is what one op needs beyond its inputs and outputs.
+    """
     compiled = loop(step, n).lower(carry, consts).compile()
-    carry = compiled(carry, consts)  # warm-up: module load, autotuning, first touch
+    static = None
+    try:
+        ma = compiled.memory_analysis()  # temporaries and outputs not aliased to a donated input
+        static = int(ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes)
+    except Exception:  # not every backend reports it
+        pass
+    # Warm-up: module load, autotuning, first touch.
+    if memory:
+        carry, measured = peak_extra(lambda: compiled(carry, consts), static)
+    else:
+        carry, measured = compiled(carry, consts), None
     block(carry)
     seconds = []
     for _ in range(reps):
@@ -200,7 +216,7 @@ def time_loop(step: Step, carry, consts, n: int, reps: int, per_step: int = 1):
         carry = compiled(carry, consts)
         block(carry)
         seconds.append((time.perf_counter() - start) / (n * per_step))
-    return carry, seconds, compiled.as_text()
+    return carry, seconds, compiled.as_text(), (measured, static)
 
 
 def memory_stats() -> dict | None:
@@ -210,38 +226,31 @@ def memory_stats() -> dict | None:
         return None
 
 
-def probe_memory(step: Step, carry, consts, donate: bool):
-    """(carry, measured extra bytes or None, static extra bytes or None) of ONE application.
+def peak_extra(call, expected: int | None):
+    """(``call()``'s result, the device memory it allocated beyond what was live, or None).
 
-    The device's ``peak_bytes_in_use`` only ever grows, so before the op we allocate a pad that
-    brings the bytes in use up to the current peak: the op then raises the peak by exactly what it
-    allocates beyond its (already live) inputs, whatever ran before it in this process.
+    The device's ``peak_bytes_in_use`` only ever grows, so before the call we allocate a pad that
+    brings the bytes in use up to the current peak: the call then raises the peak by exactly what
+    it allocates, whatever ran before it in this process. None where the backend keeps no
+    statistics (CPU), or where the pad and ``expected`` bytes would not fit together.
     """
-    fn = jax.jit(lambda c, k: step(jnp.int32(0), c, k), donate_argnums=0 if donate else ())
-    compiled = fn.lower(carry, consts).compile()
-    static = None
-    try:
-        ma = compiled.memory_analysis()
-        static = int(ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes)
-    except Exception:  # not every backend reports it
-        pass
     gc.collect()
     stats = memory_stats()
     if stats and "peak_bytes_in_use" in stats:
         gap = stats["peak_bytes_in_use"] - stats["bytes_in_use"]
         room = stats.get("bytes_limit", 1 << 62) - stats["bytes_in_use"] - gap
-        if room >= (static or 0) + (1 << 30):  # else no room for the pad and the op together
+        if room >= (expected or 0) + (1 << 30):
             pad = jnp.zeros((gap,), jnp.uint8) if gap > 0 else None
             block(pad)
             before = memory_stats()
-            out = compiled(carry, consts)
+            out = call()
             block(out)
             measured = max(memory_stats()["peak_bytes_in_use"] - before["bytes_in_use"], 0)
             del pad
-            return (out if donate else carry), measured, static
-    out = compiled(carry, consts)  # no measurement: XLA's number is reported instead
+            return out, measured
+    out = call()
     block(out)
-    return (out if donate else carry), None, static
+    return out, None
 
 
 def copy_bandwidth(nbytes: int, n: int, reps: int) -> dict:
@@ -256,7 +265,7 @@ def copy_bandwidth(nbytes: int, n: int, reps: int) -> dict:
     words = nbytes // 4
     x = jax.random.bits(jax.random.key(1), (words,), jnp.uint32)
     step = lambda i, c, _: c ^ i.astype(jnp.uint32)
-    x, stream, _ = time_loop(step, x, (), n, reps)
+    x, stream, _, _ = time_loop(step, x, (), n, reps)
     copy = jax.jit(jnp.copy)
     block(copy(x))
     memcpy = []
@@ -278,7 +287,7 @@ def copy_bandwidth(nbytes: int, n: int, reps: int) -> dict:
 def loop_overhead(n: int, reps: int) -> float:
     """Seconds per iteration of a loop whose body is one scalar add: included in every op time."""
     step = lambda i, c, _: c + i
-    _, seconds, _ = time_loop(step, jnp.int32(0), (), n, reps)
+    _, seconds, _, _ = time_loop(step, jnp.int32(0), (), n, reps)
     return statistics.median(seconds)
 
 
