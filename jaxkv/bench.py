@@ -18,6 +18,7 @@ import datetime
 import gc
 import json
 import os
+import statistics
 import traceback
 
 import jax
@@ -64,12 +65,14 @@ def measure(step, carry, consts, case: C.Case, reps: int):
         diff = [(4 * b - a) / 3 for a, b in zip(seconds, long)]  # per op, fixed cost removed
         # If noise beats the difference, the long loop's own average is the honest bound.
         seconds = diff if min(diff) > 0 else long
-    m = T.Measured("", seconds, T.jaxkv_calls(hlo) // case.per_step, T.big_copies(hlo), extra,
-                   static)
+    median = statistics.median(seconds)
     mem = extra if extra is not None else static
     result = dict(
-        time_s=m.time, times_s=seconds, spread=m.spread,
-        gbps=case.min_bytes / m.time / 1e9, launches=m.launches, big_copies=m.big_copies,
+        time_s=median, times_s=seconds,
+        # (max - min) / median: the noise to compare differences against.
+        spread=(max(seconds) - min(seconds)) / median,
+        gbps=case.min_bytes / median / 1e9, launches=T.jaxkv_calls(hlo) // case.per_step,
+        big_copies=T.big_copies(hlo),
         mem_extra_bytes=extra, mem_static_bytes=static, mem_measured=extra is not None,
         mem_overhead_frac=None if mem is None else mem / case.cache_bytes,
         loop_work_bytes=T.loop_work(hlo), entry_work_bytes=fixed,
@@ -195,13 +198,16 @@ def main(argv=None) -> dict:
     for path in (args.json, args.markdown, plot_path):
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if args.json:
+        R.write_json(report, args.json)
     plotted = False
     if plot_path:
         from jaxkv._bench.plot import plot
 
-        plotted = plot(report, plot_path)
-    if args.json:
-        R.write_json(report, args.json)
+        try:
+            plotted = plot(report, plot_path)
+        except Exception:  # the numbers matter more than the picture
+            traceback.print_exc()
     if args.markdown:
         name = os.path.relpath(plot_path, os.path.dirname(os.path.abspath(args.markdown))) \
             if plotted else None

@@ -9,7 +9,6 @@ cost is measured separately (``loop_overhead``) and is included, not subtracted.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import re
 import statistics
@@ -58,27 +57,6 @@ class Progress:
             self.label("done", finished=self.total)
             if self.tty:
                 self.stream.write("\n")
-
-
-@dataclasses.dataclass
-class Measured:
-    """One implementation of one case."""
-
-    name: str
-    seconds: list[float]  # per-op device time of each repetition
-    launches: int  # jaxkv custom calls per op in the compiled loop
-    big_copies: int  # copy instructions of >= 1 MiB arrays in the compiled loop
-    mem_extra: int | None  # bytes allocated beyond the live inputs while one op ran (measured)
-    mem_static: int | None  # same from XLA's buffer assignment (temp + non-aliased outputs)
-
-    @property
-    def time(self) -> float:
-        return statistics.median(self.seconds)
-
-    @property
-    def spread(self) -> float:
-        """(max - min) / median of the repetitions: the noise to compare differences against."""
-        return (max(self.seconds) - min(self.seconds)) / self.time if self.time > 0 else 0.0
 
 
 def block(tree) -> None:
