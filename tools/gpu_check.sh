@@ -23,7 +23,7 @@ echo "== tests"
 (cd tests && JAXKV_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1) | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
-if [ -z "${SKIP_BENCH:-}" ] && python3 -c "import jaxkv.bench" 2>/dev/null; then
+if [ -z "${SKIP_BENCH:-}" ] && (cd /tmp && python3 -c "import jaxkv.bench" 2>/dev/null); then
   echo "== benchmarks"
   (cd /tmp && python3 -m jaxkv.bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" 2>&1) \
     | tee "$OUT/bench.log"
