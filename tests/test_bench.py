@@ -235,3 +235,22 @@ def test_a_failing_xla_formulation_is_reported_and_the_others_run():
     row = bench.run_case(case, 1, 10.0, False, T.Progress(1, enabled=False))
     assert row["status"] == "ok" and "RESOURCE_EXHAUSTED" in row["xla"]["fails"]["error"]
     assert row["xla_best"] in ("take", "scatter") and row["speedup"] > 0
+
+
+@pytest.mark.parametrize("make", [
+    lambda: C.compact_layers([(2, 64), (1, 128)] * 4, 8, 128, 2),
+    lambda: C.save(8, 2, 2, 256, 64, 128, 2),
+    lambda: C.instantiate(8, 2, 2, 256, 64, 128, 2),
+], ids=["compact", "save", "instantiate"])
+def test_many_layers_are_read_right(make):
+    """The H200 cases have 32 layers: XLA prints such result tuples with /*index=N*/ markers,
+    which the HLO checks must read through (else a kernel would look hoisted)."""
+    case = make()
+    if case.missing():
+        pytest.skip(f"jaxkv.{case.missing()[0]} is not in this build")
+    carry, consts, kernel, _ = case.build()
+    hlo = T.loop(kernel, 2).lower(carry, consts).compile().as_text()
+    largest = max(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(carry))
+    assert "/*index=" in hlo  # the case this test is about
+    assert T.loop_work(hlo) >= largest and T.jaxkv_calls(hlo) == 1
+    assert T.entry_work(hlo) < 1 << 16

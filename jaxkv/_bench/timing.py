@@ -77,8 +77,14 @@ def big_copies(hlo: str, min_bytes: int = 1 << 20) -> int:
     return count
 
 
+def _plain(hlo: str) -> str:
+    """HLO text without comments: long tuple types carry ``/*index=5*/`` markers."""
+    return re.sub(r"/\*.*?\*/", "", hlo)
+
+
 def _entry(hlo: str) -> tuple[str, str]:
     """(the module's entry computation, everything else)."""
+    hlo = _plain(hlo)
     start = hlo.find("\nENTRY")
     if start < 0:
         return "", hlo
@@ -112,7 +118,7 @@ def jaxkv_calls(hlo: str) -> int:
 def _computations(hlo: str) -> dict[str, str]:
     """Computation name -> its text, for a compiled module's text."""
     comps, name, lines = {}, None, []
-    for line in hlo.splitlines():
+    for line in _plain(hlo).splitlines():
         head = re.match(r"(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
         if head and not line.startswith(" "):
             name, lines = head.group(1), []
@@ -139,7 +145,7 @@ def loop_work(hlo: str) -> int:
     the loop counter or the carry would run once per call, and this would drop below the size of
     the op's output."""
     comps = _computations(hlo)
-    todo = re.findall(r"body=%([\w.\-]+)", hlo)
+    todo = re.findall(r"body=%([\w.\-]+)", _plain(hlo))
     seen = set()
     while todo:
         name = todo.pop()
@@ -285,7 +291,7 @@ def touches(hlo: str, x) -> list[str]:
     t = hlo_type(x)
     typed = {}
     hits = []
-    for line in hlo.splitlines():
+    for line in _plain(hlo).splitlines():
         m = _INSTR.search(line)
         if not m:
             continue
