@@ -71,7 +71,7 @@ def measure(step, carry, consts, case: C.Case, reps: int):
         time_s=median, times_s=seconds,
         # (max - min) / median: the noise to compare differences against.
         spread=(max(seconds) - min(seconds)) / median,
-        gbps=case.min_bytes / median / 1e9, launches=T.jaxkv_calls(hlo) // case.per_step,
+        gbps=case.min_bytes / median / 1e9, launches=T.jaxkv_calls(hlo, case.iters) / case.per_step,
         big_copies=T.big_copies(hlo),
         mem_extra_bytes=extra, mem_static_bytes=static, mem_measured=extra is not None,
         mem_overhead_frac=None if mem is None else mem / case.cache_bytes,

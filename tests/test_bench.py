@@ -116,7 +116,7 @@ def test_timed_loop_runs_in_place():
     buffer, consts, kernel, _ = case.build()
     hlo = T.loop(kernel, 3).lower(buffer, consts).compile().as_text()
     assert not copies_of(hlo, buffer)
-    assert T.jaxkv_calls(hlo) == 1
+    assert T.jaxkv_calls(hlo, 3) == 1
     pointer = buffer.unsafe_buffer_pointer()
     buffer, seconds, _, _ = T.time_loop(kernel, buffer, consts, 3, 2)
     assert buffer.unsafe_buffer_pointer() == pointer and len(seconds) == 2
@@ -217,6 +217,13 @@ def test_a_hoisted_op_is_detected():
     assert T.loop_work(T.loop(invariant, 3).lower(x, x).compile().as_text()) < x.nbytes
     dependent = lambda i, c, k: c * 2
     assert T.loop_work(T.loop(dependent, 3).lower(x, x).compile().as_text()) >= x.nbytes
+    # A custom call of loop-invariant inputs runs once per call, not once per iteration.
+    identity = jnp.arange(64, dtype=jnp.int32)
+    hoisted = lambda i, c, k: jaxkv.compact_tensor_batch(k, identity)
+    hlo = T.loop(hoisted, 3).lower(x, x).compile().as_text()
+    assert T.jaxkv_calls(hlo, 3) == pytest.approx(1 / 3) and T.loop_work(hlo) < x.nbytes
+    kept = lambda i, c, k: jaxkv.compact_tensor_batch(c, identity)
+    assert T.jaxkv_calls(T.loop(kept, 3).lower(x, x).compile().as_text(), 3) == 1
 
 
 def test_a_failing_xla_formulation_is_reported_and_the_others_run():
@@ -252,5 +259,16 @@ def test_many_layers_are_read_right(make):
     hlo = T.loop(kernel, 2).lower(carry, consts).compile().as_text()
     largest = max(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(carry))
     assert "/*index=" in hlo  # the case this test is about
-    assert T.loop_work(hlo) >= largest and T.jaxkv_calls(hlo) == 1
+    assert T.loop_work(hlo) >= largest and T.jaxkv_calls(hlo, 2) == 1
     assert T.entry_work(hlo) < 1 << 16
+
+
+def test_an_unrolled_loop_counts_its_launches():
+    """If XLA unrolls the timed loop completely, the ops sit in the entry, once per iteration."""
+    call = ('%c{i} = bf16[8,1024]{{1,0}} custom-call(%p), custom_call_target="jaxkv_compact", '
+            'metadata={{op_name="x=y"}}')
+    hlo = "\n".join(["HloModule m", "", "ENTRY %main (p: bf16[8,1024]) -> bf16[8,1024] {",
+                     "  %p = bf16[8,1024]{1,0} parameter(0)"]
+                    + ["  " + call.format(i=i) for i in range(3)] + ["}", ""])
+    assert T.jaxkv_calls(hlo, 3) == 1
+    assert T.loop_work(hlo) == 8 * 1024 * 2

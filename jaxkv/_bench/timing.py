@@ -110,11 +110,6 @@ def entry_work(hlo: str) -> int:
     return total
 
 
-def jaxkv_calls(hlo: str) -> int:
-    """jaxkv custom calls inside the loop (the entry computation only runs once)."""
-    return len(re.findall(r'custom_call_target="jaxkv_', _entry(hlo)[1]))
-
-
 def _computations(hlo: str) -> dict[str, str]:
     """Computation name -> its text, for a compiled module's text."""
     comps, name, lines = {}, None, []
@@ -139,28 +134,61 @@ _NO_WORK = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "b
             "copy", "copy-start", "copy-done"}
 
 
-def loop_work(hlo: str) -> int:
-    """Bytes of the largest array computed inside the timed loop (its body and every computation
-    the body calls). XLA hoists loop-invariant work out of a loop: an op that did not depend on
-    the loop counter or the carry would run once per call, and this would drop below the size of
-    the op's output."""
-    comps = _computations(hlo)
-    todo = re.findall(r"body=%([\w.\-]+)", _plain(hlo))
-    seen = set()
+def _closure(comps: dict[str, str], roots: list[str]) -> set[str]:
+    """The computations ``roots`` run, with every computation they call."""
+    seen, todo = set(), list(roots)
     while todo:
         name = todo.pop()
         if name in seen or name not in comps:
             continue
         seen.add(name)
         todo += [n for n in re.findall(r"%([\w.\-]+)", comps[name]) if n in comps]
+    return seen
+
+
+def _loops(hlo: str) -> list[tuple[str, int | None]]:
+    """(body computation, known trip count or None) of each while loop in the entry."""
+    entry, _ = _entry(hlo)
+    loops = []
+    for line in entry.splitlines():
+        body = re.search(r"body=%([\w.\-]+)", line)
+        if body:
+            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+            loops.append((body.group(1), int(trip.group(1)) if trip else None))
+    return loops
+
+
+def jaxkv_calls(hlo: str, n: int) -> float:
+    """jaxkv custom calls executed per loop iteration: those in the entry (run once, e.g. an op
+    XLA hoisted out of the loop, or a loop XLA unrolled completely) and those in the loop body
+    times its trip count, over the ``n`` iterations asked for (so a partly unrolled loop counts
+    right too)."""
+    comps = _computations(hlo)
+    call = 'custom_call_target="jaxkv_'
+    total = _entry(hlo)[0].count(call)
+    for body, trip in _loops(hlo):
+        per_trip = sum(comps[c].count(call) for c in _closure(comps, [body]))
+        total += per_trip * (trip if trip is not None else n)
+    return total / n
+
+
+def loop_work(hlo: str) -> int:
+    """Bytes of the largest array computed inside the timed loop (its body and every computation
+    the body calls). XLA hoists loop-invariant work out of a loop: an op that did not depend on
+    the loop counter or the carry would run once per call, and this would drop below the size of
+    the op's output. A loop XLA unrolled completely has no body: then the whole module counts
+    (``jaxkv_calls`` still tells whether each iteration kept its op)."""
+    comps = _computations(hlo)
+    bodies = [body for body, _ in _loops(hlo)]
+    names = _closure(comps, bodies) if bodies else set(comps)
     largest = 0
-    for name in seen:
+    for name in names:
         for result, opcode in _RESULT.findall(comps[name]):
             if opcode in _NO_WORK:
                 continue
             for dtype, dims in _ARRAY.findall(result):
-                n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-                largest = max(largest, n * _WIDTH.get(dtype, 4))
+                size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+                largest = max(largest, size * _WIDTH.get(dtype, 4))
     return largest
 
 
