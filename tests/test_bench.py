@@ -272,3 +272,38 @@ def test_an_unrolled_loop_counts_its_launches():
                     + ["  " + call.format(i=i) for i in range(3)] + ["}", ""])
     assert T.jaxkv_calls(hlo, 3) == 1
     assert T.loop_work(hlo) == 8 * 1024 * 2
+
+
+def test_a_loop_inside_a_command_buffer_is_found():
+    """On GPU XLA may move the timed loop into a command buffer that the entry calls."""
+    hlo = """HloModule m
+
+%body (p: (s32[], bf16[8,1024])) -> (s32[], bf16[8,1024]) {
+  %p = (s32[], bf16[8,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %g = bf16[8,1024]{1,0} get-tuple-element(%p), index=1
+  %c = bf16[8,1024]{1,0} custom-call(%g), custom_call_target="jaxkv_compact"
+  ROOT %t = (s32[], bf16[8,1024]{1,0}) tuple(%i, %c)
+}
+
+%cond (q: (s32[], bf16[8,1024])) -> pred[] {
+  %q = (s32[], bf16[8,1024]{1,0}) parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+%command_buffer (a: (s32[], bf16[8,1024])) -> (s32[], bf16[8,1024]) {
+  %a = (s32[], bf16[8,1024]{1,0}) parameter(0)
+  ROOT %w = (s32[], bf16[8,1024]{1,0}) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+}
+
+ENTRY %main (x: bf16[8,1024]) -> bf16[8,1024] {
+  %x = bf16[8,1024]{1,0} parameter(0)
+  %z = s32[] constant(0)
+  %t = (s32[], bf16[8,1024]{1,0}) tuple(%z, %x)
+  %r = (s32[], bf16[8,1024]{1,0}) call(%t), to_apply=%command_buffer
+  ROOT %o = bf16[8,1024]{1,0} get-tuple-element(%r), index=1
+}
+"""
+    assert T.jaxkv_calls(hlo, 3) == 1
+    assert T.loop_work(hlo) == 8 * 1024 * 2
+    assert T.entry_work(hlo) == 0

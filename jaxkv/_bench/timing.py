@@ -93,7 +93,9 @@ def _entry(hlo: str) -> tuple[str, str]:
     return hlo[start:end], hlo[:start] + hlo[end:]
 
 
-_PLUMBING_ENTRY = {"parameter", "constant", "tuple", "get-tuple-element", "while", "bitcast"}
+# "call": a command buffer the timed loop may sit in.
+_PLUMBING_ENTRY = {"parameter", "constant", "tuple", "get-tuple-element", "while", "bitcast",
+                   "call"}
 
 
 def entry_work(hlo: str) -> int:
@@ -110,19 +112,20 @@ def entry_work(hlo: str) -> int:
     return total
 
 
-def _computations(hlo: str) -> dict[str, str]:
-    """Computation name -> its text, for a compiled module's text."""
-    comps, name, lines = {}, None, []
+def _computations(hlo: str) -> tuple[dict[str, str], str | None]:
+    """(computation name -> its text, the entry's name), for a compiled module's text."""
+    comps, name, lines, entry = {}, None, [], None
     for line in _plain(hlo).splitlines():
         head = re.match(r"(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
         if head and not line.startswith(" "):
             name, lines = head.group(1), []
+            entry = name if line.startswith("ENTRY") else entry
         elif name and line.startswith("}"):
             comps[name] = "\n".join(lines)
             name = None
         elif name:
             lines.append(line)
-    return comps
+    return comps, entry
 
 
 # An instruction's result type (an array or a tuple of them) and opcode.
@@ -146,27 +149,31 @@ def _closure(comps: dict[str, str], roots: list[str]) -> set[str]:
     return seen
 
 
-def _loops(hlo: str) -> list[tuple[str, int | None]]:
-    """(body computation, known trip count or None) of each while loop in the entry."""
-    entry, _ = _entry(hlo)
+def _timed_loops(comps: dict[str, str]) -> list[tuple[str, int | None]]:
+    """(body, known trip count or None) of each outermost while loop: the timed loop, wherever
+    XLA put it (in the entry, or inside a command buffer the entry calls)."""
     loops = []
-    for line in entry.splitlines():
-        body = re.search(r"body=%([\w.\-]+)", line)
-        if body:
-            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-            loops.append((body.group(1), int(trip.group(1)) if trip else None))
-    return loops
+    for name, text in comps.items():
+        for line in text.splitlines():
+            body = re.search(r"\swhile\(.*body=%([\w.\-]+)", line)
+            if body:
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+                loops.append((name, body.group(1), int(trip.group(1)) if trip else None))
+    inner = set().union(*(_closure(comps, [body]) for _, body, _ in loops))
+    return [(body, trip) for where, body, trip in loops if where not in inner]
 
 
 def jaxkv_calls(hlo: str, n: int) -> float:
-    """jaxkv custom calls executed per loop iteration: those in the entry (run once, e.g. an op
-    XLA hoisted out of the loop, or a loop XLA unrolled completely) and those in the loop body
+    """jaxkv custom calls executed per loop iteration: those outside the loop (run once, e.g. an
+    op XLA hoisted out of the loop, or a loop XLA unrolled completely) and those in the loop body
     times its trip count, over the ``n`` iterations asked for (so a partly unrolled loop counts
     right too)."""
-    comps = _computations(hlo)
+    comps, entry = _computations(hlo)
     call = 'custom_call_target="jaxkv_'
-    total = _entry(hlo)[0].count(call)
-    for body, trip in _loops(hlo):
+    loops = _timed_loops(comps)
+    bodies = set().union(*(_closure(comps, [body]) for body, _ in loops))
+    total = sum(comps[c].count(call) for c in _closure(comps, [entry]) - bodies)
+    for body, trip in loops:
         per_trip = sum(comps[c].count(call) for c in _closure(comps, [body]))
         total += per_trip * (trip if trip is not None else n)
     return total / n
@@ -178,8 +185,8 @@ def loop_work(hlo: str) -> int:
     the loop counter or the carry would run once per call, and this would drop below the size of
     the op's output. A loop XLA unrolled completely has no body: then the whole module counts
     (``jaxkv_calls`` still tells whether each iteration kept its op)."""
-    comps = _computations(hlo)
-    bodies = [body for body, _ in _loops(hlo)]
+    comps, _ = _computations(hlo)
+    bodies = [body for body, _ in _timed_loops(comps)]
     names = _closure(comps, bodies) if bodies else set(comps)
     largest = 0
     for name in names:
