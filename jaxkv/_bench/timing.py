@@ -314,7 +314,7 @@ _HLO_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "s
               "int32": "s32", "uint32": "u32", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
 _INSTR = re.compile(r"%([\w.\-]+) = (\w+\[[\d,]*\])(?:\{[^}]*\})? ([\w\-]+)\((.*)")
 _PLUMBING = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
-             "opt-barrier"}
+             "opt-barrier", "call"}  # call: a command buffer (what it runs is checked too)
 
 
 def hlo_type(x) -> str:
