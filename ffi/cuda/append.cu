@@ -26,12 +26,12 @@ __device__ __forceinline__ void copy_chunk(const AppendSpan& s, int64_t chunk, i
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t i = first + u * 32;
-    if (i < words) buf[u] = src[i];
+    if (i < words) buf[u] = load_word(src + i);
   }
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t i = first + u * 32;
-    if (i < words) dst[i] = buf[u];
+    if (i < words) store_word(dst + i, buf[u]);
   }
 }
 

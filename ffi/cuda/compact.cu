@@ -75,7 +75,7 @@ __device__ void move_chunk(const CompactParams& p, const MoveSchedule& s, const 
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = first + u * kThreads;
-        if (i < live) dst[i] = c.w[u];
+        if (i < live) store_word(dst + i, c.w[u]);
       }
     };
     walk_moves<Carry<kBytes>>(s, s.starts[k], load, store);

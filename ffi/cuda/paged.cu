@@ -53,15 +53,15 @@ __device__ __forceinline__ void move_chunk(const TokenMove& m, const SpanRef& s,
       to[u] = (kGather ? r.dense : r.paged) + w;
       if (a == TokenAction::kCopy) {
         const int64_t from = (kGather ? r.paged : r.dense) + w;
-        k[u] = *reinterpret_cast<const W*>(src_k + from);
-        v[u] = *reinterpret_cast<const W*>(src_v + from);
+        k[u] = load_word(reinterpret_cast<const W*>(src_k + from));
+        v[u] = load_word(reinterpret_cast<const W*>(src_v + from));
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (to[u] < 0) continue;
-      *reinterpret_cast<W*>(dst_k + to[u]) = k[u];
-      *reinterpret_cast<W*>(dst_v + to[u]) = v[u];
+      store_word(reinterpret_cast<W*>(dst_k + to[u]), k[u]);
+      store_word(reinterpret_cast<W*>(dst_v + to[u]), v[u]);
     }
   }
 }
@@ -125,7 +125,7 @@ __device__ __forceinline__ void copy_run(char* k, char* v, int64_t from, int64_t
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t i = first + u * blockDim.x;
-    if (i < words) dk[i] = bk[u], dv[i] = bv[u];
+    if (i < words) store_word(dk + i, bk[u]), store_word(dv + i, bv[u]);
   }
 }
 

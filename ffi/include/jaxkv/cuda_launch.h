@@ -41,4 +41,13 @@ template <> struct Word<4> { using type = uint32_t; };
 template <> struct Word<2> { using type = uint16_t; };
 template <> struct Word<1> { using type = uint8_t; };
 
+// Loads through the read-only path and stores that stream past L2 (evict-first): every kernel here
+// writes its destination once and never reads it back, while a source may be read again (one
+// prompt instantiated into many slots), so only the stores are marked streaming. Measured on the
+// H200 (tools/copy_variants.cu): +3-7% over plain accesses for span copies of 32 MiB to 1 GiB.
+template <class W>
+__device__ __forceinline__ W load_word(const W* p) { return __ldg(p); }
+template <class W>
+__device__ __forceinline__ void store_word(W* p, const W& v) { __stcs(p, v); }
+
 }  // namespace jaxkv

@@ -1,0 +1,142 @@
+"""Command line of ``python -m jaxkv demo``: options, progress bar, per-phase report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import numpy as np
+
+from . import caches, loop
+from . import model as M
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m jaxkv demo",
+        description="Serve a stream of requests with continuous batching from a jaxkv KV cache.",
+    )
+    add = p.add_argument
+    add("--cache", default="linear", choices=sorted(caches.KINDS), help="cache kind (linear)")
+    add("--baseline", choices=["xla"], help="run the loop again with plain-XLA cache ops")
+    add("--model", metavar="PATH",
+        help="local Hugging Face Llama checkpoint (config.json + *.safetensors)")
+    add("--requests", type=int, default=64, help="requests in the stream (64)")
+    add("--max-batch", type=int, default=16, help="sequences decoded together (16)")
+    add("--system-len", type=int, default=32, help="tokens of the shared system prompt (32)")
+    add("--max-prompt-len", type=int, default=24, help="longest user turn (24)")
+    add("--max-new-tokens", type=int, default=48, help="longest answer (48)")
+    add("--page-size", type=int, default=16, help="tokens per page of the paged cache (16)")
+    add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="model and cache dtype (float32)")
+    add("--seed", type=int, default=0, help="seed of the random weights and requests (0)")
+    add("--show", type=int, default=3, help="requests whose tokens are printed (3)")
+    args = p.parse_args(argv)
+    for name in ("requests", "max_batch", "system_len", "max_prompt_len", "max_new_tokens",
+                 "page_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def load_model(args):
+    """(config, params, description) of the model to serve."""
+    if args.model:
+        from . import hf_loader
+
+        cfg, params = hf_loader.load(args.model, dtype=args.dtype)
+        return cfg, params, args.model
+    cfg = M.LlamaConfig()
+    params = M.init_params(cfg, seed=args.seed, dtype=args.dtype)
+    return cfg, params, f"random weights, seed {args.seed}"
+
+
+class ProgressBar:
+    """One line, redrawn in place on a terminal and printed once at the end elsewhere."""
+
+    def __init__(self, total: int, label: str, width: int = 30):
+        self.total, self.label, self.width, self.done = total, label, width, 0
+        self.tty = sys.stdout.isatty()
+
+    def __call__(self, finished, stats: loop.Stats):
+        self.done += len(finished)
+        if self.tty or self.done == self.total:
+            filled = self.width * self.done // self.total
+            rate = stats.generated / max(stats.serving_time, 1e-9)
+            line = (f"{self.label:>6} [{'#' * filled}{'.' * (self.width - filled)}] "
+                    f"{self.done}/{self.total} requests, {stats.generated} tokens, "
+                    f"{rate:.0f} tok/s")
+            end = "\n" if self.done == self.total else ""
+            print(("\r" if self.tty else "") + line, end=end, flush=True)
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def report(results: dict[str, loop.Stats]) -> list[str]:
+    """The per-phase table, one column per run."""
+    runs = list(results.values())
+    rows = [("", *results)]
+    for phase in loop.PHASES:
+        rows.append((phase, *(f"{r.times[phase] * 1e3:.1f} ms" for r in runs)))
+    rows += [
+        ("serving total", *(f"{r.serving_time * 1e3:.1f} ms" for r in runs)),
+        ("tokens/s (generated)", *(f"{r.generated / r.serving_time:.0f}" for r in runs)),
+        ("tokens/s (decode phase)",
+         *(f"{r.decode_tokens / max(r.times['decode'], 1e-9):.0f}" for r in runs)),
+        ("cache copies in the steps", *(str(r.cache_copies) for r in runs)),
+        ("cache in use (peak)", *(mib(r.peak_in_use) for r in runs)),
+        ("cache allocated", *(mib(r.allocated) for r in runs)),
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg, params, source = load_model(args)
+    rng = np.random.default_rng(args.seed + 1)
+    system_prompt = rng.integers(0, cfg.vocab_size, args.system_len, dtype=np.int32)
+    prompt_range = (max(1, args.max_prompt_len // 4), args.max_prompt_len)
+    answer_range = (max(1, args.max_new_tokens // 8), args.max_new_tokens)
+
+    print(f"jaxkv demo on {jax.default_backend()} ({jax.devices()[0].device_kind})")
+    print(f"model: Llama, {source}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads x {cfg.head_dim}, "
+          f"vocab {cfg.vocab_size}, {args.dtype}")
+    print(f"stream: {args.requests} requests, {args.max_batch} slots; a {args.system_len}-token "
+          f"system prompt computed once, reused by every request; user turns "
+          f"{prompt_range[0]}-{prompt_range[1]} tokens, answers "
+          f"{answer_range[0]}-{answer_range[1]} tokens")
+
+    results, outputs = {}, {}
+    for ops in ["jaxkv"] + ([args.baseline] if args.baseline else []):
+        options = dict(page_size=args.page_size) if args.cache == "paged" else {}
+        kind = caches.make_kind(args.cache, cfg, dtype=args.dtype, ops=ops, **options)
+        engine = loop.Engine(cfg, params, kind, max_batch=args.max_batch,
+                             system_prompt=system_prompt, max_prompt_len=args.max_prompt_len,
+                             max_new_tokens=args.max_new_tokens)
+        requests = loop.make_requests(args.requests, cfg.vocab_size, args.seed + 2, prompt_range,
+                                      answer_range)
+        results[ops] = engine.run(requests, ProgressBar(len(requests), ops))
+        results[ops].cache_copies = engine.cache_copies()
+        outputs[ops] = [r.output for r in requests]
+
+    for i, out in enumerate(outputs["jaxkv"][: args.show]):
+        shown = " ".join(map(str, out[:16])) + (" ..." if len(out) > 16 else "")
+        print(f"request {i}: {len(out)} tokens: {shown}")
+    stats = results["jaxkv"]
+    print(f"\ncache: {args.cache}, max_seq_len {engine.max_seq_len}; {stats.admissions} "
+          f"admissions, {stats.decode_steps} decode steps, {stats.evictions} evictions; "
+          f"{stats.prefilled} tokens prefilled ({args.system_len * (args.requests - 1)} more "
+          f"without the reused system prompt)")
+    print("\n".join(report(results)))
+    if args.baseline:
+        same = outputs[args.baseline] == outputs["jaxkv"]
+        print(f"\n{args.baseline} baseline generated {'the same' if same else 'DIFFERENT'} tokens")
+        if not same:
+            return 1
+    return 0

@@ -1,0 +1,121 @@
+"""Loads a local Hugging Face Llama checkpoint (config.json + *.safetensors), no network access.
+
+Uses the ``safetensors`` package when installed; otherwise a small reader of the format (an 8-byte
+little-endian header length, a JSON header of name -> dtype, shape, byte offsets, then raw data), so
+the demo needs no extra dependency.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+
+from .model import LlamaConfig
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+           "BOOL": np.bool_}
+
+
+def read_safetensors(path) -> dict[str, np.ndarray]:
+    """Every tensor of one ``.safetensors`` file, as numpy arrays."""
+    try:
+        from safetensors.numpy import load_file
+    except ImportError:
+        pass
+    else:
+        try:
+            return load_file(str(path))
+        except TypeError:  # bf16 tensors: numpy has no bfloat16 of its own
+            pass
+    data = pathlib.Path(path).read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    header.pop("__metadata__", None)
+    tensors = {}
+    for name, info in header.items():
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        raw = data[8 + size + start : 8 + size + end]
+        tensors[name] = np.frombuffer(raw, _DTYPES[info["dtype"]]).reshape(info["shape"])
+    return tensors
+
+
+def config_from_hf(hf: dict) -> LlamaConfig:
+    """LlamaConfig of a Hugging Face ``config.json`` (Llama architecture only)."""
+    archs = hf.get("architectures") or ["LlamaForCausalLM"]
+    if hf.get("model_type", "llama") != "llama" or archs[0] != "LlamaForCausalLM":
+        raise ValueError(
+            f"only Llama checkpoints are supported, got {hf.get('model_type')} {archs}")
+    # transformers 5 writes rope_parameters (with rope_theta in it), earlier versions rope_scaling.
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"RoPE type {rope_type!r} is not supported (default and llama3 only)")
+    llama3 = None
+    if rope_type == "llama3":
+        llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]),
+                  float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("attention_bias / mlp_bias are not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf['hidden_act']} is not supported (SwiGLU with silu only)")
+    heads = hf["num_attention_heads"]
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_llama3=llama3,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+def load(path, dtype="float32"):
+    """(LlamaConfig, params) of the checkpoint in directory ``path``."""
+    root = pathlib.Path(path)
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{root}: no config.json (expected a local Hugging Face checkpoint)")
+    cfg = config_from_hf(json.loads((root / "config.json").read_text()))
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{root}: no *.safetensors files")
+    weights = {}
+    for f in files:
+        weights.update(read_safetensors(f))
+    weights = {k.removeprefix("model."): v for k, v in weights.items()}
+
+    def take(name, transpose=True):
+        if name not in weights:
+            raise KeyError(f"{root}: checkpoint has no tensor {name!r}")
+        w = np.asarray(weights.pop(name), np.float32)
+        return jnp.asarray(w.T if transpose else w, dtype)  # torch Linear is [out, in]
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        layers.append(dict(
+            attn_norm=take(p + "input_layernorm.weight", False),
+            wq=take(p + "self_attn.q_proj.weight"), wk=take(p + "self_attn.k_proj.weight"),
+            wv=take(p + "self_attn.v_proj.weight"), wo=take(p + "self_attn.o_proj.weight"),
+            mlp_norm=take(p + "post_attention_layernorm.weight", False),
+            w_gate=take(p + "mlp.gate_proj.weight"), w_up=take(p + "mlp.up_proj.weight"),
+            w_down=take(p + "mlp.down_proj.weight"),
+        ))
+    embed = take("embed_tokens.weight", False)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+        lm_head = embed.T
+    else:
+        lm_head = take("lm_head.weight")
+    params = dict(embed=embed, layers=layers, norm=take("norm.weight", False), lm_head=lm_head)
+    return cfg, params

@@ -1,0 +1,248 @@
+"""Continuous batching: a stream of requests served from one KV cache by jitted step functions.
+
+The host keeps the schedule (which request lives in which row, how many tokens each still needs);
+the device does the work in four jitted functions, each with the cache donated so it is updated in
+place:
+
+- ``prompt``: prefills the shared system prompt once, into row 0; its KV is then saved.
+- ``admit``: rows freed by evictions start from the saved system prompt (instantiate), and the new
+  requests' user turns are prefilled together, ragged (``new_lengths``); yields each first token.
+- ``decode``: ``n`` greedy steps in a ``fori_loop``, one token appended per live row per step;
+  ``n`` is the number of steps until the next request finishes.
+- ``evict``: finished rows leave; survivors are compacted to rows ``[0, survivors)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import model as M
+
+
+@dataclasses.dataclass
+class Request:
+    id: int
+    prompt: np.ndarray  # int32 [P]: the user turn (after the shared system prompt)
+    max_new_tokens: int
+    output: list = dataclasses.field(default_factory=list)
+
+
+def make_requests(num: int, vocab: int, seed: int, prompt_len: tuple[int, int],
+                  new_tokens: tuple[int, int]) -> list[Request]:
+    """A random request stream: user turns and answer lengths drawn from the given ranges."""
+    rng = np.random.default_rng(seed)
+    return [
+        Request(
+            id=i,
+            prompt=rng.integers(0, vocab, rng.integers(prompt_len[0], prompt_len[1] + 1),
+                                dtype=np.int32),
+            max_new_tokens=int(rng.integers(new_tokens[0], new_tokens[1] + 1)),
+        )
+        for i in range(num)
+    ]
+
+
+PHASES = ("compile + warm-up", "system prompt", "admit + prefill", "decode", "evict")
+
+
+@dataclasses.dataclass
+class Stats:
+    times: dict = dataclasses.field(default_factory=lambda: {p: 0.0 for p in PHASES})
+    generated: int = 0
+    prefilled: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    admissions: int = 0
+    evictions: int = 0
+    peak_in_use: int = 0
+    allocated: int = 0
+    cache_copies: int = -1  # set by the caller (Engine.cache_copies)
+
+    @property
+    def serving_time(self) -> float:
+        return sum(t for p, t in self.times.items() if p != "compile + warm-up")
+
+
+class Engine:
+    """Serves requests with a cache ``kind`` (``caches.py``) and a model (``model.py``)."""
+
+    def __init__(self, cfg: M.LlamaConfig, params, kind, *, max_batch: int, system_prompt,
+                 max_prompt_len: int, max_new_tokens: int):
+        self.cfg, self.params, self.kind = cfg, params, kind
+        self.max_batch = max_batch
+        self.system_prompt = np.asarray(system_prompt, np.int32)
+        self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
+        self.max_seq_len = len(self.system_prompt) + max_prompt_len + max_new_tokens
+        self.functions = self._jit_functions()
+        self._compiled = None
+
+    def _jit_functions(self) -> dict[str, Callable]:
+        cfg, kind, batch = self.cfg, self.kind, self.max_batch
+
+        def prompt(params, cache, tokens):
+            cache = kind.clear(cache, 1)
+            lengths = jnp.zeros((batch,), jnp.int32).at[0].set(tokens.shape[1])
+            _, cache = M.forward(cfg, params, kind, cache, tokens, lengths)
+            cache, saved = kind.save(cache, 0, tokens.shape[1])
+            return kind.clear(cache, 0), saved
+
+        def admit(params, cache, saved, next_tokens, tokens, new_lengths, n_old, n_new):
+            cache = kind.admit(cache, saved, n_old, n_new)
+            logits, cache = M.forward(cfg, params, kind, cache, tokens, new_lengths)
+            new = new_lengths > 0
+            return cache, jnp.where(new, jnp.argmax(logits, -1).astype(jnp.int32), next_tokens)
+
+        def decode(params, cache, next_tokens, steps):
+            live = (jnp.arange(batch) < kind.active(cache)).astype(jnp.int32)
+
+            def step(i, carry):
+                cache, tokens, out = carry
+                logits, cache = M.forward(cfg, params, kind, cache, tokens[:, None], live)
+                tokens = jnp.argmax(logits, -1).astype(jnp.int32)
+                return cache, tokens, out.at[i].set(tokens)
+
+            out = jnp.zeros((self.max_new_tokens, batch), jnp.int32)
+            return jax.lax.fori_loop(0, steps, step, (cache, next_tokens, out))
+
+        def evict(cache, next_tokens, batch_mapping):
+            cache = kind.evict(cache, batch_mapping)
+            keep = jnp.where(batch_mapping >= 0, batch_mapping, batch)
+            return cache, next_tokens.at[keep].set(next_tokens, mode="drop")
+
+        # The cache (and the per-row next tokens) are donated: every step updates them in place.
+        return dict(
+            prompt=jax.jit(prompt, donate_argnums=(1,)),
+            admit=jax.jit(admit, donate_argnums=(1, 3)),
+            decode=jax.jit(decode, donate_argnums=(1, 2)),
+            evict=jax.jit(evict, donate_argnums=(0, 1)),
+        )
+
+    def example_args(self) -> dict[str, tuple]:
+        """Abstract arguments of every step function (for ahead-of-time compilation)."""
+        shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+        params = jax.tree.map(shape, self.params)
+        cache = jax.eval_shape(lambda: self.kind.create(self.max_batch, self.max_seq_len))
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+        prompt = i32(self.max_batch, len(self.system_prompt))
+        _, saved = jax.eval_shape(self.functions["prompt"], params, cache, prompt)
+        return dict(
+            prompt=(params, cache, prompt),
+            admit=(params, cache, saved, i32(self.max_batch),
+                   i32(self.max_batch, self.max_prompt_len), i32(self.max_batch), i32(), i32()),
+            decode=(params, cache, i32(self.max_batch), i32()),
+            evict=(cache, i32(self.max_batch), i32(self.max_batch)),
+        )
+
+    def compile(self) -> dict:
+        """Compiles every step function once (shapes are static: one executable each), and runs
+        one of them once, so the first timed phase does not pay the runtime's start-up."""
+        if self._compiled is None:
+            args = self.example_args()
+            self._compiled = {k: f.lower(*args[k]).compile() for k, f in self.functions.items()}
+            tokens = jnp.zeros(args["prompt"][2].shape, jnp.int32)
+            cache = self.kind.create(self.max_batch, self.max_seq_len)
+            jax.block_until_ready(self._compiled["prompt"](self.params, cache, tokens))
+        return self._compiled
+
+    def cache_copies(self) -> int:
+        """Copies of a cache data buffer in the compiled step functions (0 when all in place)."""
+        cache = jax.eval_shape(lambda: self.kind.create(self.max_batch, self.max_seq_len))
+        types = {_hlo_type(x) for x in jax.tree.leaves(cache) if x.ndim >= 4}
+        pattern = re.compile(r"=\s*(\S+?)(\{[^}]*\})?\s+copy(-start)?\(")
+        return sum(
+            1
+            for fn in self.compile().values()
+            for m in pattern.finditer(fn.as_text())
+            if m.group(1) in types
+        )
+
+    def run(self, requests: list[Request], progress: Callable | None = None) -> Stats:
+        """Serves ``requests`` (more than ``max_batch`` is the point) and fills their outputs.
+
+        ``progress(finished_requests, stats)`` is called after every eviction.
+        """
+        for r in requests:
+            if not (1 <= len(r.prompt) <= self.max_prompt_len
+                    and 1 <= r.max_new_tokens <= self.max_new_tokens):
+                raise ValueError(f"request {r.id}: prompt length {len(r.prompt)} or max_new_tokens "
+                                 f"{r.max_new_tokens} outside this engine's limits")
+        stats = Stats()
+        t = time.perf_counter()
+        fns = self.compile()
+        stats.times["compile + warm-up"] += time.perf_counter() - t
+
+        def timed(phase, fn, *args):
+            t = time.perf_counter()
+            out = jax.block_until_ready(fns[fn](*args))
+            stats.times[phase] += time.perf_counter() - t
+            return out
+
+        batch, kind, params = self.max_batch, self.kind, self.params
+        cache = kind.create(batch, self.max_seq_len)
+        stats.allocated = kind.memory(cache)[1]
+        # The system prompt: computed once and saved; every admitted request starts from it.
+        tokens = np.broadcast_to(self.system_prompt, (batch, len(self.system_prompt)))
+        cache, saved = timed("system prompt", "prompt", params, cache, jnp.asarray(tokens))
+        stats.prefilled += len(self.system_prompt)
+
+        pending = list(reversed(requests))
+        rows: list[Request] = []  # the request in each live row, rows [0, len(rows))
+        next_tokens = jnp.zeros((batch,), jnp.int32)  # each row's last token, not yet in the cache
+        while pending or rows:
+            if pending and len(rows) < batch:  # admit into the free rows
+                n_old = len(rows)
+                while pending and len(rows) < batch:
+                    rows.append(pending.pop())
+                prompts = np.zeros((batch, self.max_prompt_len), np.int32)
+                lengths = np.zeros((batch,), np.int32)
+                for row, r in enumerate(rows[n_old:], n_old):
+                    prompts[row, : len(r.prompt)] = r.prompt
+                    lengths[row] = len(r.prompt)
+                cache, next_tokens = timed(
+                    "admit + prefill", "admit", params, cache, saved, next_tokens,
+                    jnp.asarray(prompts), jnp.asarray(lengths), jnp.int32(n_old),
+                    jnp.int32(len(rows) - n_old))
+                first = np.asarray(next_tokens)
+                for row, r in enumerate(rows[n_old:], n_old):
+                    r.output.append(int(first[row]))
+                stats.admissions += 1
+                stats.prefilled += int(lengths.sum())
+                stats.generated += len(rows) - n_old
+            stats.peak_in_use = max(stats.peak_in_use, kind.memory(cache)[0])
+            # Decode until the first request is done.
+            steps = min(r.max_new_tokens - len(r.output) for r in rows)
+            if steps > 0:
+                cache, next_tokens, out = timed("decode", "decode", params, cache,
+                                                next_tokens, jnp.int32(steps))
+                out = np.asarray(out)[:steps]
+                for row, r in enumerate(rows):
+                    r.output.extend(int(x) for x in out[:, row])
+                stats.generated += steps * len(rows)
+                stats.decode_tokens += steps * len(rows)
+                stats.decode_steps += steps
+                stats.peak_in_use = max(stats.peak_in_use, kind.memory(cache)[0])
+            # Evict the finished requests; the others move to rows [0, survivors), in order.
+            done = [len(r.output) >= r.max_new_tokens for r in rows]
+            survivors = [i for i, d in enumerate(done) if not d]
+            mapping = np.full((batch,), -1, np.int32)
+            mapping[survivors] = np.arange(len(survivors), dtype=np.int32)
+            cache, next_tokens = timed("evict", "evict", cache, next_tokens, jnp.asarray(mapping))
+            stats.evictions += 1
+            finished = [r for r, d in zip(rows, done) if d]
+            rows = [rows[i] for i in survivors]
+            if progress is not None:
+                progress(finished, stats)
+        return stats
+
+
+def _hlo_type(x) -> str:
+    """HLO spelling of an array type, e.g. 'f32[2,4,2,8,64,128]'."""
+    name = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[jnp.dtype(x.dtype).name]
+    return f"{name}[{','.join(map(str, x.shape))}]"

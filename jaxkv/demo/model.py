@@ -1,0 +1,205 @@
+"""A small Llama-style decoder in JAX: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+The layer math follows Hugging Face's ``LlamaForCausalLM`` (rotate-half RoPE, RMSNorm in
+float32), so a checkpoint loaded by ``hf_loader`` computes what ``transformers`` computes.
+Attention is the cache's business: ``forward`` hands each layer's new K/V to a cache kind
+(``caches.py``), which writes them and attends over everything the sequence holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    rope_theta: float = 10000.0
+    # Llama 3 RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_positions).
+    rope_llama3: tuple[float, float, float, int] | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"LlamaConfig: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig: head_dim must be even for RoPE, got {self.head_dim}")
+
+
+Params = dict[str, Any]
+
+
+def init_params(cfg: LlamaConfig, seed: int = 0, dtype=jnp.float32) -> Params:
+    """Deterministic random weights: the same seed gives the same model on every machine.
+
+    The scale (1/sqrt(fan_in), embeddings of unit norm) keeps logits spread out, so greedy decoding
+    is not decided by rounding: a cached and a recomputed run agree token for token.
+    """
+    rng = np.random.default_rng(seed)
+
+    def dense(fan_in, fan_out):
+        return jnp.asarray(rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in), dtype)
+
+    def norm(n):
+        return jnp.asarray(1.0 + 0.1 * rng.standard_normal(n), dtype)
+
+    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layers = [
+        dict(
+            attn_norm=norm(d), wq=dense(d, q), wk=dense(d, kv), wv=dense(d, kv), wo=dense(q, d),
+            mlp_norm=norm(d), w_gate=dense(d, cfg.intermediate_size),
+            w_up=dense(d, cfg.intermediate_size), w_down=dense(cfg.intermediate_size, d),
+        )
+        for _ in range(cfg.num_layers)
+    ]
+    embed = jnp.asarray(rng.standard_normal((cfg.vocab_size, d)), dtype)
+    lm_head = embed.T if cfg.tie_word_embeddings else dense(d, cfg.vocab_size) * 4
+    return dict(embed=embed, layers=layers, norm=norm(d), lm_head=lm_head)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
+    """float32 [head_dim / 2]: RoPE's inverse frequencies, with Llama 3 scaling when configured
+    (transformers' ``_compute_llama3_parameters``)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    if cfg.rope_llama3 is None:
+        return inv_freq.astype(np.float32)
+    factor, low, high, context = cfg.rope_llama3
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE (Hugging Face's convention). x: [B, T, H, D]; positions: int32 [B, T]."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+    """Causal GQA attention of new queries over a sequence's keys, masked by position.
+
+    q: [B, T, Hq, D] at positions [B, T]; k, v: [B, Hkv, S, D], key ``s`` is position ``s``.
+    Query ``t`` of row ``b`` sees keys ``s <= positions[b, t]``. Returns [B, T, Hq, D].
+    """
+    b, t, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    q = q.reshape(b, t, hkv, hq // hkv, d)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k).astype(jnp.float32) / np.sqrt(d)
+    visible = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+    return out.reshape(b, t, hq, d)
+
+
+def decoder(cfg: LlamaConfig, params: Params, tokens, positions, attend, state):
+    """Hidden states [B, T, hidden] of ``tokens`` [B, T] at ``positions`` [B, T].
+
+    ``attend(state, layer_idx, q, k, v) -> (out, state)`` is attention with whatever memory
+    ``state`` keeps (a KV cache, or nothing): q [B, T, Hq, D], k and v [B, T, Hkv, D] after RoPE.
+    """
+    batch, steps = tokens.shape
+    inv_freq = rope_frequencies(cfg)
+    x = params["embed"][tokens]
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+        q = (h @ layer["wq"]).reshape(batch, steps, cfg.num_heads, cfg.head_dim)
+        k = (h @ layer["wk"]).reshape(batch, steps, cfg.num_kv_heads, cfg.head_dim)
+        v = (h @ layer["wv"]).reshape(batch, steps, cfg.num_kv_heads, cfg.head_dim)
+        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+        attn, state = attend(state, i, q, k, v)
+        x = x + attn.reshape(batch, steps, -1) @ layer["wo"]
+        h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
+    return x, state
+
+
+def logits(cfg: LlamaConfig, params: Params, x: jax.Array) -> jax.Array:
+    return (rms_norm(x, params["norm"], cfg.rms_norm_eps) @ params["lm_head"]).astype(jnp.float32)
+
+
+def forward(cfg: LlamaConfig, params: Params, kind, cache, tokens, new_lengths):
+    """Runs ``tokens`` [B, T] through the decoder, writing their K/V into ``cache``.
+
+    Row ``b`` contributes ``new_lengths[b]`` tokens (a ragged prefill; 1 per step in decode; 0 for
+    rows that take no part), placed after the ``kind.lengths(cache)[b]`` tokens it already holds.
+    ``kind`` is a cache kind (``caches.py``): it writes each layer's K/V and attends over the cache.
+    Returns (logits [B, vocab] of each row's last new token, the cache with lengths committed).
+    """
+    steps = tokens.shape[1]
+    cache = kind.reserve(cache, new_lengths)
+    positions = kind.lengths(cache)[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
+
+    def attend(cache, i, q, k, v):
+        cache = kind.append(cache, i, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), new_lengths)
+        return kind.attend(cache, i, q, positions), cache
+
+    x, cache = decoder(cfg, params, tokens, positions, attend, cache)
+    last = jnp.clip(new_lengths - 1, 0, steps - 1)
+    x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    return logits(cfg, params, x), kind.commit(cache, new_lengths)
+
+
+def forward_no_cache(cfg: LlamaConfig, params: Params, tokens: jax.Array, length) -> jax.Array:
+    """Logits [vocab] of token ``length - 1`` of ``tokens`` [S], recomputed from scratch.
+
+    The reference for the cached loop: no cache, plain causal attention over the whole sequence
+    (``tokens`` past ``length`` are padding, invisible to the positions that matter).
+    """
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)[None, :]
+
+    def attend(state, i, q, k, v):
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        return dense_attention(q, k, v, positions), state
+
+    x, _ = decoder(cfg, params, tokens[None], positions, attend, None)
+    return logits(cfg, params, x[0, length - 1])
+
+
+_no_cache_step = jax.jit(forward_no_cache, static_argnums=0)
+
+
+def generate_no_cache(cfg: LlamaConfig, params: Params, prompt, max_new_tokens: int,
+                      capacity: int | None = None) -> list[int]:
+    """Greedy generation by full recomputation at every step (slow, obviously right).
+
+    ``capacity`` (default: just enough) pads the sequence so that calls share one compilation.
+    """
+    capacity = capacity or len(prompt) + max_new_tokens
+    tokens = np.zeros((capacity,), np.int32)
+    tokens[: len(prompt)] = prompt
+    out = []
+    for n in range(len(prompt), len(prompt) + max_new_tokens):
+        nxt = int(jnp.argmax(_no_cache_step(cfg, params, jnp.asarray(tokens), n)))
+        tokens[n] = nxt
+        out.append(nxt)
+    return out
