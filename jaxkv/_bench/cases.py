@@ -44,13 +44,13 @@ class Target:
 class Case:
     op: str  # what --op selects
     name: str  # the row's label
-    build: Callable[[], tuple]  # () -> (carry, consts, jaxkv step, {xla name: step})
+    # () -> (carry, consts, jaxkv step, {xla name: step}); the carry is what the op updates in
+    # place (a cache) or its output (saved tensors, a gather), donated to every loop call.
+    build: Callable[[], tuple]
     min_bytes: int  # read + written per op, at least
     cache_bytes: int
     iters: int  # ops per timed call = iters * per_step
     per_step: int = 1
-    donate: bool = True  # the op updates its carry in place (False: the carry is its output)
-    new_bytes: int = 0  # outputs one op must allocate when not donated (saved tensors, gathers)
     target: Target | None = None
     requires: tuple[str, ...] = ()  # jaxkv names the case needs (absent: "not available")
     sweep: bool = False  # a point for the plot, not a target row
@@ -205,7 +205,7 @@ def save(L, B, H, S, D, T, iters, target=None, sweep=False) -> Case:
         return out, layers, kernel, {"dynamic_slice": dynamic_slice}
 
     return Case("save_kv_cache", f"L{L} H{H} D{D} T{T} ({mib(saved)})", build, 2 * saved,
-                L * B * 2 * H * S * D * BF16.itemsize, iters, donate=False, new_bytes=saved,
+                L * B * 2 * H * S * D * BF16.itemsize, iters,
                 target=target, requires=("save_kv_cache",), sweep=sweep, series="one row",
                 note="the batch row changes every iteration")
 
@@ -457,7 +457,7 @@ def paged_gather(B, N, H, D, page, iters, target=None, sweep=False) -> Case:
         return out, consts, kernel, {"take": take}
 
     return Case("paged_gather", f"B{B} N{N} H{H} D{D} page {page}", build, 2 * dense,
-                2 * num_pages * page * token, iters, donate=False, new_bytes=dense,
+                2 * num_pages * page * token, iters,
                 target=target, requires=("PagedKVCache",), sweep=sweep, series=f"page {page}")
 
 

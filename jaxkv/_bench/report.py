@@ -22,7 +22,7 @@ def evaluate(row: dict, target, on_gpu: bool) -> None:
     if target.max_us is not None and k["time_s"] * 1e6 > target.max_us:
         failed.append(f"{k['time_s'] * 1e6:.1f} us > {target.max_us:g} us")
     if target.one_launch and k["launches"] != 1:
-        failed.append(f"{k['launches']} launches")
+        failed.append(f"{k['launches']:.3g} launches")
     if target.no_kv_bytes and k.get("touches_kv"):
         failed.append("the KV pages are read or written")
     mem = k.get("mem_overhead_frac")
@@ -146,7 +146,7 @@ def markdown(report: dict, plot_name: str | None) -> str:
                           " | | | | |")
                 continue
             md.append(f"| {r['op']} | {r['case']} | {name} | {fmt_time(impl['time_s'])} | "
-                      f"{impl['spread']:.0%} | {impl['gbps']:.0f} | {impl['launches']} | "
+                      f"{impl['spread']:.0%} | {impl['gbps']:.0f} | {impl['launches']:.3g} | "
                       f"{impl['big_copies']} | {fmt_extra(impl)} |"
                       + (" **hoisted out of the loop: not valid**" if impl["hoisted"] else ""))
     if plot_name:

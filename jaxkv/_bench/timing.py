@@ -9,7 +9,6 @@ cost is measured separately (``loop_overhead``) and is included, not subtracted.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import re
 import statistics
@@ -34,16 +33,16 @@ class Progress:
         self.start = time.perf_counter()
 
     def step(self, label: str) -> None:
-        """Announces the next step."""
-        self.done += 1
+        """Starts the next step."""
+        self.done = min(self.done + 1, self.total)
         self.label(label)
 
-    def label(self, label: str) -> None:
+    def label(self, label: str, finished: int | None = None) -> None:
         """Shows what the current step is doing now."""
         if not self.enabled:
             return
         width = 24
-        filled = width * (self.done - 1) // self.total
+        filled = width * (self.done - 1 if finished is None else finished) // self.total
         bar = "#" * filled + "." * (width - filled)
         line = f"[{bar}] {self.done}/{self.total} {time.perf_counter() - self.start:4.0f}s {label}"
         if self.tty:
@@ -54,31 +53,10 @@ class Progress:
 
     def close(self) -> None:
         if self.enabled:
-            self.done = self.total + 1
-            self.label("done")
+            self.done = self.total
+            self.label("done", finished=self.total)
             if self.tty:
                 self.stream.write("\n")
-
-
-@dataclasses.dataclass
-class Measured:
-    """One implementation of one case."""
-
-    name: str
-    seconds: list[float]  # per-op device time of each repetition
-    launches: int  # jaxkv custom calls per op in the compiled loop
-    big_copies: int  # copy instructions of >= 1 MiB arrays in the compiled loop
-    mem_extra: int | None  # bytes allocated beyond the live inputs while one op ran (measured)
-    mem_static: int | None  # same from XLA's buffer assignment (temp + non-aliased outputs)
-
-    @property
-    def time(self) -> float:
-        return statistics.median(self.seconds)
-
-    @property
-    def spread(self) -> float:
-        """(max - min) / median of the repetitions: the noise to compare differences against."""
-        return (max(self.seconds) - min(self.seconds)) / self.time if self.time > 0 else 0.0
 
 
 def block(tree) -> None:
@@ -99,8 +77,14 @@ def big_copies(hlo: str, min_bytes: int = 1 << 20) -> int:
     return count
 
 
+def _plain(hlo: str) -> str:
+    """HLO text without comments: long tuple types carry ``/*index=5*/`` markers."""
+    return re.sub(r"/\*.*?\*/", "", hlo)
+
+
 def _entry(hlo: str) -> tuple[str, str]:
     """(the module's entry computation, everything else)."""
+    hlo = _plain(hlo)
     start = hlo.find("\nENTRY")
     if start < 0:
         return "", hlo
@@ -109,7 +93,9 @@ def _entry(hlo: str) -> tuple[str, str]:
     return hlo[start:end], hlo[:start] + hlo[end:]
 
 
-_PLUMBING_ENTRY = {"parameter", "constant", "tuple", "get-tuple-element", "while", "bitcast"}
+# "call": a command buffer the timed loop may sit in.
+_PLUMBING_ENTRY = {"parameter", "constant", "tuple", "get-tuple-element", "while", "bitcast",
+                   "call"}
 
 
 def entry_work(hlo: str) -> int:
@@ -126,24 +112,20 @@ def entry_work(hlo: str) -> int:
     return total
 
 
-def jaxkv_calls(hlo: str) -> int:
-    """jaxkv custom calls inside the loop (the entry computation only runs once)."""
-    return len(re.findall(r'custom_call_target="jaxkv_', _entry(hlo)[1]))
-
-
-def _computations(hlo: str) -> dict[str, str]:
-    """Computation name -> its text, for a compiled module's text."""
-    comps, name, lines = {}, None, []
-    for line in hlo.splitlines():
+def _computations(hlo: str) -> tuple[dict[str, str], str | None]:
+    """(computation name -> its text, the entry's name), for a compiled module's text."""
+    comps, name, lines, entry = {}, None, [], None
+    for line in _plain(hlo).splitlines():
         head = re.match(r"(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
         if head and not line.startswith(" "):
             name, lines = head.group(1), []
+            entry = name if line.startswith("ENTRY") else entry
         elif name and line.startswith("}"):
             comps[name] = "\n".join(lines)
             name = None
         elif name:
             lines.append(line)
-    return comps
+    return comps, entry
 
 
 # An instruction's result type (an array or a tuple of them) and opcode.
@@ -155,28 +137,65 @@ _NO_WORK = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "b
             "copy", "copy-start", "copy-done"}
 
 
-def loop_work(hlo: str) -> int:
-    """Bytes of the largest array computed inside the timed loop (its body and every computation
-    the body calls). XLA hoists loop-invariant work out of a loop: an op that did not depend on
-    the loop counter or the carry would run once per call, and this would drop below the size of
-    the op's output."""
-    comps = _computations(hlo)
-    todo = re.findall(r"body=%([\w.\-]+)", hlo)
-    seen = set()
+def _closure(comps: dict[str, str], roots: list[str]) -> set[str]:
+    """The computations ``roots`` run, with every computation they call."""
+    seen, todo = set(), list(roots)
     while todo:
         name = todo.pop()
         if name in seen or name not in comps:
             continue
         seen.add(name)
         todo += [n for n in re.findall(r"%([\w.\-]+)", comps[name]) if n in comps]
+    return seen
+
+
+def _timed_loops(comps: dict[str, str]) -> list[tuple[str, int | None]]:
+    """(body, known trip count or None) of each outermost while loop: the timed loop, wherever
+    XLA put it (in the entry, or inside a command buffer the entry calls)."""
+    loops = []
+    for name, text in comps.items():
+        for line in text.splitlines():
+            body = re.search(r"\swhile\(.*body=%([\w.\-]+)", line)
+            if body:
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+                loops.append((name, body.group(1), int(trip.group(1)) if trip else None))
+    inner = set().union(*(_closure(comps, [body]) for _, body, _ in loops))
+    return [(body, trip) for where, body, trip in loops if where not in inner]
+
+
+def jaxkv_calls(hlo: str, n: int) -> float:
+    """jaxkv custom calls executed per loop iteration: those outside the loop (run once, e.g. an
+    op XLA hoisted out of the loop, or a loop XLA unrolled completely) and those in the loop body
+    times its trip count, over the ``n`` iterations asked for (so a partly unrolled loop counts
+    right too)."""
+    comps, entry = _computations(hlo)
+    call = 'custom_call_target="jaxkv_'
+    loops = _timed_loops(comps)
+    bodies = set().union(*(_closure(comps, [body]) for body, _ in loops))
+    total = sum(comps[c].count(call) for c in _closure(comps, [entry]) - bodies)
+    for body, trip in loops:
+        per_trip = sum(comps[c].count(call) for c in _closure(comps, [body]))
+        total += per_trip * (trip if trip is not None else n)
+    return total / n
+
+
+def loop_work(hlo: str) -> int:
+    """Bytes of the largest array computed inside the timed loop (its body and every computation
+    the body calls). XLA hoists loop-invariant work out of a loop: an op that did not depend on
+    the loop counter or the carry would run once per call, and this would drop below the size of
+    the op's output. A loop XLA unrolled completely has no body: then the whole module counts
+    (``jaxkv_calls`` still tells whether each iteration kept its op)."""
+    comps, _ = _computations(hlo)
+    bodies = [body for body, _ in _timed_loops(comps)]
+    names = _closure(comps, bodies) if bodies else set(comps)
     largest = 0
-    for name in seen:
+    for name in names:
         for result, opcode in _RESULT.findall(comps[name]):
             if opcode in _NO_WORK:
                 continue
             for dtype, dims in _ARRAY.findall(result):
-                n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-                largest = max(largest, n * _WIDTH.get(dtype, 4))
+                size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+                largest = max(largest, size * _WIDTH.get(dtype, 4))
     return largest
 
 
@@ -189,10 +208,26 @@ def loop(step: Step, n: int):
     return jax.jit(run, donate_argnums=0)
 
 
-def time_loop(step: Step, carry, consts, n: int, reps: int, per_step: int = 1):
-    """(carry, per-op seconds of each repetition, compiled HLO text) after a warm-up call."""
+def time_loop(step: Step, carry, consts, n: int, reps: int, per_step: int = 1,
+              memory: bool = False):
+    """(carry, per-op seconds of each repetition, compiled HLO text, memory) after a warm-up call.
+
+    With ``memory`` the warm-up call doubles as the memory probe: ``(measured, static)`` extra
+    bytes (see ``peak_extra``); a loop holds one application's buffers, and its carry is the op's
+    cache or output, so that is what one op needs beyond its inputs and outputs.
+    """
     compiled = loop(step, n).lower(carry, consts).compile()
-    carry = compiled(carry, consts)  # warm-up: module load, autotuning, first touch
+    static = None
+    try:
+        ma = compiled.memory_analysis()  # temporaries and outputs not aliased to a donated input
+        static = int(ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes)
+    except Exception:  # not every backend reports it
+        pass
+    # Warm-up: module load, autotuning, first touch.
+    if memory:
+        carry, measured = peak_extra(lambda: compiled(carry, consts), static)
+    else:
+        carry, measured = compiled(carry, consts), None
     block(carry)
     seconds = []
     for _ in range(reps):
@@ -200,7 +235,7 @@ def time_loop(step: Step, carry, consts, n: int, reps: int, per_step: int = 1):
         carry = compiled(carry, consts)
         block(carry)
         seconds.append((time.perf_counter() - start) / (n * per_step))
-    return carry, seconds, compiled.as_text()
+    return carry, seconds, compiled.as_text(), (measured, static)
 
 
 def memory_stats() -> dict | None:
@@ -210,38 +245,31 @@ def memory_stats() -> dict | None:
         return None
 
 
-def probe_memory(step: Step, carry, consts, donate: bool):
-    """(carry, measured extra bytes or None, static extra bytes or None) of ONE application.
+def peak_extra(call, expected: int | None):
+    """(``call()``'s result, the device memory it allocated beyond what was live, or None).
 
-    The device's ``peak_bytes_in_use`` only ever grows, so before the op we allocate a pad that
-    brings the bytes in use up to the current peak: the op then raises the peak by exactly what it
-    allocates beyond its (already live) inputs, whatever ran before it in this process.
+    The device's ``peak_bytes_in_use`` only ever grows, so before the call we allocate a pad that
+    brings the bytes in use up to the current peak: the call then raises the peak by exactly what
+    it allocates, whatever ran before it in this process. None where the backend keeps no
+    statistics (CPU), or where the pad and ``expected`` bytes would not fit together.
     """
-    fn = jax.jit(lambda c, k: step(jnp.int32(0), c, k), donate_argnums=0 if donate else ())
-    compiled = fn.lower(carry, consts).compile()
-    static = None
-    try:
-        ma = compiled.memory_analysis()
-        static = int(ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes)
-    except Exception:  # not every backend reports it
-        pass
     gc.collect()
     stats = memory_stats()
     if stats and "peak_bytes_in_use" in stats:
         gap = stats["peak_bytes_in_use"] - stats["bytes_in_use"]
         room = stats.get("bytes_limit", 1 << 62) - stats["bytes_in_use"] - gap
-        if room >= (static or 0) + (1 << 30):  # else no room for the pad and the op together
+        if room >= (expected or 0) + (1 << 30):
             pad = jnp.zeros((gap,), jnp.uint8) if gap > 0 else None
             block(pad)
             before = memory_stats()
-            out = compiled(carry, consts)
+            out = call()
             block(out)
             measured = max(memory_stats()["peak_bytes_in_use"] - before["bytes_in_use"], 0)
             del pad
-            return (out if donate else carry), measured, static
-    out = compiled(carry, consts)  # no measurement: XLA's number is reported instead
+            return out, measured
+    out = call()
     block(out)
-    return (out if donate else carry), None, static
+    return out, None
 
 
 def copy_bandwidth(nbytes: int, n: int, reps: int) -> dict:
@@ -256,7 +284,7 @@ def copy_bandwidth(nbytes: int, n: int, reps: int) -> dict:
     words = nbytes // 4
     x = jax.random.bits(jax.random.key(1), (words,), jnp.uint32)
     step = lambda i, c, _: c ^ i.astype(jnp.uint32)
-    x, stream, _ = time_loop(step, x, (), n, reps)
+    x, stream, _, _ = time_loop(step, x, (), n, reps)
     copy = jax.jit(jnp.copy)
     block(copy(x))
     memcpy = []
@@ -278,7 +306,7 @@ def copy_bandwidth(nbytes: int, n: int, reps: int) -> dict:
 def loop_overhead(n: int, reps: int) -> float:
     """Seconds per iteration of a loop whose body is one scalar add: included in every op time."""
     step = lambda i, c, _: c + i
-    _, seconds, _ = time_loop(step, jnp.int32(0), (), n, reps)
+    _, seconds, _, _ = time_loop(step, jnp.int32(0), (), n, reps)
     return statistics.median(seconds)
 
 
@@ -286,7 +314,7 @@ _HLO_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "s
               "int32": "s32", "uint32": "u32", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
 _INSTR = re.compile(r"%([\w.\-]+) = (\w+\[[\d,]*\])(?:\{[^}]*\})? ([\w\-]+)\((.*)")
 _PLUMBING = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
-             "opt-barrier"}
+             "opt-barrier", "call"}  # call: a command buffer (what it runs is checked too)
 
 
 def hlo_type(x) -> str:
@@ -298,7 +326,7 @@ def touches(hlo: str, x) -> list[str]:
     t = hlo_type(x)
     typed = {}
     hits = []
-    for line in hlo.splitlines():
+    for line in _plain(hlo).splitlines():
         m = _INSTR.search(line)
         if not m:
             continue
