@@ -56,8 +56,10 @@ def stream():
 def recomputed():
     """Each request's greedy tokens, recomputed from scratch at every step (no cache)."""
     capacity = len(SYSTEM) + 6 + 9
-    return [M.generate_no_cache(CFG, PARAMS, np.concatenate([SYSTEM, r.prompt]), r.max_new_tokens,
-                                capacity=capacity) for r in stream()]
+    # Module-scoped, so set up before the autouse fixture: exact matmuls here too (no TF32).
+    with jax.default_matmul_precision("highest"):
+        return [M.generate_no_cache(CFG, PARAMS, np.concatenate([SYSTEM, r.prompt]),
+                                    r.max_new_tokens, capacity=capacity) for r in stream()]
 
 
 @pytest.mark.parametrize("kind_name,ops,options", KINDS)

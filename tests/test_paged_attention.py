@@ -4,16 +4,10 @@ The pools are passed as they are (``cache.k_pages[layer]`` is ``[H, P, S, D]``, 
 kernel takes); on CPU the kernel runs with ``interpret=True``, on the GPU natively (Triton).
 """
 
-import warnings
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-with warnings.catch_warnings():
-    # jax 0.11 deprecates this module (it still ships and works); the reader the issue names.
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from jax.experimental.pallas.ops.gpu import paged_attention as pa
+from jax.experimental.pallas.ops.gpu import paged_attention as pa  # deprecated in jax 0.11
 
 from jaxkv import PagedKVCache
 
@@ -23,8 +17,6 @@ from test_paged_ops import random_array
 B, HKV, HQ, D, S, MAX_PAGES = 3, 2, 4, 32, 16, 4
 
 
-# jax 0.11 deprecates the Pallas Triton backend this kernel lowers to on GPU; it still works.
-@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_pallas_paged_attention_reads_a_jaxkv_cache(dtype):
     # Powers of two throughout: Triton block shapes (the whole pool of a head is one block).
