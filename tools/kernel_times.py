@@ -5,7 +5,7 @@ Runs the jaxkv step of every target case of the GPU benchmark a few times under
 trace (CUPTI's timestamps). Complements ``python -m jaxkv.bench``, whose loop times include the
 loop's own cost.
 
-    python tools/kernel_times.py [--json PATH] [--all]
+    python tools/kernel_times.py [--json PATH] [--all] [--op OP ...]
 """
 
 from __future__ import annotations
@@ -62,11 +62,13 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json")
     p.add_argument("--all", action="store_true", help="the plot's sweep points too")
+    p.add_argument("--op", action="append", help="only this op (repeatable)")
     args = p.parse_args(argv)
     size = "gpu" if jax.default_backend() == "gpu" else "cpu"
     rows = []
     for case in (C.gpu_cases() if size == "gpu" else C.cases("cpu")):
-        if (case.sweep and not args.all) or case.missing() or case.min_bytes == 0:
+        if (case.sweep and not args.all) or case.missing() or case.min_bytes == 0 or (
+                args.op and case.op not in args.op):
             continue
         row = measure(case)
         rows.append(row)

@@ -104,10 +104,13 @@ JAXKV_HD TokenAction token_ref(const TokenMove& m, const SpanRef& s, int64_t t, 
   const TokenAction miss = m.gather ? TokenAction::kZero : TokenAction::kSkip;
   if (t >= s.count) return miss;
   const int64_t pos = m.gather ? t : s.length + t;
-  if (pos < 0) return miss;
-  const int32_t page = c.page(s.b, pos / c.page_size);
+  if (pos < 0 || pos >= int64_t{c.max_pages} * c.page_size) return miss;
+  // A position in a row fits 32 bits, and a 32-bit division is several times cheaper than a
+  // 64-bit one on a GPU (this runs once per moved word).
+  const int32_t pos32 = static_cast<int32_t>(pos);
+  const int32_t page = c.page(s.b, pos32 / c.page_size);
   if (page < 0) return miss;
-  r->paged = c.offset(s.layer, s.h, page, pos % c.page_size);
+  r->paged = c.offset(s.layer, s.h, page, pos32 % c.page_size);
   return TokenAction::kCopy;
 }
 
