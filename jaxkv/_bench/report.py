@@ -4,23 +4,33 @@ from __future__ import annotations
 
 import json
 
-COLUMNS = ["op", "case", "min bytes", "time", "GB/s", "% copy", "XLA", "XLA time", "speed-up",
-           "mem", "target", "met"]
+COLUMNS = ["op", "case", "min bytes", "kernel", "loop", "GB/s", "% copy", "XLA", "XLA time",
+           "speed-up", "mem", "target", "met"]
+
+
+def device_time(k: dict) -> float:
+    """The op's device time: its kernel's, read from the profiler, where a GPU trace had it;
+    otherwise the timed loop's time per op (which also carries the loop's own cost)."""
+    return k.get("kernel_time_s") or k["time_s"]
+
+
+def device_copy_frac(k: dict) -> float:
+    return k.get("kernel_copy_frac") or k["copy_frac"]
 
 
 def evaluate(row: dict, target, on_gpu: bool) -> None:
     """Sets row["met"] (None off GPU: the targets are the H200's) and row["failed"]."""
     k = row["jaxkv"]
     failed = ["XLA hoisted the op out of the timed loop: time not valid"] if k.get("hoisted") else []
-    if target.copy_frac is not None and k["copy_frac"] < target.copy_frac:
-        failed.append(f"{k['copy_frac']:.0%} < {target.copy_frac:.0%} of copy BW")
+    if target.copy_frac is not None and device_copy_frac(k) < target.copy_frac:
+        failed.append(f"{device_copy_frac(k):.0%} < {target.copy_frac:.0%} of copy BW")
     speedup = row.get("speedup")
     if target.speedup is not None and (speedup is None or speedup < target.speedup):
         failed.append(f"speed-up {fmt_x(speedup)} < {target.speedup:g}x")
     if target.beats_xla and (speedup is None or speedup <= 1):
         failed.append(f"speed-up {fmt_x(speedup)} <= 1x")
-    if target.max_us is not None and k["time_s"] * 1e6 > target.max_us:
-        failed.append(f"{k['time_s'] * 1e6:.1f} us > {target.max_us:g} us")
+    if target.max_us is not None and device_time(k) * 1e6 > target.max_us:
+        failed.append(f"{device_time(k) * 1e6:.1f} us > {target.max_us:g} us")
     if target.one_launch and k["launches"] != 1:
         failed.append(f"{k['launches']:.3g} launches")
     if target.no_kv_bytes and k.get("touches_kv"):
@@ -68,7 +78,7 @@ def fmt_extra(impl: dict) -> str:
 def cells(row: dict) -> list[str]:
     if row["status"] != "ok":
         return [row["op"], row["case"], fmt_bytes(row["min_bytes"]), row["status"], "", "", "",
-                "", "", "", row["target"], row["reason"]]
+                "", "", "", "", row["target"], row["reason"]]
     k = row["jaxkv"]
     best = row["xla"].get(row["xla_best"]) if row["xla_best"] else None
     met = {True: "yes", False: "NO: " + "; ".join(row["failed"]), None: "n/a (cpu)"}[row["met"]]
@@ -77,9 +87,10 @@ def cells(row: dict) -> list[str]:
     if row.get("explanation"):
         met += f" ({row['explanation']})"
     return [
-        row["op"], row["case"], fmt_bytes(row["min_bytes"]), fmt_time(k["time_s"]),
-        f"{k['gbps']:.0f}" if row["min_bytes"] else "-",
-        f"{k['copy_frac']:.0%}" if row["min_bytes"] else "-",
+        row["op"], row["case"], fmt_bytes(row["min_bytes"]), fmt_time(k.get("kernel_time_s")),
+        fmt_time(k["time_s"]),
+        f"{row['min_bytes'] / device_time(k) / 1e9:.0f}" if row["min_bytes"] else "-",
+        f"{device_copy_frac(k):.0%}" if row["min_bytes"] else "-",
         row["xla_best"] or "-", fmt_time(best["time_s"]) if best else "-",
         fmt_x(row["speedup"]), fmt_mem(k), row["target"], met,
     ]
@@ -118,10 +129,14 @@ def markdown(report: dict, plot_name: str | None) -> str:
     if m["backend"] != "gpu":
         md += ["**Not an H200 run**: the targets are the H200's and are not evaluated here.", ""]
     md += ["## Results", "",
-           "Time: device time per op (median of the repetitions). GB/s: minimum bytes (read + "
-           "written) over that time; % copy: over the copy bandwidth above. XLA: the fastest "
-           "XLA-native formulation, same loop, same donation. mem: device memory one op "
-           "allocates beyond its inputs and required outputs, as a share of the cache.", "",
+           "kernel: the op's kernel time on the device, read from the profiler (GPU only). loop: "
+           "time per op in the timed loop (median of the repetitions), which also carries the "
+           "loop's own per-iteration cost. GB/s and % copy: minimum bytes (read + written) over "
+           "the kernel time (the loop time where there is none), and that over the copy "
+           "bandwidth above; the targets are checked on these. XLA: the fastest XLA-native "
+           "formulation, same loop, same donation; speed-up: its loop time over jaxkv's. mem: "
+           "device memory one op allocates beyond its inputs and required outputs, as a share "
+           "of the cache.", "",
            "| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     md += ["| " + " | ".join(x.replace("|", "/") for x in cells(r)) + " |" for r in report["rows"]]
     inc = report.get("increment_lengths")

@@ -13,6 +13,7 @@ import gc
 import re
 import statistics
 import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -236,6 +237,33 @@ def time_loop(step: Step, carry, consts, n: int, reps: int, per_step: int = 1,
         block(carry)
         seconds.append((time.perf_counter() - start) / (n * per_step))
     return carry, seconds, compiled.as_text(), (measured, static)
+
+
+def jaxkv_kernel_durations(trace_dir: str) -> list[float]:
+    """Seconds of every jaxkv kernel on a GPU in a profiler trace, in start order (CUPTI's
+    timestamps: device time, no launch or loop cost in it)."""
+    paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not paths:
+        return []
+    data = jax.profiler.ProfileData.from_file(paths[0])
+    events = [(e.start_ns, e.duration_ns * 1e-9)
+              for plane in data.planes if plane.name.startswith("/device:GPU")
+              for line in plane.lines for e in line.events if "jaxkv" in e.name]
+    return [d for _, d in sorted(events)]
+
+
+def kernel_seconds(step: Step, carry, consts, per_step: int = 1, n: int = 4):
+    """(carry, median device time of one jaxkv kernel launch or None, launches seen, expected):
+    ``n`` iterations of ``step`` run once under the profiler (after a warm-up call)."""
+    compiled = loop(step, n).lower(carry, consts).compile()
+    carry = compiled(carry, consts)
+    block(carry)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            carry = compiled(carry, consts)
+            block(carry)
+        seconds = jaxkv_kernel_durations(d)
+    return carry, (statistics.median(seconds) if seconds else None), len(seconds), n * per_step
 
 
 def memory_stats() -> dict | None:
