@@ -26,7 +26,8 @@ int threads_for(int64_t words) {
 }
 
 // Moves words [0, words) of the chunk of span s that starts at token t0. In gather the source is
-// the pool and the destination the dense tensor; in append the other way round.
+// the pool and the destination the dense tensor; in append the other way round. Append loads its
+// (dense) source before looking up the pages, so the page-table reads overlap the data reads.
 template <int kBytes, bool kGather>
 __device__ __forceinline__ void move_chunk(const TokenMove& m, const SpanRef& s, int64_t t0,
                                            int32_t words) {
@@ -38,30 +39,34 @@ __device__ __forceinline__ void move_chunk(const TokenMove& m, const SpanRef& s,
   char* dst_v = kGather ? m.dense_v : m.cache.v;
   for (int32_t base = threadIdx.x; base < words; base += blockDim.x * kUnroll) {
     W k[kUnroll], v[kUnroll];
-    int64_t to[kUnroll];  // byte offset of the destination word, or -1: skip
+    int64_t paged[kUnroll], dense[kUnroll];  // byte offsets; paged < 0: no page (or past count)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int32_t i = base + u * blockDim.x;
-      to[u] = -1;
+      const int64_t t = t0 + i / wpt;
+      const bool moves = i < words && t < s.count;
+      dense[u] = i < words ? s.dense + t * m.cache.token_bytes + int64_t{i % wpt} * kBytes : -1;
       k[u] = W{};
       v[u] = W{};
-      if (i >= words) continue;
-      const int64_t w = int64_t{i % wpt} * kBytes;
-      TokenRef r;
-      const TokenAction a = token_ref(m, s, t0 + i / wpt, &r);
-      if (a == TokenAction::kSkip) continue;
-      to[u] = (kGather ? r.dense : r.paged) + w;
-      if (a == TokenAction::kCopy) {
-        const int64_t from = (kGather ? r.paged : r.dense) + w;
-        k[u] = load_word(reinterpret_cast<const W*>(src_k + from));
-        v[u] = load_word(reinterpret_cast<const W*>(src_v + from));
+      if (!kGather && moves) {
+        k[u] = load_word(reinterpret_cast<const W*>(src_k + dense[u]));
+        v[u] = load_word(reinterpret_cast<const W*>(src_v + dense[u]));
+      }
+      paged[u] = moves ? paged_offset(m, s, t) : -1;
+      if (paged[u] >= 0) paged[u] += int64_t{i % wpt} * kBytes;
+      if (kGather && paged[u] >= 0) {
+        k[u] = load_word(reinterpret_cast<const W*>(src_k + paged[u]));
+        v[u] = load_word(reinterpret_cast<const W*>(src_v + paged[u]));
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (to[u] < 0) continue;
-      store_word(reinterpret_cast<W*>(dst_k + to[u]), k[u]);
-      store_word(reinterpret_cast<W*>(dst_v + to[u]), v[u]);
+      // Gather writes every dense word (zeros where no page holds the token); append writes
+      // only tokens that have a page.
+      const int64_t to = kGather ? dense[u] : paged[u];
+      if (to < 0) continue;
+      store_word(reinterpret_cast<W*>(dst_k + to), k[u]);
+      store_word(reinterpret_cast<W*>(dst_v + to), v[u]);
     }
   }
 }

@@ -97,21 +97,25 @@ JAXKV_HD SpanRef span_ref(const TokenMove& m, int64_t span) {
   return s;
 }
 
-// Token t of span s.
-JAXKV_HD TokenAction token_ref(const TokenMove& m, const SpanRef& s, int64_t t, TokenRef* r) {
+// Byte offset in the pools of token t (< s.count) of span s, or -1: no page holds it.
+JAXKV_HD int64_t paged_offset(const TokenMove& m, const SpanRef& s, int64_t t) {
   const PagedView& c = m.cache;
-  r->dense = s.dense + t * c.token_bytes;
-  const TokenAction miss = m.gather ? TokenAction::kZero : TokenAction::kSkip;
-  if (t >= s.count) return miss;
   const int64_t pos = m.gather ? t : s.length + t;
-  if (pos < 0 || pos >= int64_t{c.max_pages} * c.page_size) return miss;
+  if (pos < 0 || pos >= int64_t{c.max_pages} * c.page_size) return -1;
   // A position in a row fits 32 bits, and a 32-bit division is several times cheaper than a
   // 64-bit one on a GPU (this runs once per moved word).
   const int32_t pos32 = static_cast<int32_t>(pos);
   const int32_t page = c.page(s.b, pos32 / c.page_size);
-  if (page < 0) return miss;
-  r->paged = c.offset(s.layer, s.h, page, pos32 % c.page_size);
-  return TokenAction::kCopy;
+  if (page < 0) return -1;
+  return c.offset(s.layer, s.h, page, pos32 % c.page_size);
+}
+
+// Token t of span s.
+JAXKV_HD TokenAction token_ref(const TokenMove& m, const SpanRef& s, int64_t t, TokenRef* r) {
+  r->dense = s.dense + t * m.cache.token_bytes;
+  r->paged = t < s.count ? paged_offset(m, s, t) : -1;
+  if (r->paged >= 0) return TokenAction::kCopy;
+  return m.gather ? TokenAction::kZero : TokenAction::kSkip;
 }
 
 // copy_pages: pair i copies physical page src[i] to dst[i], every layer, K and V. Work unit u =
