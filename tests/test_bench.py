@@ -321,3 +321,13 @@ def test_kernel_time_comes_from_the_profiler():
     assert seen == expected == 4
     moved = 2 * x.nbytes  # every row moves: read once, written once
     assert 1e-7 < t < moved / 1e11  # faster than 100 GB/s, slower than nothing
+
+
+def test_kernel_time_is_none_without_a_gpu_trace():
+    """Off a GPU the trace has no device plane: no kernel time, and nothing breaks."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("covered by test_kernel_time_comes_from_the_profiler")
+    x = jnp.ones((8, 16), jnp.float32)
+    step = lambda i, c, m: jaxkv.compact_tensor_batch(c, m)
+    _, t, seen, expected = T.kernel_seconds(step, x, jnp.arange(8, dtype=jnp.int32), n=2)
+    assert (t, seen, expected) == (None, 0, 2)

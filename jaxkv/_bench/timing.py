@@ -10,6 +10,7 @@ cost is measured separately (``loop_overhead``) and is included, not subtracted.
 from __future__ import annotations
 
 import gc
+import glob
 import re
 import statistics
 import sys
