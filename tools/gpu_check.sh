@@ -25,7 +25,9 @@ tests_rc=${PIPESTATUS[0]}
 
 if [ -z "${SKIP_BENCH:-}" ] && (cd /tmp && python3 -c "import jaxkv.bench" 2>/dev/null); then
   echo "== benchmarks"
-  (cd /tmp && python3 -m jaxkv.bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" 2>&1) \
+  explain="$PWD/benchmarks/explanations.json"  # measured reasons for rows that miss a target
+  (cd /tmp && python3 -m jaxkv.bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
+    --explain "$explain" 2>&1) \
     | tee "$OUT/bench.log"
 fi
 exit "$tests_rc"
