@@ -168,8 +168,8 @@ def increment_lengths(lengths: jax.Array, increment) -> jax.Array:
 
     This is a fused XLA op, not a kernel, by measurement (H200, jax 0.11.2, 2026-11-20; the
     ``increment_lengths`` section of docs/benchmarks.md): in a decode-like step on int32[256],
-    ``lengths + 1`` fused into the neighbouring length arithmetic added 0.09 us per step
-    (6.30 vs 6.21 us), while one custom call in its place added 13 us (19.39 us): a launch
+    ``lengths + 1`` fused into the neighbouring length arithmetic added 0.15 us per step
+    (5.90 vs 5.75 us), while one custom call in its place added 13.7 us (19.40 us): a launch
     of its own, and a break in the fusion and in XLA's command buffer around it.
     """
     op = "increment_lengths"
