@@ -88,12 +88,8 @@ class LinearKVCache:
         return jnp.all(jnp.where(active, self.lengths, 0) == 0)
 
     def set_active_batch_size(self, n: IntOrArray) -> "LinearKVCache":
-        op = "LinearKVCache.set_active_batch_size"
-        if isinstance(n, (int, np.integer)):
-            v.static_int(op, "n", n, 0, self.max_batch)
-        n = v.int_scalar(op, "n", n)
-        checkify.debug_check((n >= 0) & (n <= self.max_batch), f"{op}: n out of [0, max_batch]")
-        return dataclasses.replace(self, active_batch_size=jnp.clip(n, 0, self.max_batch))
+        n = active_batch_size_arg("LinearKVCache.set_active_batch_size", n, self.max_batch)
+        return dataclasses.replace(self, active_batch_size=n)
 
     def reset(self, reuse_lengths: jax.Array) -> "LinearKVCache":
         """Starts a new batch of ``n`` sequences (TensorRT Edge-LLM's resetForNewSequences).
@@ -101,21 +97,10 @@ class LinearKVCache:
         ``reuse_lengths``: int32 ``[n]``, ``n <= max_batch``: tokens already in the cache for each
         new sequence (a reused prompt; 0 for none). Slots past ``n`` get length 0.
         """
-        op = "LinearKVCache.reset"
-        v.array(op, "reuse_lengths", reuse_lengths)
-        v.int32(op, "reuse_lengths", reuse_lengths)
-        v.rank(op, "reuse_lengths", reuse_lengths, 1, "[n]")
-        n = reuse_lengths.shape[0]
-        if n > self.max_batch:
-            raise ValueError(f"{op}: reuse_lengths has {n} entries, max_batch is {self.max_batch}")
-        checkify.debug_check(
-            jnp.all((reuse_lengths >= 0) & (reuse_lengths <= self.max_seq_len)),
-            f"{op}: reuse_lengths outside [0, max_seq_len]",
+        lengths, active = reset_lengths(
+            "LinearKVCache.reset", reuse_lengths, self.max_batch, self.max_seq_len
         )
-        lengths = jnp.zeros((self.max_batch,), jnp.int32).at[:n].set(reuse_lengths)
-        return dataclasses.replace(
-            self, lengths=lengths, active_batch_size=jnp.asarray(n, jnp.int32)
-        )
+        return dataclasses.replace(self, lengths=lengths, active_batch_size=active)
 
     def append(self, layer_idx: IntOrArray, k: jax.Array, v_: jax.Array, new_lengths=None):
         """Writes ``k``, ``v`` ``[max_batch, H, T, D]`` after each active sequence's tokens.
@@ -187,6 +172,41 @@ class LinearKVCache:
         return dataclasses.replace(self, buffer=buffer)
 
 
+def active_batch_size_arg(op: str, n, max_batch: int) -> jax.Array:
+    """A new active batch size: an int in [0, max_batch] or an int32 scalar (clipped, checkify)."""
+    if isinstance(n, (int, np.integer)):
+        v.static_int(op, "n", n, 0, max_batch)
+    n = v.int_scalar(op, "n", n)
+    checkify.debug_check((n >= 0) & (n <= max_batch), f"{op}: n out of [0, max_batch]")
+    return jnp.clip(n, 0, max_batch)
+
+
+def reset_lengths(op: str, reuse_lengths, max_batch: int, max_seq_len: int):
+    """(lengths [max_batch], active batch size) of a reset to ``n = len(reuse_lengths)`` rows."""
+    v.array(op, "reuse_lengths", reuse_lengths)
+    v.int32(op, "reuse_lengths", reuse_lengths)
+    v.rank(op, "reuse_lengths", reuse_lengths, 1, "[n]")
+    n = reuse_lengths.shape[0]
+    if n > max_batch:
+        raise ValueError(f"{op}: reuse_lengths has {n} entries, max_batch is {max_batch}")
+    checkify.debug_check(
+        jnp.all((reuse_lengths >= 0) & (reuse_lengths <= max_seq_len)),
+        f"{op}: reuse_lengths outside [0, max_seq_len]",
+    )
+    lengths = jnp.zeros((max_batch,), jnp.int32).at[:n].set(reuse_lengths)
+    return lengths, jnp.asarray(n, jnp.int32)
+
+
+def append_counts(op: str, new_lengths, batch: int, tokens: int):
+    """(tokens written per row, for checks; the kernel's counts argument: [0] means all T)."""
+    if new_lengths is None:
+        return jnp.full((batch,), tokens, jnp.int32), jnp.zeros((0,), jnp.int32)
+    v.array(op, "new_lengths", new_lengths)
+    v.int32(op, "new_lengths", new_lengths)
+    v.shape(op, "new_lengths", new_lengths, (batch,), "[max_batch]")
+    return jnp.clip(new_lengths, 0, tokens), new_lengths
+
+
 def surviving_count(batch_mapping: jax.Array, rows: int) -> jax.Array:
     return jnp.sum((batch_mapping >= 0) & (batch_mapping < rows)).astype(jnp.int32)
 
@@ -222,16 +242,7 @@ def append_stacked(op, buffer, layer_idx, k, v_, lengths, active_batch_size, new
             )
     if k.shape != v_.shape:
         raise ValueError(f"{op}: k and v shapes differ: {k.shape} vs {v_.shape}")
-    tokens = k.shape[2]
-    if new_lengths is None:
-        count = jnp.full((batch,), tokens, jnp.int32)
-        new_lengths_in = jnp.zeros((0,), jnp.int32)
-    else:
-        v.array(op, "new_lengths", new_lengths)
-        v.int32(op, "new_lengths", new_lengths)
-        v.shape(op, "new_lengths", new_lengths, (batch,), "[max_batch]")
-        count = jnp.minimum(new_lengths, tokens)
-        new_lengths_in = new_lengths
+    count, new_lengths_in = append_counts(op, new_lengths, batch, k.shape[2])
     active = jnp.arange(batch) < active_batch_size
     checkify.debug_check(
         (layer_idx >= 0) & (layer_idx < num_layers), f"{op}: layer_idx out of range"

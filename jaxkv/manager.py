@@ -137,31 +137,16 @@ class KVCacheManager:
         return jnp.all(jnp.where(active, self.lengths, 0) == 0)
 
     def set_active_batch_size(self, n: IntOrArray) -> "KVCacheManager":
-        op = "KVCacheManager.set_active_batch_size"
-        if isinstance(n, (int, np.integer)):
-            v.static_int(op, "n", n, 0, self.max_batch)
-        n = v.int_scalar(op, "n", n)
-        checkify.debug_check((n >= 0) & (n <= self.max_batch), f"{op}: n out of [0, max_batch]")
-        return dataclasses.replace(self, active_batch_size=jnp.clip(n, 0, self.max_batch))
+        n = linear.active_batch_size_arg("KVCacheManager.set_active_batch_size", n, self.max_batch)
+        return dataclasses.replace(self, active_batch_size=n)
 
     def reset(self, reuse_lengths: jax.Array) -> "KVCacheManager":
         """Starts a new batch of ``n`` sequences; ``reuse_lengths``: int32 ``[n]``, tokens already
         in the cache for each (a prompt instantiated with ``instantiate``; 0 for none)."""
-        op = "KVCacheManager.reset"
-        v.array(op, "reuse_lengths", reuse_lengths)
-        v.int32(op, "reuse_lengths", reuse_lengths)
-        v.rank(op, "reuse_lengths", reuse_lengths, 1, "[n]")
-        n = reuse_lengths.shape[0]
-        if n > self.max_batch:
-            raise ValueError(f"{op}: reuse_lengths has {n} entries, max_batch is {self.max_batch}")
-        checkify.debug_check(
-            jnp.all((reuse_lengths >= 0) & (reuse_lengths <= self.max_seq_len)),
-            f"{op}: reuse_lengths outside [0, max_seq_len]",
+        lengths, active = linear.reset_lengths(
+            "KVCacheManager.reset", reuse_lengths, self.max_batch, self.max_seq_len
         )
-        lengths = jnp.zeros((self.max_batch,), jnp.int32).at[:n].set(reuse_lengths)
-        return dataclasses.replace(
-            self, lengths=lengths, active_batch_size=jnp.asarray(n, jnp.int32)
-        )
+        return dataclasses.replace(self, lengths=lengths, active_batch_size=active)
 
     def append(self, layer_idx: int, k: jax.Array, v_: jax.Array, new_lengths=None):
         """Writes ``k``, ``v`` ``[max_batch, H_i, T, D_i]`` into layer ``layer_idx`` (a static int:

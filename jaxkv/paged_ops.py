@@ -15,6 +15,7 @@ from jax.experimental import checkify
 
 from . import _ffi
 from . import _validate as v
+from .linear import append_counts
 
 NO_PAGE = -1  # page-table sentinel: no page assigned
 LAYOUTS = ("HND", "NHD")
@@ -99,15 +100,7 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v_, new_le
     if k.shape != v_.shape:
         raise ValueError(f"{op}: k and v shapes differ: {k.shape} vs {v_.shape}")
     tokens = k.shape[-2]
-    if new_lengths is None:
-        count = jnp.full((batch,), tokens, jnp.int32)
-        counts_in = jnp.zeros((0,), jnp.int32)
-    else:
-        v.array(op, "new_lengths", new_lengths)
-        v.int32(op, "new_lengths", new_lengths)
-        v.shape(op, "new_lengths", new_lengths, (batch,), "[max_batch]")
-        count = jnp.clip(new_lengths, 0, tokens)
-        counts_in = new_lengths
+    count, counts_in = append_counts(op, new_lengths, batch, tokens)
     checkify.debug_check(
         (layer_idx >= 0) & (layer_idx < g["num_layers"]), f"{op}: layer_idx out of range"
     )

@@ -9,9 +9,8 @@ import pytest
 
 import jaxkv
 from jaxkv import KVCacheManager, KVLayerConfig, reference
-from helpers import assert_bytes_equal, copies_of
+from helpers import assert_bytes_equal, copies_of, random_array
 
-_rng = np.random.default_rng()
 
 # Alternating 8 and 2 KV heads, a head_dim 512 layer, a layer with a shorter max_seq_len.
 MIXED = [KVLayerConfig(8, 64), KVLayerConfig(2, 128), KVLayerConfig(8, 512),
@@ -22,14 +21,6 @@ ref_append = jax.jit(reference.append_layer)
 ref_compact = jax.jit(reference.compact_kv_cache)
 
 
-def random_array(shape, dtype):
-    """Fresh random values (never zeros, never NaN) drawn by numpy: helpers.random_array compiles
-    jax.random once per shape, seconds each on a loaded 2-core CPU, and these tests use many."""
-    dtype = np.dtype(dtype)
-    if np.issubdtype(dtype, np.integer):
-        info = np.iinfo(dtype)
-        return jnp.asarray(_rng.integers(info.min, info.max + 1, shape).astype(dtype))
-    return jnp.asarray((_rng.standard_normal(shape, np.float32) * 4).astype(dtype))
 
 
 def random_manager(configs=MIXED, max_batch=4, max_seq_len=16, dtype=jnp.bfloat16):

@@ -12,8 +12,8 @@ from jax.experimental import checkify
 from jaxkv import NO_PAGE, PagedKVCache
 from jaxkv import reference as ref
 
-from helpers import assert_bytes_equal, copies_of
-from test_paged_ops import random_array
+from helpers import assert_bytes_equal, copies_of, random_array
+
 
 LAYOUTS = ["HND", "NHD"]
 

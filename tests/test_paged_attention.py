@@ -11,8 +11,8 @@ from jax.experimental.pallas.ops.gpu import paged_attention as pa  # deprecated 
 
 from jaxkv import PagedKVCache
 
-from helpers import on_gpu
-from test_paged_ops import random_array
+from helpers import on_gpu, random_array
+
 
 B, HKV, HQ, D, S, MAX_PAGES = 3, 2, 4, 32, 16, 4
 

@@ -12,21 +12,13 @@ import pytest
 import jaxkv
 from jaxkv import reference as ref
 
-from helpers import DTYPES, DTYPE_IDS, assert_bytes_equal
+from helpers import DTYPES, DTYPE_IDS, assert_bytes_equal, random_array
 
 LAYOUTS = ["HND", "NHD"]
 PAGE_SIZES = [1, 16, 128]
 L, H = 2, 3
 
 
-def random_array(shape, dtype):
-    """Fresh random values (never zeros, never NaN), drawn with numpy: jax.random compiles per shape,
-    which dominates these small tests on CPU."""
-    rng, dtype = np.random.default_rng(), np.dtype(dtype)
-    if np.issubdtype(dtype, np.integer):
-        info = np.iinfo(dtype)
-        return jnp.asarray(rng.integers(info.min, info.max + 1, shape).astype(dtype))
-    return jnp.asarray((rng.standard_normal(shape, np.float32) * 4).astype(dtype))
 
 
 def pool_shape(layout, pages, size, d):

@@ -11,20 +11,11 @@ from jax.experimental import checkify
 
 import jaxkv
 from jaxkv import reference
-from helpers import DTYPE_IDS, DTYPES, assert_bytes_equal, copies_of
+from helpers import DTYPE_IDS, DTYPES, assert_bytes_equal, copies_of, random_array
 
 HEAD_DIMS = [64, 80, 128, 256, 512, 576]
-_rng = np.random.default_rng()
 
 
-def random_array(shape, dtype):
-    """Fresh random values (never zeros, never NaN) drawn by numpy: helpers.random_array compiles
-    jax.random once per shape, seconds each on a loaded 2-core CPU, and these tests use many."""
-    dtype = np.dtype(dtype)
-    if np.issubdtype(dtype, np.integer):
-        info = np.iinfo(dtype)
-        return jnp.asarray(_rng.integers(info.min, info.max + 1, shape).astype(dtype))
-    return jnp.asarray((_rng.standard_normal(shape, np.float32) * 4).astype(dtype))
 
 
 # The references, jitted: one compilation each instead of one per eager op.
