@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine (the H200 of the device tool): build with the preinstalled toolchain, run the
-# whole test suite on the GPU, then the benchmarks. Logs go to $OUT (default /tmp/jaxkv-gpu).
+# whole test suite on the GPU, then the benchmarks, then the demo for each cache kind against its
+# XLA baseline. Logs go to $OUT (default /tmp/jaxkv-gpu). SKIP_BENCH=1 / SKIP_DEMO=1 skip parts.
 #   bash tools/gpu_check.sh [pytest args...]
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxkv-gpu}
@@ -29,5 +30,11 @@ if [ -z "${SKIP_BENCH:-}" ] && (cd /tmp && python3 -c "import jaxkv.bench" 2>/de
   (cd /tmp && python3 -m jaxkv.bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
     --explain "$explain" 2>&1) \
     | tee "$OUT/bench.log"
+fi
+if [ -z "${SKIP_DEMO:-}" ]; then
+  echo "== demo (tokens/s for jaxkv vs --baseline xla)"
+  for cache in linear manager paged; do
+    (cd /tmp && python3 -m jaxkv demo --cache "$cache" --baseline xla 2>&1)
+  done | tee "$OUT/demo.log"
 fi
 exit "$tests_rc"
