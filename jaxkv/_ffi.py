@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import jax
 
-from . import _jaxkv
+try:
+    from . import _jaxkv
+except ImportError as e:  # most often: the source checkout shadows the installed package
+    raise ImportError(
+        f"jaxkv: the compiled extension jaxkv._jaxkv is not next to {__file__}. If that is a "
+        "source checkout in the current directory, it shadows the installed package: run from "
+        "another directory, use `python3 -P`, or install it with `pip install -e .`."
+    ) from e
 
 WITH_CUDA: bool = bool(_jaxkv.with_cuda)
 
