@@ -8,11 +8,11 @@ from typing import Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from . import _ffi
 from . import _validate as v
 from . import ops
+from ._checks import check
 
 IntOrArray = Union[int, jax.Array]
 
@@ -146,7 +146,7 @@ class LinearKVCache:
             [self.buffer], self.lengths, batch_mapping, kv=True, rows=self.max_batch
         )
         survivors = surviving_count(batch_mapping, self.max_batch)
-        checkify.debug_check(
+        check(
             jnp.all(jnp.where(batch_mapping >= 0, batch_mapping < survivors, True)),
             f"{op}: survivors must land on rows [0, survivors)",
         )
@@ -177,7 +177,7 @@ def active_batch_size_arg(op: str, n, max_batch: int) -> jax.Array:
     if isinstance(n, (int, np.integer)):
         v.static_int(op, "n", n, 0, max_batch)
     n = v.int_scalar(op, "n", n)
-    checkify.debug_check((n >= 0) & (n <= max_batch), f"{op}: n out of [0, max_batch]")
+    check((n >= 0) & (n <= max_batch), f"{op}: n out of [0, max_batch]")
     return jnp.clip(n, 0, max_batch)
 
 
@@ -189,7 +189,7 @@ def reset_lengths(op: str, reuse_lengths, max_batch: int, max_seq_len: int):
     n = reuse_lengths.shape[0]
     if n > max_batch:
         raise ValueError(f"{op}: reuse_lengths has {n} entries, max_batch is {max_batch}")
-    checkify.debug_check(
+    check(
         jnp.all((reuse_lengths >= 0) & (reuse_lengths <= max_seq_len)),
         f"{op}: reuse_lengths outside [0, max_seq_len]",
     )
@@ -221,7 +221,7 @@ def commit_lengths(op, lengths, active_batch_size, new_lengths, max_seq_len) -> 
         v.shape(op, "new_lengths", new_lengths, lengths.shape, "[max_batch]")
     active = jnp.arange(lengths.shape[0]) < active_batch_size
     grown = lengths + jnp.where(active, jnp.asarray(new_lengths, jnp.int32), 0)
-    checkify.debug_check(jnp.all(grown <= max_seq_len), f"{op}: lengths pass max_seq_len")
+    check(jnp.all(grown <= max_seq_len), f"{op}: lengths pass max_seq_len")
     return jnp.minimum(grown, max_seq_len)
 
 
@@ -244,10 +244,10 @@ def append_stacked(op, buffer, layer_idx, k, v_, lengths, active_batch_size, new
         raise ValueError(f"{op}: k and v shapes differ: {k.shape} vs {v_.shape}")
     count, new_lengths_in = append_counts(op, new_lengths, batch, k.shape[2])
     active = jnp.arange(batch) < active_batch_size
-    checkify.debug_check(
+    check(
         (layer_idx >= 0) & (layer_idx < num_layers), f"{op}: layer_idx out of range"
     )
-    checkify.debug_check(
+    check(
         jnp.all(jnp.where(active, lengths + count <= capacity, True)),
         f"{op}: tokens past max_seq_len are dropped",
     )

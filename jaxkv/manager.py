@@ -9,12 +9,12 @@ from typing import Sequence, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from . import _validate as v
 from . import linear, ops, reuse
 from .linear import LinearKVCache
 from .reuse import SavedKV
+from ._checks import check
 
 IntOrArray = Union[int, jax.Array]
 
@@ -179,7 +179,7 @@ class KVCacheManager:
             list(self.layers), self.lengths, batch_mapping, kv=True, rows=self.max_batch
         )
         survivors = linear.surviving_count(batch_mapping, self.max_batch)
-        checkify.debug_check(
+        check(
             jnp.all(jnp.where(batch_mapping >= 0, batch_mapping < survivors, True)),
             f"{op}: survivors must land on rows [0, survivors)",
         )

@@ -2,7 +2,7 @@
 
 Every op validates shapes, dtypes and static arguments at trace time, then makes one FFI call whose
 outputs alias the cache inputs: donate the cache to the caller's ``jit`` and the op runs in place.
-Data-dependent problems are reported through ``jax.experimental.checkify`` (``debug_check``: free
+Data-dependent problems are reported through ``jax.experimental.checkify`` (``_checks.check``: free
 unless the caller wraps the function in ``checkify.checkify``).
 """
 
@@ -12,10 +12,10 @@ from typing import Sequence, Union
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import checkify
 
 from . import _ffi
 from . import _validate as v
+from ._checks import check
 
 Layers = Union[jax.Array, Sequence[jax.Array]]
 
@@ -24,7 +24,7 @@ def check_mapping_injective(op: str, batch_mapping: jax.Array, rows: int) -> Non
     """checkify report when two survivors are sent to one row (the kernel keeps one of them)."""
     valid = (batch_mapping >= 0) & (batch_mapping < rows)
     hits = jnp.zeros((rows,), jnp.int32).at[jnp.where(valid, batch_mapping, rows)].add(1, mode="drop")
-    checkify.debug_check(
+    check(
         jnp.all(hits <= 1), f"{op}: batch_mapping sends two surviving rows to the same new row"
     )
 

@@ -13,12 +13,12 @@ from typing import Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from . import _validate as v
 from . import ops
 from . import paged_ops
 from .paged_ops import NO_PAGE
+from ._checks import check
 
 IntOrArray = Union[int, jax.Array]
 _INT32_MAX = 2**31 - 1
@@ -160,7 +160,7 @@ class PagedKVCache:
         v.array(op, "num_new_tokens", num_new_tokens)
         v.int32(op, "num_new_tokens", num_new_tokens)
         v.shape(op, "num_new_tokens", num_new_tokens, (self.max_batch,), "[max_batch]")
-        checkify.debug_check(jnp.all(num_new_tokens >= 0), f"{op}: num_new_tokens < 0")
+        check(jnp.all(num_new_tokens >= 0), f"{op}: num_new_tokens < 0")
         n = jnp.maximum(num_new_tokens, 0)
         held = self.pages_held
         room = self.max_pages_per_seq * self.page_size - self.lengths
@@ -169,10 +169,10 @@ class PagedKVCache:
         want = end // self.page_size + (end % self.page_size != 0).astype(jnp.int32)
         need = jnp.where(fits, jnp.maximum(want - held, 0), 0).astype(jnp.int32)
         ref_counts, served, first, free_ids = _allocate(self.ref_counts, need, fits)
-        checkify.debug_check(
+        check(
             jnp.all(fits), f"{op}: a sequence would pass max_pages_per_seq * page_size tokens"
         )
-        checkify.debug_check(jnp.all(served | ~fits), f"{op}: out of pages")
+        check(jnp.all(served | ~fits), f"{op}: out of pages")
         # Row b's new pages go to table entries [held[b], held[b] + need[b]).
         k = jnp.arange(self.max_pages_per_seq, dtype=jnp.int32)[None, :] - held[:, None]
         new = served[:, None] & (k >= 0) & (k < need[:, None])
@@ -258,7 +258,7 @@ class PagedKVCache:
         ok = src_ok & (dst_slots >= 0) & (dst_slots < rows) & (dst_slots != src)
         dst_index = jnp.where(ok, dst_slots, rows)
         hits = jnp.zeros((rows + 1,), jnp.int32).at[dst_index].add(1)[:rows]
-        checkify.debug_check(
+        check(
             jnp.all(ok) & jnp.all(hits <= 1),
             f"{op}: dst_slots must be distinct valid slots other than src_slot",
         )
@@ -272,7 +272,7 @@ class PagedKVCache:
         partial = length % size != 0
         need = jnp.where(is_dst & partial, 1, 0).astype(jnp.int32)
         ref_counts, served, first, free_ids = _allocate(cache.ref_counts, need, is_dst)
-        checkify.debug_check(jnp.all(served | ~is_dst), f"{op}: out of pages")
+        check(jnp.all(served | ~is_dst), f"{op}: out of pages")
         new_page = jnp.where(served & partial, free_ids[jnp.clip(first, 0, self.num_pages - 1)],
                              NO_PAGE)
         j = jnp.arange(self.max_pages_per_seq, dtype=jnp.int32)[None, :]
@@ -353,7 +353,7 @@ class PagedKVCache:
         n = jnp.asarray(num_new_tokens, jnp.int32)
         capacity = self.pages_held * self.page_size
         grown = self.lengths + jnp.maximum(n, 0)
-        checkify.debug_check(
+        check(
             jnp.all((n >= 0) & (grown <= capacity)),
             f"{op}: lengths would pass the reserved pages (or num_new_tokens < 0)",
         )

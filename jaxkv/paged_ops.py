@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import checkify
 
 from . import _ffi
 from . import _validate as v
 from .linear import append_counts
+from ._checks import check
 
 NO_PAGE = -1  # page-table sentinel: no page assigned
 LAYOUTS = ("HND", "NHD")
@@ -101,11 +101,11 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v_, new_le
         raise ValueError(f"{op}: k and v shapes differ: {k.shape} vs {v_.shape}")
     tokens = k.shape[-2]
     count, counts_in = append_counts(op, new_lengths, batch, tokens)
-    checkify.debug_check(
+    check(
         (layer_idx >= 0) & (layer_idx < g["num_layers"]), f"{op}: layer_idx out of range"
     )
     capacity = pages_held(page_table) * g["page_size"]
-    checkify.debug_check(
+    check(
         jnp.all((count == 0) | (lengths + count <= capacity)),
         f"{op}: tokens past a row's reserved pages are dropped (reserve first)",
     )
@@ -132,7 +132,7 @@ def paged_gather(k_pages, v_pages, page_table, lengths, layer_idx, max_len: int,
     batch = _check_table(op, page_table, lengths)
     layer_idx = v.int_scalar(op, "layer_idx", layer_idx)
     max_len = v.static_int(op, "max_len", max_len, lo=1)
-    checkify.debug_check(
+    check(
         (layer_idx >= 0) & (layer_idx < g["num_layers"]), f"{op}: layer_idx out of range"
     )
     heads, head_dim, dtype = g["num_kv_heads"], g["head_dim"], k_pages.dtype
@@ -171,7 +171,7 @@ def copy_pages(k_pages, v_pages, src_pages, dst_pages, *, layout: str = "HND"):
     dst = jnp.where(valid, dst_pages, pages)
     hits = jnp.zeros((pages + 1,), jnp.int32).at[dst].add(1)[:pages]
     is_src = jnp.zeros((pages + 1,), jnp.bool_).at[jnp.where(valid, src_pages, pages)].set(True)
-    checkify.debug_check(
+    check(
         jnp.all((hits <= 1) & ~((hits > 0) & is_src[:pages])),
         f"{op}: destination pages must be distinct and not among the sources",
     )

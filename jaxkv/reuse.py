@@ -14,11 +14,11 @@ from typing import Sequence, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from . import _ffi
 from . import _validate as v
 from . import ops
+from ._checks import check
 
 Layers = Union[jax.Array, Sequence[jax.Array]]
 IntOrArray = Union[int, jax.Array]
@@ -73,7 +73,7 @@ def _slots(op: str, batch_idx, rows: int, allow_many: bool) -> jax.Array:
         raise ValueError(
             f"{op}: batch_idx must have shape {layout}, got {tuple(batch_idx.shape)}"
         )
-    checkify.debug_check(
+    check(
         jnp.all((batch_idx >= 0) & (batch_idx < rows)),
         f"{op}: batch_idx outside [0, max_batch): nothing written there",
     )

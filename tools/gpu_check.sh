@@ -33,8 +33,17 @@ if [ -z "${SKIP_BENCH:-}" ] && (cd /tmp && python3 -c "import jaxkv.bench" 2>/de
 fi
 if [ -z "${SKIP_DEMO:-}" ]; then
   echo "== demo (tokens/s for jaxkv vs --baseline xla)"
-  for cache in linear manager paged; do
-    (cd /tmp && python3 -m jaxkv demo --cache "$cache" --baseline xla 2>&1)
-  done | tee "$OUT/demo.log"
+  {
+    for cache in linear manager paged; do
+      (cd /tmp && python3 -m jaxkv demo --cache "$cache" --baseline xla 2>&1)
+    done
+    # A GPU-sized stream: more sequences, a longer shared prompt, bf16.
+    for cache in linear paged; do
+      (cd /tmp && python3 -m jaxkv demo --cache "$cache" --baseline xla --dtype bfloat16 \
+        --requests 256 --max-batch 64 --system-len 512 --max-new-tokens 128 --show 0 2>&1)
+    done
+    # One jitted step per Python call: the dispatch cost a step pays, jaxkv vs XLA.
+    (tool="$PWD/tools/evict_call_cost.py"; cd /tmp && python3 "$tool" 2>&1)
+  } | tee "$OUT/demo.log"
 fi
 exit "$tests_rc"

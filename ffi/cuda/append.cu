@@ -72,7 +72,7 @@ ffi::Error append_cuda(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_append_cuda, append_cuda,
                               bind_append(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
+                              JAXKV_CUDA_TRAITS);
 JAXKV_REGISTER_TARGET("jaxkv_append", "CUDA", jaxkv_append_cuda);
 
 }  // namespace jaxkv

@@ -101,14 +101,9 @@ __global__ void __launch_bounds__(kThreads) compact_kernel(const __grid_constant
 
   const int64_t total = p.first_unit[p.num_layers];
   for (int64_t unit = blockIdx.x; unit < total; unit += gridDim.x) {
-    // Layer of this unit: last l with first_unit[l] <= unit.
-    int lo = 0, hi = p.num_layers - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (p.first_unit[mid] <= unit) lo = mid; else hi = mid - 1;
-    }
-    const LayerSpan& l = p.layers[lo];
-    const int64_t local = unit - p.first_unit[lo];
+    const int layer = layer_of_unit(p.first_unit, p.num_layers, unit);
+    const LayerSpan& l = p.layers[layer];
+    const int64_t local = unit - p.first_unit[layer];
     switch (vector_width(l.token_bytes)) {
       case 16: move_chunk<16>(p, s, l, local); break;
       case 8: move_chunk<8>(p, s, l, local); break;
@@ -149,7 +144,7 @@ ffi::Error compact_cuda(cudaStream_t stream, ffi::Buffer<ffi::S32> mapping,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_compact_cuda, compact_cuda,
                               bind_compact(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
+                              JAXKV_CUDA_TRAITS);
 JAXKV_REGISTER_TARGET("jaxkv_compact", "CUDA", jaxkv_compact_cuda);
 
 }  // namespace jaxkv

@@ -61,16 +61,11 @@ __global__ void __launch_bounds__(kThreads)
     copy_prefix_kernel(const __grid_constant__ PrefixParams p) {
   const int64_t total = p.first_unit[p.num_layers];
   for (int64_t unit = blockIdx.x; unit < total; unit += gridDim.x) {
-    // Layer of this unit: last l with first_unit[l] <= unit.
-    int lo = 0, hi = p.num_layers - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (p.first_unit[mid] <= unit) lo = mid; else hi = mid - 1;
-    }
-    const PrefixLayer& l = p.layers[lo];
+    const int layer = layer_of_unit(p.first_unit, p.num_layers, unit);
+    const PrefixLayer& l = p.layers[layer];
     // Slot innermost: consecutive units read the same source chunk (one prefix into many slots
     // reads it from DRAM once, then from L2).
-    const int64_t local = unit - p.first_unit[lo];
+    const int64_t local = unit - p.first_unit[layer];
     const int64_t k = local % p.num_slots;
     const int64_t chunk = (local / p.num_slots) % chunks_per_span(l);
     const int64_t head = local / p.num_slots / chunks_per_span(l);
@@ -115,7 +110,7 @@ ffi::Error copy_prefix_cuda(cudaStream_t stream, ffi::Buffer<ffi::S32> slots,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jaxkv_copy_prefix_cuda, copy_prefix_cuda,
     bind_copy_prefix(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-    {ffi::Traits::kCmdBufferCompatible});
+    JAXKV_CUDA_TRAITS);
 JAXKV_REGISTER_TARGET("jaxkv_copy_prefix", "CUDA", jaxkv_copy_prefix_cuda);
 
 }  // namespace jaxkv

@@ -96,7 +96,14 @@ def report(results: dict[str, loop.Stats]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    # float32 matmuls in float32 on GPUs too (XLA would use TF32): the jaxkv and XLA loops compile
+    # to different programs whose TF32 roundings can flip a near-tied greedy choice, and the
+    # baseline comparison is token for token.
+    with jax.default_matmul_precision("highest"):
+        return serve(parse_args(argv))
+
+
+def serve(args) -> int:
     cfg, params, source = load_model(args)
     rng = np.random.default_rng(args.seed + 1)
     system_prompt = rng.integers(0, cfg.vocab_size, args.system_len, dtype=np.int32)
@@ -135,8 +142,10 @@ def main(argv=None) -> int:
           f"without the reused system prompt)")
     print("\n".join(report(results)))
     if args.baseline:
-        same = outputs[args.baseline] == outputs["jaxkv"]
-        print(f"\n{args.baseline} baseline generated {'the same' if same else 'DIFFERENT'} tokens")
-        if not same:
+        differ = sum(a != b for a, b in zip(outputs[args.baseline], outputs["jaxkv"]))
+        if differ:
+            print(f"\n{args.baseline} baseline generated DIFFERENT tokens for {differ} of "
+                  f"{len(outputs['jaxkv'])} requests")
             return 1
+        print(f"\n{args.baseline} baseline generated the same tokens")
     return 0

@@ -7,6 +7,17 @@
 
 #include "jaxkv/common.h"
 
+// Traits of every CUDA handler. kCmdBufferCompatible lets XLA record the call into a CUDA graph
+// (command buffer); -DJAXKV_CMD_BUFFER=0 leaves it out, to measure what that costs or saves.
+#ifndef JAXKV_CMD_BUFFER
+#define JAXKV_CMD_BUFFER 1
+#endif
+#if JAXKV_CMD_BUFFER
+#define JAXKV_CUDA_TRAITS {ffi::Traits::kCmdBufferCompatible}
+#else
+#define JAXKV_CUDA_TRAITS {}
+#endif
+
 namespace jaxkv {
 
 // Error after a launch (or any runtime call), as an ffi::Error naming the op.
@@ -45,6 +56,17 @@ template <> struct Word<1> { using type = uint8_t; };
 // writes its destination once and never reads it back, while a source may be read again (one
 // prompt instantiated into many slots), so only the stores are marked streaming. Measured on the
 // H200 (tools/copy_variants.cu): +3-7% over plain accesses for span copies of 32 MiB to 1 GiB.
+// Layer of a work unit when the units of layer l are [first_unit[l], first_unit[l + 1]): the
+// last l with first_unit[l] <= unit (binary search; layers differ in size).
+__device__ __forceinline__ int layer_of_unit(const int64_t* first_unit, int num_layers, int64_t unit) {
+  int lo = 0, hi = num_layers - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first_unit[mid] <= unit) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 template <class W>
 __device__ __forceinline__ W load_word(const W* p) { return __ldg(p); }
 template <class W>

@@ -1,0 +1,64 @@
+"""Data-dependent checks that cost nothing unless the caller asks for them with ``checkify``.
+
+``checkify.debug_check`` would do the same job, but it leaves an effect in every jaxpr that holds
+one, and an effectful executable loses JAX's C++ dispatch path: on the H200 every jitted step that
+touched a jaxkv op paid 60-90 us more per call (tools/evict_call_cost.py). ``check`` binds a
+primitive with no effect that lowers to nothing, so ``jit`` compiles it away, and registers a
+checkify rule for it, the way jnp's own index checks work: under ``checkify.checkify`` (the
+default ``user_checks``) a failed check is reported like a failed ``debug_check``.
+
+The rule uses ``jax._src.checkify``; where that is missing, ``check`` falls back to ``debug_check``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental import checkify
+from jax.extend import core as jax_core
+from jax.interpreters import ad, batching, mlir
+
+try:
+    from jax._src import checkify as _checkify_internals
+
+    _RULES = _checkify_internals.error_checks
+except (ImportError, AttributeError):  # a jax that moved them: keep the checks, lose the speed
+    _checkify_internals = None
+
+check_p = jax_core.Primitive("jaxkv_check")
+check_p.multiple_results = True  # no results at all
+check_p.def_impl(lambda pred, *, msg: [])
+check_p.def_abstract_eval(lambda pred, *, msg: [])
+mlir.register_lowering(check_p, lambda ctx, pred, *, msg: [])
+
+
+def _batched(args, dims, *, msg):
+    (pred,), _ = args, dims
+    return check_p.bind(jnp.all(pred), msg=msg), []
+
+
+def _jvp(primals, tangents, *, msg):
+    return check_p.bind(*primals, msg=msg), []
+
+
+batching.primitive_batchers[check_p] = _batched
+ad.primitive_jvps[check_p] = _jvp
+
+if _checkify_internals is not None:
+
+    def _checkify_rule(error, enabled_errors, pred, *, msg):
+        failed_check = _checkify_internals.FailedCheckError
+        if failed_check in enabled_errors:
+            error = _checkify_internals.assert_func(
+                error, jnp.logical_not(jnp.all(pred)),
+                failed_check(_checkify_internals.get_traceback(), msg))
+        return error, []
+
+    _RULES[check_p] = _checkify_rule
+
+
+def check(pred, msg: str) -> None:
+    """Reports ``msg`` through ``checkify`` where ``pred`` (a bool array) is not all true."""
+    if _checkify_internals is None:
+        checkify.debug_check(jnp.all(pred), msg)
+    else:
+        check_p.bind(jnp.asarray(pred, bool), msg=msg)
