@@ -12,6 +12,8 @@ The rule uses ``jax._src.checkify``; where that is missing, ``check`` falls back
 
 from __future__ import annotations
 
+import inspect
+
 import jax.numpy as jnp
 from jax.experimental import checkify
 from jax.extend import core as jax_core
@@ -20,7 +22,11 @@ from jax.interpreters import ad, batching, mlir
 try:
     from jax._src import checkify as _checkify_internals
 
-    _RULES = _checkify_internals.error_checks
+    # jax 0.11 passes a context first to the checkify rules and to assert_func; jax 0.10 does not.
+    _assert_params = list(inspect.signature(_checkify_internals.assert_func).parameters)
+    _TAKES_CTX = _assert_params[0] == "ctx"
+    if _assert_params[_TAKES_CTX] != "error":
+        raise ImportError("unknown checkify.assert_func signature")
 except (ImportError, AttributeError):  # a jax that moved them: keep the checks, lose the speed
     _checkify_internals = None
 
@@ -45,15 +51,17 @@ ad.primitive_jvps[check_p] = _jvp
 
 if _checkify_internals is not None:
 
-    def _checkify_rule(error, enabled_errors, pred, *, msg):
+    def _checkify_rule(*args, msg):
+        # (ctx,) error, enabled_errors, pred
+        ctx, (error, enabled_errors, pred) = args[:_TAKES_CTX], args[_TAKES_CTX:]
         failed_check = _checkify_internals.FailedCheckError
         if failed_check in enabled_errors:
             error = _checkify_internals.assert_func(
-                error, jnp.logical_not(jnp.all(pred)),
+                *ctx, error, jnp.logical_not(jnp.all(pred)),
                 failed_check(_checkify_internals.get_traceback(), msg))
         return error, []
 
-    _RULES[check_p] = _checkify_rule
+    _checkify_internals.error_checks[check_p] = _checkify_rule
 
 
 def check(pred, msg: str) -> None:
