@@ -38,8 +38,7 @@ mlir.register_lowering(check_p, lambda ctx, pred, *, msg: [])
 
 
 def _batched(args, dims, *, msg):
-    (pred,), _ = args, dims
-    return check_p.bind(jnp.all(pred), msg=msg), []
+    return check_p.bind(jnp.all(args[0]), msg=msg), []
 
 
 def _jvp(primals, tangents, *, msg):

@@ -12,9 +12,8 @@ import sys
 import tempfile
 
 import jax
-import numpy as np
 
-from jaxkv.demo import caches, cli, loop
+from jaxkv.demo import cli, loop
 
 
 def device_events(trace_dir: str):
@@ -34,23 +33,13 @@ def device_events(trace_dir: str):
 
 def main(argv) -> int:
     args = cli.parse_args(argv)
-    cfg, params, _ = cli.load_model(args)
-    rng = np.random.default_rng(args.seed + 1)
-    system_prompt = rng.integers(0, cfg.vocab_size, args.system_len, dtype=np.int32)
-    prompt_range = (max(1, args.max_prompt_len // 4), args.max_prompt_len)
-    answer_range = (max(1, args.max_new_tokens // 8), args.max_new_tokens)
+    stream = cli.Stream(args)
     for ops in ("jaxkv", "xla"):
-        options = dict(page_size=args.page_size) if args.cache == "paged" else {}
-        kind = caches.make_kind(args.cache, cfg, dtype=args.dtype, ops=ops, **options)
-        engine = loop.Engine(cfg, params, kind, max_batch=args.max_batch,
-                             system_prompt=system_prompt, max_prompt_len=args.max_prompt_len,
-                             max_new_tokens=args.max_new_tokens)
-        make = lambda: loop.make_requests(args.requests, cfg.vocab_size, args.seed + 2,
-                                          prompt_range, answer_range)
-        engine.run(make())  # warm-up: compiles
+        engine = stream.engine(ops)
+        engine.run(stream.requests())  # warm-up: compiles
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d):
-                stats = engine.run(make())
+                stats = engine.run(stream.requests())
             total, count = device_events(d)
         phases = ", ".join(f"{p} {stats.times[p] * 1e3:.1f} ms" for p in loop.PHASES[1:])
         print(f"== {args.cache} / {ops}: serving {stats.serving_time * 1e3:.1f} ms ({phases}); "

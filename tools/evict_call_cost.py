@@ -9,17 +9,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.demo import caches, cli, loop
+from jaxkv.demo import cli
 
-cfg, params, _ = cli.load_model(cli.parse_args([]))
 for cache_kind in ("linear", "paged"):
+    stream = cli.Stream(cli.parse_args(["--cache", cache_kind]))
     for ops in ("jaxkv", "xla"):
-        kind = caches.make_kind(cache_kind, cfg, dtype="float32", ops=ops)
-        eng = loop.Engine(cfg, params, kind, max_batch=16, system_prompt=np.arange(32, dtype=np.int32),
-                          max_prompt_len=24, max_new_tokens=48)
+        eng = stream.engine(ops)
         evict = eng.compile()["evict"]
-        cache, tokens = kind.create(16, eng.max_seq_len), jnp.zeros((16,), jnp.int32)
-        mapping = np.arange(16, dtype=np.int32)
+        cache = eng.kind.create(eng.max_batch, eng.max_seq_len)
+        tokens = jnp.zeros((eng.max_batch,), jnp.int32)
+        mapping = np.arange(eng.max_batch, dtype=np.int32)
         for fresh in (True, False):
             m = jnp.asarray(mapping)
             times = []

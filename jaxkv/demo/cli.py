@@ -103,15 +103,38 @@ def main(argv=None) -> int:
         return serve(parse_args(argv))
 
 
-def serve(args) -> int:
-    cfg, params, source = load_model(args)
-    rng = np.random.default_rng(args.seed + 1)
-    system_prompt = rng.integers(0, cfg.vocab_size, args.system_len, dtype=np.int32)
-    prompt_range = (max(1, args.max_prompt_len // 4), args.max_prompt_len)
-    answer_range = (max(1, args.max_new_tokens // 8), args.max_new_tokens)
+class Stream:
+    """The request stream and the engines that serve it, as the command-line arguments set them."""
 
+    def __init__(self, args):
+        self.args = args
+        self.cfg, self.params, self.source = load_model(args)
+        rng = np.random.default_rng(args.seed + 1)
+        self.system_prompt = rng.integers(0, self.cfg.vocab_size, args.system_len, dtype=np.int32)
+        self.prompt_range = (max(1, args.max_prompt_len // 4), args.max_prompt_len)
+        self.answer_range = (max(1, args.max_new_tokens // 8), args.max_new_tokens)
+
+    def engine(self, ops: str) -> loop.Engine:
+        """The serving loop with jaxkv's cache ops (``ops="jaxkv"``) or XLA's (``"xla"``)."""
+        a = self.args
+        options = dict(page_size=a.page_size) if a.cache == "paged" else {}
+        kind = caches.make_kind(a.cache, self.cfg, dtype=a.dtype, ops=ops, **options)
+        return loop.Engine(self.cfg, self.params, kind, max_batch=a.max_batch,
+                           system_prompt=self.system_prompt, max_prompt_len=a.max_prompt_len,
+                           max_new_tokens=a.max_new_tokens)
+
+    def requests(self) -> list[loop.Request]:
+        """A fresh copy of the stream's requests (outputs empty)."""
+        return loop.make_requests(self.args.requests, self.cfg.vocab_size, self.args.seed + 2,
+                                  self.prompt_range, self.answer_range)
+
+
+def serve(args) -> int:
+    stream = Stream(args)
+    cfg = stream.cfg
+    prompt_range, answer_range = stream.prompt_range, stream.answer_range
     print(f"jaxkv demo on {jax.default_backend()} ({jax.devices()[0].device_kind})")
-    print(f"model: Llama, {source}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+    print(f"model: Llama, {stream.source}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads x {cfg.head_dim}, "
           f"vocab {cfg.vocab_size}, {args.dtype}")
     print(f"stream: {args.requests} requests, {args.max_batch} slots; a {args.system_len}-token "
@@ -121,13 +144,8 @@ def serve(args) -> int:
 
     results, outputs = {}, {}
     for ops in ["jaxkv"] + ([args.baseline] if args.baseline else []):
-        options = dict(page_size=args.page_size) if args.cache == "paged" else {}
-        kind = caches.make_kind(args.cache, cfg, dtype=args.dtype, ops=ops, **options)
-        engine = loop.Engine(cfg, params, kind, max_batch=args.max_batch,
-                             system_prompt=system_prompt, max_prompt_len=args.max_prompt_len,
-                             max_new_tokens=args.max_new_tokens)
-        requests = loop.make_requests(args.requests, cfg.vocab_size, args.seed + 2, prompt_range,
-                                      answer_range)
+        engine = stream.engine(ops)
+        requests = stream.requests()
         results[ops] = engine.run(requests, ProgressBar(len(requests), ops))
         results[ops].cache_copies = engine.cache_copies()
         outputs[ops] = [r.output for r in requests]
@@ -145,7 +163,6 @@ def serve(args) -> int:
         # Measured on the H200: 13-15 s for whichever loop runs first, 2.5-3.5 s for the second.
         print("(compile + warm-up: the first column also pays the process's one-time start-up, "
               "such as GPU autotuning, which the second reuses)")
-    if args.baseline:
         differ = sum(a != b for a, b in zip(outputs[args.baseline], outputs["jaxkv"]))
         if differ:
             print(f"\n{args.baseline} baseline generated DIFFERENT tokens for {differ} of "
