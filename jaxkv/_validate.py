@@ -60,8 +60,8 @@ def static_int(op: str, name: str, value, lo: int = 0, hi: int | None = None) ->
         raise TypeError(f"{op}: {name} must be a Python int, got {type(value).__name__}")
     value = int(value)
     if value < lo or (hi is not None and value > hi):
-        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"{op}: {name} must be in {bound}, got {value}")
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{op}: {name} must be {bound}, got {value}")
     return value
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
-from . import _validate as v
+from . import _validate as validate
 from . import ops
 from ._checks import check
 
@@ -51,8 +51,8 @@ class LinearKVCache:
         dims = dict(num_layers=num_layers, max_batch=max_batch, num_kv_heads=num_kv_heads,
                     max_seq_len=max_seq_len, head_dim=head_dim)
         for name, value in dims.items():
-            v.static_int(op, name, value, lo=1)
-        if np.dtype(dtype) not in v.CACHE_DTYPES:
+            validate.static_int(op, name, value, lo=1)
+        if np.dtype(dtype) not in validate.CACHE_DTYPES:
             raise TypeError(f"{op}: unsupported dtype {np.dtype(dtype)}")
         shape = (num_layers, max_batch, 2, num_kv_heads, max_seq_len, head_dim)
         return cls(
@@ -102,7 +102,7 @@ class LinearKVCache:
         )
         return dataclasses.replace(self, lengths=lengths, active_batch_size=active)
 
-    def append(self, layer_idx: IntOrArray, k: jax.Array, v_: jax.Array, new_lengths=None):
+    def append(self, layer_idx: IntOrArray, k: jax.Array, v: jax.Array, new_lengths=None):
         """Writes ``k``, ``v`` ``[max_batch, H, T, D]`` after each active sequence's tokens.
 
         Token ``t`` of row ``b`` lands at position ``lengths[b] + t``, for ``t < new_lengths[b]``
@@ -112,7 +112,7 @@ class LinearKVCache:
         dropped; both cases are reported through ``checkify``.
         """
         buffer = append_stacked(
-            "LinearKVCache.append", self.buffer, layer_idx, k, v_, self.lengths,
+            "LinearKVCache.append", self.buffer, layer_idx, k, v, self.lengths,
             self.active_batch_size, new_lengths,
         )
         return dataclasses.replace(self, buffer=buffer)
@@ -138,9 +138,9 @@ class LinearKVCache:
         active batch size becomes the number of survivors.
         """
         op = "LinearKVCache.compact"
-        v.array(op, "batch_mapping", batch_mapping)
-        v.int32(op, "batch_mapping", batch_mapping)
-        v.shape(op, "batch_mapping", batch_mapping, (self.max_batch,), "[max_batch]")
+        validate.array(op, "batch_mapping", batch_mapping)
+        validate.int32(op, "batch_mapping", batch_mapping)
+        validate.shape(op, "batch_mapping", batch_mapping, (self.max_batch,), "[max_batch]")
         ops.check_mapping_injective(op, batch_mapping, self.max_batch)
         lengths, (buffer,) = ops.compact_buffers(
             [self.buffer], self.lengths, batch_mapping, kv=True, rows=self.max_batch
@@ -175,17 +175,17 @@ class LinearKVCache:
 def active_batch_size_arg(op: str, n, max_batch: int) -> jax.Array:
     """A new active batch size: an int in [0, max_batch] or an int32 scalar (clipped, checkify)."""
     if isinstance(n, (int, np.integer)):
-        v.static_int(op, "n", n, 0, max_batch)
-    n = v.int_scalar(op, "n", n)
+        validate.static_int(op, "n", n, 0, max_batch)
+    n = validate.int_scalar(op, "n", n)
     check((n >= 0) & (n <= max_batch), f"{op}: n out of [0, max_batch]")
     return jnp.clip(n, 0, max_batch)
 
 
 def reset_lengths(op: str, reuse_lengths, max_batch: int, max_seq_len: int):
     """(lengths [max_batch], active batch size) of a reset to ``n = len(reuse_lengths)`` rows."""
-    v.array(op, "reuse_lengths", reuse_lengths)
-    v.int32(op, "reuse_lengths", reuse_lengths)
-    v.rank(op, "reuse_lengths", reuse_lengths, 1, "[n]")
+    validate.array(op, "reuse_lengths", reuse_lengths)
+    validate.int32(op, "reuse_lengths", reuse_lengths)
+    validate.rank(op, "reuse_lengths", reuse_lengths, 1, "[n]")
     n = reuse_lengths.shape[0]
     if n > max_batch:
         raise ValueError(f"{op}: reuse_lengths has {n} entries, max_batch is {max_batch}")
@@ -201,9 +201,9 @@ def append_counts(op: str, new_lengths, batch: int, tokens: int):
     """(tokens written per row, for checks; the kernel's counts argument: [0] means all T)."""
     if new_lengths is None:
         return jnp.full((batch,), tokens, jnp.int32), jnp.zeros((0,), jnp.int32)
-    v.array(op, "new_lengths", new_lengths)
-    v.int32(op, "new_lengths", new_lengths)
-    v.shape(op, "new_lengths", new_lengths, (batch,), "[max_batch]")
+    validate.array(op, "new_lengths", new_lengths)
+    validate.int32(op, "new_lengths", new_lengths)
+    validate.shape(op, "new_lengths", new_lengths, (batch,), "[max_batch]")
     return jnp.clip(new_lengths, 0, tokens), new_lengths
 
 
@@ -216,32 +216,32 @@ def commit_lengths(op, lengths, active_batch_size, new_lengths, max_seq_len) -> 
     if isinstance(new_lengths, (bool, np.bool_)):
         raise TypeError(f"{op}: new_lengths must be an int or an int32 array, got bool")
     if not isinstance(new_lengths, (int, np.integer)):
-        v.array(op, "new_lengths", new_lengths)
-        v.int32(op, "new_lengths", new_lengths)
-        v.shape(op, "new_lengths", new_lengths, lengths.shape, "[max_batch]")
+        validate.array(op, "new_lengths", new_lengths)
+        validate.int32(op, "new_lengths", new_lengths)
+        validate.shape(op, "new_lengths", new_lengths, lengths.shape, "[max_batch]")
     active = jnp.arange(lengths.shape[0]) < active_batch_size
     grown = lengths + jnp.where(active, jnp.asarray(new_lengths, jnp.int32), 0)
     check(jnp.all(grown <= max_seq_len), f"{op}: lengths pass max_seq_len")
     return jnp.minimum(grown, max_seq_len)
 
 
-def append_stacked(op, buffer, layer_idx, k, v_, lengths, active_batch_size, new_lengths=None):
+def append_stacked(op, buffer, layer_idx, k, v, lengths, active_batch_size, new_lengths=None):
     """Checks the arguments and makes the one FFI call of an append into ``[L, B, 2, H, S, D]``,
     or into one layer ``[B, 2, H, S, D]`` (``layer_idx`` 0; reshaping it would cost a copy)."""
     stack = buffer.shape if buffer.ndim == 6 else (1, *buffer.shape)
     num_layers, batch, _, heads, capacity, head_dim = stack
-    layer_idx = v.int_scalar(op, "layer_idx", layer_idx)
-    for name, x in (("k", k), ("v", v_)):
-        v.array(op, name, x)
-        v.rank(op, name, x, 4, "[max_batch, num_kv_heads, T, head_dim]")
+    layer_idx = validate.int_scalar(op, "layer_idx", layer_idx)
+    for name, x in (("k", k), ("v", v)):
+        validate.array(op, name, x)
+        validate.rank(op, name, x, 4, "[max_batch, num_kv_heads, T, head_dim]")
         if x.dtype != buffer.dtype:
             raise TypeError(f"{op}: {name} has dtype {x.dtype}, the cache holds {buffer.dtype}")
         if (x.shape[0], x.shape[1], x.shape[3]) != (batch, heads, head_dim):
             raise ValueError(
                 f"{op}: {name} must have shape ({batch}, {heads}, T, {head_dim}), got {x.shape}"
             )
-    if k.shape != v_.shape:
-        raise ValueError(f"{op}: k and v shapes differ: {k.shape} vs {v_.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k and v shapes differ: {k.shape} vs {v.shape}")
     count, new_lengths_in = append_counts(op, new_lengths, batch, k.shape[2])
     active = jnp.arange(batch) < active_batch_size
     check(
@@ -254,7 +254,7 @@ def append_stacked(op, buffer, layer_idx, k, v_, lengths, active_batch_size, new
     return _ffi.call(
         "jaxkv_append",
         jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
-        k, v_, lengths, new_lengths_in, jnp.asarray(active_batch_size, jnp.int32), layer_idx,
+        k, v, lengths, new_lengths_in, jnp.asarray(active_batch_size, jnp.int32), layer_idx,
         buffer,
         input_output_aliases={6: 0},
     )

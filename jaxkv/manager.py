@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _validate as v
+from . import _validate as validate
 from . import linear, ops, reuse
 from .linear import LinearKVCache
 from .reuse import SavedKV
@@ -59,23 +59,23 @@ class KVCacheManager:
         dtype=jnp.bfloat16,
     ) -> "KVCacheManager":
         op = "KVCacheManager.create"
-        v.static_int(op, "max_batch", max_batch, lo=1)
-        v.static_int(op, "max_seq_len", max_seq_len, lo=1)
-        if np.dtype(dtype) not in v.CACHE_DTYPES:
+        validate.static_int(op, "max_batch", max_batch, lo=1)
+        validate.static_int(op, "max_seq_len", max_seq_len, lo=1)
+        if np.dtype(dtype) not in validate.CACHE_DTYPES:
             raise TypeError(f"{op}: unsupported dtype {np.dtype(dtype)}")
         configs = list(layer_configs)
-        if not 1 <= len(configs) <= v.MAX_LAYERS:
-            raise ValueError(f"{op}: 1 to {v.MAX_LAYERS} layer configs needed, got {len(configs)}")
+        if not 1 <= len(configs) <= validate.MAX_LAYERS:
+            raise ValueError(f"{op}: 1 to {validate.MAX_LAYERS} layer configs needed, got {len(configs)}")
         layers = []
         for i, c in enumerate(configs):
             if not isinstance(c, KVLayerConfig):
                 raise TypeError(
                     f"{op}: layer_configs[{i}] must be a KVLayerConfig, got {type(c).__name__}"
                 )
-            v.static_int(op, f"layer_configs[{i}].num_kv_heads", c.num_kv_heads, lo=1)
-            v.static_int(op, f"layer_configs[{i}].head_dim", c.head_dim, lo=1)
+            validate.static_int(op, f"layer_configs[{i}].num_kv_heads", c.num_kv_heads, lo=1)
+            validate.static_int(op, f"layer_configs[{i}].head_dim", c.head_dim, lo=1)
             seq = max_seq_len if c.max_seq_len is None else c.max_seq_len
-            v.static_int(op, f"layer_configs[{i}].max_seq_len", seq, lo=1, hi=max_seq_len)
+            validate.static_int(op, f"layer_configs[{i}].max_seq_len", seq, lo=1, hi=max_seq_len)
             layers.append(jnp.zeros((max_batch, 2, c.num_kv_heads, seq, c.head_dim), dtype))
         return cls(
             layers=tuple(layers),
@@ -91,7 +91,7 @@ class KVCacheManager:
     dtype = property(lambda self: self.layers[0].dtype)
 
     def _index(self, op: str, i: int) -> int:
-        return v.static_int(op, "layer_idx", i, 0, self.num_layers - 1)
+        return validate.static_int(op, "layer_idx", i, 0, self.num_layers - 1)
 
     def layer_config(self, i: int) -> KVLayerConfig:
         """The configuration of layer ``i`` (``max_seq_len`` filled in)."""
@@ -148,14 +148,14 @@ class KVCacheManager:
         )
         return dataclasses.replace(self, lengths=lengths, active_batch_size=active)
 
-    def append(self, layer_idx: int, k: jax.Array, v_: jax.Array, new_lengths=None):
+    def append(self, layer_idx: int, k: jax.Array, v: jax.Array, new_lengths=None):
         """Writes ``k``, ``v`` ``[max_batch, H_i, T, D_i]`` into layer ``layer_idx`` (a static int:
         layers differ in shape) after each active sequence's tokens; see ``LinearKVCache.append``.
         Tokens past the layer's ``max_seq_len`` are dropped (reported through ``checkify``)."""
         op = "KVCacheManager.append"
         i = self._index(op, layer_idx)
         layer = linear.append_stacked(
-            op, self.layers[i], 0, k, v_, self.lengths, self.active_batch_size, new_lengths
+            op, self.layers[i], 0, k, v, self.lengths, self.active_batch_size, new_lengths
         )
         return dataclasses.replace(self, layers=self.layers[:i] + (layer,) + self.layers[i + 1 :])
 
@@ -171,9 +171,9 @@ class KVCacheManager:
     def compact(self, batch_mapping: jax.Array) -> "KVCacheManager":
         """Evicts and compacts every layer in one launch (see ``LinearKVCache.compact``)."""
         op = "KVCacheManager.compact"
-        v.array(op, "batch_mapping", batch_mapping)
-        v.int32(op, "batch_mapping", batch_mapping)
-        v.shape(op, "batch_mapping", batch_mapping, (self.max_batch,), "[max_batch]")
+        validate.array(op, "batch_mapping", batch_mapping)
+        validate.int32(op, "batch_mapping", batch_mapping)
+        validate.shape(op, "batch_mapping", batch_mapping, (self.max_batch,), "[max_batch]")
         ops.check_mapping_injective(op, batch_mapping, self.max_batch)
         lengths, layers = ops.compact_buffers(
             list(self.layers), self.lengths, batch_mapping, kv=True, rows=self.max_batch

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _ffi
-from . import _validate as v
+from . import _validate as validate
 from ._checks import check
 
 Layers = Union[jax.Array, Sequence[jax.Array]]
@@ -30,15 +30,15 @@ def check_mapping_injective(op: str, batch_mapping: jax.Array, rows: int) -> Non
 
 
 def _validate_mapping(op: str, batch_mapping, rows: int) -> None:
-    v.array(op, "batch_mapping", batch_mapping)
-    v.int32(op, "batch_mapping", batch_mapping)
-    v.rank(op, "batch_mapping", batch_mapping, 1, "[n_old]")
+    validate.array(op, "batch_mapping", batch_mapping)
+    validate.int32(op, "batch_mapping", batch_mapping)
+    validate.rank(op, "batch_mapping", batch_mapping, 1, "[n_old]")
     if batch_mapping.shape[0] > rows:
         raise ValueError(
             f"{op}: batch_mapping has {batch_mapping.shape[0]} entries but the batch has {rows} rows"
         )
-    if rows > v.MAX_COMPACT_ROWS:
-        raise ValueError(f"{op}: at most {v.MAX_COMPACT_ROWS} rows, got {rows}")
+    if rows > validate.MAX_COMPACT_ROWS:
+        raise ValueError(f"{op}: at most {validate.MAX_COMPACT_ROWS} rows, got {rows}")
 
 
 def compact_buffers(
@@ -87,10 +87,10 @@ def compact_tensor_batch(x: jax.Array, batch_mapping: jax.Array) -> jax.Array:
            [4., 5.]], dtype=float32)
     """
     op = "compact_tensor_batch"
-    v.array(op, "x", x)
+    validate.array(op, "x", x)
     if x.ndim < 1:
         raise ValueError(f"{op}: x must have a leading rows axis, got shape {tuple(x.shape)}")
-    v.cache_dtype(op, "x", x)
+    validate.cache_dtype(op, "x", x)
     rows = x.shape[0]
     _validate_mapping(op, batch_mapping, rows)
     check_mapping_injective(op, batch_mapping, rows)
@@ -104,13 +104,13 @@ def validate_kv_layers(op: str, layers: Layers, max_batch: int | None = None) ->
     items = list(layers) if is_list else [layers]
     if not items:
         raise ValueError(f"{op}: layers is empty")
-    if len(items) > v.MAX_LAYERS:
-        raise ValueError(f"{op}: at most {v.MAX_LAYERS} layers per call, got {len(items)}")
+    if len(items) > validate.MAX_LAYERS:
+        raise ValueError(f"{op}: at most {validate.MAX_LAYERS} layers per call, got {len(items)}")
     for i, layer in enumerate(items):
         name = f"layers[{i}]" if is_list else "layers"
-        v.array(op, name, layer)
-        v.rank(op, name, layer, 5, "[max_batch, 2, num_kv_heads, max_seq_len, head_dim]")
-        v.cache_dtype(op, name, layer)
+        validate.array(op, name, layer)
+        validate.rank(op, name, layer, 5, "[max_batch, 2, num_kv_heads, max_seq_len, head_dim]")
+        validate.cache_dtype(op, name, layer)
         if layer.shape[1] != 2:
             raise ValueError(f"{op}: {name} axis 1 must be 2 (K and V), got shape {layer.shape}")
         if max_batch is not None and layer.shape[0] != max_batch:
@@ -121,9 +121,9 @@ def validate_kv_layers(op: str, layers: Layers, max_batch: int | None = None) ->
 
 
 def validate_lengths(op: str, lengths, name: str = "lengths") -> int:
-    v.array(op, name, lengths)
-    v.int32(op, name, lengths)
-    v.rank(op, name, lengths, 1, "[max_batch]")
+    validate.array(op, name, lengths)
+    validate.int32(op, name, lengths)
+    validate.rank(op, name, lengths, 1, "[max_batch]")
     return lengths.shape[0]
 
 
@@ -175,7 +175,7 @@ def increment_lengths(lengths: jax.Array, increment) -> jax.Array:
     op = "increment_lengths"
     validate_lengths(op, lengths)
     if isinstance(increment, (bool,)) or not isinstance(increment, int):
-        v.array(op, "increment", increment)
-        v.int32(op, "increment", increment)
-        v.shape(op, "increment", increment, lengths.shape, "[batch]")
+        validate.array(op, "increment", increment)
+        validate.int32(op, "increment", increment)
+        validate.shape(op, "increment", increment, lengths.shape, "[batch]")
     return lengths + jnp.asarray(increment, jnp.int32)

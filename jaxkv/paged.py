@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _validate as v
+from . import _validate as validate
 from . import ops
 from . import paged_ops
 from .paged_ops import NO_PAGE
@@ -70,10 +70,10 @@ class PagedKVCache:
                     num_kv_heads=num_kv_heads, head_dim=head_dim, max_batch=max_batch,
                     max_pages_per_seq=max_pages_per_seq)
         for name, value in dims.items():
-            v.static_int(op, name, value, lo=1, hi=_INT32_MAX)
+            validate.static_int(op, name, value, lo=1, hi=_INT32_MAX)
         if layout not in paged_ops.LAYOUTS:
             raise ValueError(f"{op}: layout must be one of {paged_ops.LAYOUTS}, got {layout!r}")
-        if np.dtype(dtype) not in v.CACHE_DTYPES:
+        if np.dtype(dtype) not in validate.CACHE_DTYPES:
             raise TypeError(f"{op}: unsupported dtype {np.dtype(dtype)}")
         if max_pages_per_seq * page_size > _INT32_MAX:
             raise ValueError(f"{op}: max_pages_per_seq * page_size must fit in int32 positions")
@@ -157,9 +157,9 @@ class PagedKVCache:
         through ``checkify``; ``max_prompt_length`` then reads the served sequences' counts.
         """
         op = "PagedKVCache.reserve"
-        v.array(op, "num_new_tokens", num_new_tokens)
-        v.int32(op, "num_new_tokens", num_new_tokens)
-        v.shape(op, "num_new_tokens", num_new_tokens, (self.max_batch,), "[max_batch]")
+        validate.array(op, "num_new_tokens", num_new_tokens)
+        validate.int32(op, "num_new_tokens", num_new_tokens)
+        validate.shape(op, "num_new_tokens", num_new_tokens, (self.max_batch,), "[max_batch]")
         check(jnp.all(num_new_tokens >= 0), f"{op}: num_new_tokens < 0")
         n = jnp.maximum(num_new_tokens, 0)
         held = self.pages_held
@@ -188,10 +188,10 @@ class PagedKVCache:
         """Ends the sequences where ``mask`` (bool ``[max_batch]``) is set: their pages go back to
         the pool (a shared page when its last holder ends), their lengths become 0."""
         op = "PagedKVCache.release"
-        v.array(op, "mask", mask)
+        validate.array(op, "mask", mask)
         if mask.dtype != jnp.bool_:
             raise TypeError(f"{op}: mask must be bool, got {mask.dtype}")
-        v.shape(op, "mask", mask, (self.max_batch,), "[max_batch]")
+        validate.shape(op, "mask", mask, (self.max_batch,), "[max_batch]")
         return self._release(mask)
 
     def _release(self, mask: jax.Array) -> "PagedKVCache":
@@ -215,9 +215,9 @@ class PagedKVCache:
         keeps it and the other is released, so no page leaks.
         """
         op = "PagedKVCache.compact"
-        v.array(op, "batch_mapping", batch_mapping)
-        v.int32(op, "batch_mapping", batch_mapping)
-        v.shape(op, "batch_mapping", batch_mapping, (self.max_batch,), "[max_batch]")
+        validate.array(op, "batch_mapping", batch_mapping)
+        validate.int32(op, "batch_mapping", batch_mapping)
+        validate.shape(op, "batch_mapping", batch_mapping, (self.max_batch,), "[max_batch]")
         ops.check_mapping_injective(op, batch_mapping, self.max_batch)
         rows = self.max_batch
         old = jnp.arange(rows, dtype=jnp.int32)
@@ -249,10 +249,10 @@ class PagedKVCache:
         reports both); such a destination is left empty.
         """
         op = "PagedKVCache.fork"
-        src = v.int_scalar(op, "src_slot", src_slot)
-        v.array(op, "dst_slots", dst_slots)
-        v.int32(op, "dst_slots", dst_slots)
-        v.rank(op, "dst_slots", dst_slots, 1, "[n]")
+        src = validate.int_scalar(op, "src_slot", src_slot)
+        validate.array(op, "dst_slots", dst_slots)
+        validate.int32(op, "dst_slots", dst_slots)
+        validate.rank(op, "dst_slots", dst_slots, 1, "[n]")
         rows, size = self.max_batch, self.page_size
         src_ok = (src >= 0) & (src < rows)
         ok = src_ok & (dst_slots >= 0) & (dst_slots < rows) & (dst_slots != src)
@@ -307,7 +307,7 @@ class PagedKVCache:
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
 
     # Data.
-    def append(self, layer_idx: IntOrArray, k: jax.Array, v_: jax.Array, new_lengths=None):
+    def append(self, layer_idx: IntOrArray, k: jax.Array, v: jax.Array, new_lengths=None):
         """Writes ``k``, ``v`` ``[max_batch, H, T, D]`` at positions ``lengths[b] ..`` of layer
         ``layer_idx`` (may be traced), through the page table, K and V in one launch.
 
@@ -316,23 +316,23 @@ class PagedKVCache:
         reported through ``checkify``. Lengths are unchanged (see ``commit``).
         """
         op = "PagedKVCache.append"
-        for name, x in (("k", k), ("v", v_)):
-            v.array(op, name, x)
-            v.rank(op, name, x, 4, "[max_batch, num_kv_heads, T, head_dim]")
+        for name, x in (("k", k), ("v", v)):
+            validate.array(op, name, x)
+            validate.rank(op, name, x, 4, "[max_batch, num_kv_heads, T, head_dim]")
         k_pages, v_pages = paged_ops.paged_append(
-            self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, k, v_,
+            self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, k, v,
             new_lengths, layout=self.layout,
         )
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
 
-    def append_layers(self, k: jax.Array, v_: jax.Array, new_lengths=None):
+    def append_layers(self, k: jax.Array, v: jax.Array, new_lengths=None):
         """``append`` of every layer at once, one launch: ``k``, ``v`` ``[L, max_batch, H, T, D]``."""
         op = "PagedKVCache.append_layers"
-        for name, x in (("k", k), ("v", v_)):
-            v.array(op, name, x)
-            v.rank(op, name, x, 5, "[num_layers, max_batch, num_kv_heads, T, head_dim]")
+        for name, x in (("k", k), ("v", v)):
+            validate.array(op, name, x)
+            validate.rank(op, name, x, 5, "[num_layers, max_batch, num_kv_heads, T, head_dim]")
         k_pages, v_pages = paged_ops.paged_append(
-            self.k_pages, self.v_pages, self.page_table, self.lengths, 0, k, v_, new_lengths,
+            self.k_pages, self.v_pages, self.page_table, self.lengths, 0, k, v, new_lengths,
             layout=self.layout,
         )
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
@@ -347,9 +347,9 @@ class PagedKVCache:
         if isinstance(num_new_tokens, (bool, np.bool_)):
             raise TypeError(f"{op}: num_new_tokens must be an int or an int32 array, got bool")
         if not isinstance(num_new_tokens, (int, np.integer)):
-            v.array(op, "num_new_tokens", num_new_tokens)
-            v.int32(op, "num_new_tokens", num_new_tokens)
-            v.shape(op, "num_new_tokens", num_new_tokens, (self.max_batch,), "[max_batch]")
+            validate.array(op, "num_new_tokens", num_new_tokens)
+            validate.int32(op, "num_new_tokens", num_new_tokens)
+            validate.shape(op, "num_new_tokens", num_new_tokens, (self.max_batch,), "[max_batch]")
         n = jnp.asarray(num_new_tokens, jnp.int32)
         capacity = self.pages_held * self.page_size
         grown = self.lengths + jnp.maximum(n, 0)

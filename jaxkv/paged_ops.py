@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _ffi
-from . import _validate as v
+from . import _validate as validate
 from .linear import append_counts
 from ._checks import check
 
@@ -36,9 +36,9 @@ def _check_pools(op: str, k_pages, v_pages, layout: str) -> dict:
         raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
     hint = "[L, H, P, S, D]" if layout == "HND" else "[L, P, S, H, D]"
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-        v.array(op, name, x)
-        v.rank(op, name, x, 5, hint)
-        v.cache_dtype(op, name, x)
+        validate.array(op, name, x)
+        validate.rank(op, name, x, 5, hint)
+        validate.cache_dtype(op, name, x)
     if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
         raise ValueError(
             f"{op}: k_pages {k_pages.dtype}{tuple(k_pages.shape)} and v_pages "
@@ -48,12 +48,12 @@ def _check_pools(op: str, k_pages, v_pages, layout: str) -> dict:
 
 
 def _check_table(op: str, page_table, lengths) -> int:
-    v.array(op, "lengths", lengths)
-    v.int32(op, "lengths", lengths)
-    v.rank(op, "lengths", lengths, 1, "[max_batch]")
-    v.array(op, "page_table", page_table)
-    v.int32(op, "page_table", page_table)
-    v.rank(op, "page_table", page_table, 2, "[max_batch, max_pages_per_seq]")
+    validate.array(op, "lengths", lengths)
+    validate.int32(op, "lengths", lengths)
+    validate.rank(op, "lengths", lengths, 1, "[max_batch]")
+    validate.array(op, "page_table", page_table)
+    validate.int32(op, "page_table", page_table)
+    validate.rank(op, "page_table", page_table, 2, "[max_batch, max_pages_per_seq]")
     if page_table.shape[0] != lengths.shape[0]:
         raise ValueError(
             f"{op}: page_table has {page_table.shape[0]} rows, lengths {lengths.shape[0]}"
@@ -66,7 +66,7 @@ def pages_held(page_table: jax.Array) -> jax.Array:
     return jnp.sum(page_table != NO_PAGE, axis=1, dtype=jnp.int32)
 
 
-def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v_, new_lengths=None,
+def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_lengths=None,
                  *, layout: str = "HND"):
     """Writes ``k``, ``v`` into the pools through the page table, K and V in one launch.
 
@@ -88,17 +88,17 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v_, new_le
     g = _check_pools(op, k_pages, v_pages, layout)
     batch = _check_table(op, page_table, lengths)
     all_layers = getattr(k, "ndim", None) == 5
-    layer_idx = jnp.zeros((), jnp.int32) if all_layers else v.int_scalar(op, "layer_idx", layer_idx)
+    layer_idx = jnp.zeros((), jnp.int32) if all_layers else validate.int_scalar(op, "layer_idx", layer_idx)
     lead = (g["num_layers"],) if all_layers else ()
-    for name, x in (("k", k), ("v", v_)):
-        v.array(op, name, x)
-        v.rank(op, name, x, len(lead) + 4, "[B, H, T, D] or [L, B, H, T, D]")
+    for name, x in (("k", k), ("v", v)):
+        validate.array(op, name, x)
+        validate.rank(op, name, x, len(lead) + 4, "[B, H, T, D] or [L, B, H, T, D]")
         if x.dtype != k_pages.dtype:
             raise TypeError(f"{op}: {name} has dtype {x.dtype}, the pools hold {k_pages.dtype}")
         expected = lead + (batch, g["num_kv_heads"], x.shape[-2], g["head_dim"])
-        v.shape(op, name, x, expected, "[(L,) B, H, T, D]")
-    if k.shape != v_.shape:
-        raise ValueError(f"{op}: k and v shapes differ: {k.shape} vs {v_.shape}")
+        validate.shape(op, name, x, expected, "[(L,) B, H, T, D]")
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k and v shapes differ: {k.shape} vs {v.shape}")
     tokens = k.shape[-2]
     count, counts_in = append_counts(op, new_lengths, batch, tokens)
     check(
@@ -112,7 +112,7 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v_, new_le
     return _ffi.call(
         "jaxkv_paged_append",
         (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),) * 2,
-        k, v_, page_table, lengths, counts_in, layer_idx, k_pages, v_pages,
+        k, v, page_table, lengths, counts_in, layer_idx, k_pages, v_pages,
         input_output_aliases={6: 0, 7: 1},
         nhd=layout == "NHD",
     )
@@ -130,8 +130,8 @@ def paged_gather(k_pages, v_pages, page_table, lengths, layer_idx, max_len: int,
     op = "paged_gather"
     g = _check_pools(op, k_pages, v_pages, layout)
     batch = _check_table(op, page_table, lengths)
-    layer_idx = v.int_scalar(op, "layer_idx", layer_idx)
-    max_len = v.static_int(op, "max_len", max_len, lo=1)
+    layer_idx = validate.int_scalar(op, "layer_idx", layer_idx)
+    max_len = validate.static_int(op, "max_len", max_len, lo=1)
     check(
         (layer_idx >= 0) & (layer_idx < g["num_layers"]), f"{op}: layer_idx out of range"
     )
@@ -158,9 +158,9 @@ def copy_pages(k_pages, v_pages, src_pages, dst_pages, *, layout: str = "HND"):
     op = "copy_pages"
     g = _check_pools(op, k_pages, v_pages, layout)
     for name, x in (("src_pages", src_pages), ("dst_pages", dst_pages)):
-        v.array(op, name, x)
-        v.int32(op, name, x)
-        v.rank(op, name, x, 1, "[n]")
+        validate.array(op, name, x)
+        validate.int32(op, name, x)
+        validate.rank(op, name, x, 1, "[n]")
     if src_pages.shape != dst_pages.shape:
         raise ValueError(
             f"{op}: src_pages {tuple(src_pages.shape)} and dst_pages {tuple(dst_pages.shape)} differ"

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
-from . import _validate as v
+from . import _validate as validate
 from . import ops
 from ._checks import check
 
@@ -50,8 +50,8 @@ def _described(op: str, buffers: Sequence[jax.Array], names: Sequence[str]):
             out += [(f"{name}[{l}]", buf.shape[1:], buf.dtype) for l in range(buf.shape[0])]
         else:
             out.append((name, buf.shape, buf.dtype))
-    if len(out) > v.MAX_LAYERS:
-        raise ValueError(f"{op}: at most {v.MAX_LAYERS} layers per call, got {len(out)}")
+    if len(out) > validate.MAX_LAYERS:
+        raise ValueError(f"{op}: at most {validate.MAX_LAYERS} layers per call, got {len(out)}")
     return out
 
 
@@ -62,12 +62,12 @@ def _slots(op: str, batch_idx, rows: int, allow_many: bool) -> jax.Array:
     ``checkify`` and the kernel skips them.
     """
     if isinstance(batch_idx, (int, np.integer)) and not isinstance(batch_idx, (bool, np.bool_)):
-        v.static_int(op, "batch_idx", batch_idx, 0, rows - 1)
+        validate.static_int(op, "batch_idx", batch_idx, 0, rows - 1)
         return jnp.asarray(batch_idx, jnp.int32)
     if isinstance(batch_idx, (bool, np.bool_)):
         raise TypeError(f"{op}: batch_idx must be an int or an int32 array, got bool")
-    v.array(op, "batch_idx", batch_idx)
-    v.int32(op, "batch_idx", batch_idx)
+    validate.array(op, "batch_idx", batch_idx)
+    validate.int32(op, "batch_idx", batch_idx)
     if batch_idx.ndim != 0 and not (allow_many and batch_idx.ndim == 1):
         layout = "[] or [n]" if allow_many else "[]"
         raise ValueError(
@@ -87,7 +87,7 @@ def save_buffers(op, buffers, names, batch_idx, seq_len) -> list[jax.Array]:
     """
     rows = buffers[0].shape[-5]
     layers = _described(op, buffers, names)
-    seq_len = v.static_int(op, "seq_len", seq_len, lo=0)
+    seq_len = validate.static_int(op, "seq_len", seq_len, lo=0)
     for name, (_, _, h, s, d), _ in layers:
         if seq_len > s:
             raise ValueError(f"{op}: seq_len {seq_len} exceeds max_seq_len {s} of {name}")
@@ -107,8 +107,8 @@ def instantiate_buffers(op, buffers, names, saved, saved_names, batch_idx) -> li
     if len(saved) != len(layers):
         raise ValueError(f"{op}: {len(saved)} saved tensors for {len(layers)} cache layers")
     for (name, (_, _, h, s, d), dt), x, sname in zip(layers, saved, saved_names):
-        v.array(op, sname, x)
-        v.rank(op, sname, x, 4, "[2, num_kv_heads, T, head_dim]")
+        validate.array(op, sname, x)
+        validate.rank(op, sname, x, 4, "[2, num_kv_heads, T, head_dim]")
         if x.dtype != dt:
             raise TypeError(f"{op}: {sname} has dtype {x.dtype} but {name} holds {dt}")
         if x.shape[0] != 2 or x.shape[1] != h or x.shape[3] != d:

@@ -3,7 +3,7 @@
 import os
 
 # Several emulated CPU devices for sharding tests; harmless on GPU.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
