@@ -1,5 +1,6 @@
 """jaxkv: KV-cache management for JAX inference loops (XLA FFI custom calls, CUDA and CPU)."""
 
+from . import attention as attention
 from . import reference as reference
 from .linear import LinearKVCache as LinearKVCache
 from .manager import KVCacheManager as KVCacheManager
