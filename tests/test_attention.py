@@ -341,3 +341,20 @@ def test_bad_input_is_a_trace_time_error_naming_op_and_argument():
     for fn, exc, msg in bad:
         with pytest.raises(exc, match=re.escape(msg)):
             fn()
+
+
+def test_readme_decode_step_runs():
+    """The README's attention snippet runs as written and attends to what it appended."""
+    import pathlib
+
+    readme = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
+              if "jaxkv.attention" in b]
+    assert len(blocks) == 1
+    namespace = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    out = namespace["out"]
+    assert out.shape == (2, 4, 8, 64)
+    np.testing.assert_array_equal(namespace["cache"].lengths, [1, 1, 1, 1])
+    # One token of ones attended by itself: the output is that value token.
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 1.0)

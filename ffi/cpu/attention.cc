@@ -1,5 +1,6 @@
 // CPU handlers of decode and prefill attention: exact float32 arithmetic, one query at a time
 // (scores of every live key, then a max-subtracted softmax, then the weighted sum of V).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -97,6 +98,8 @@ void store(char* p, ffi::DataType t, float f) {
   }
 }
 
+// Row b, KV head kvh: its live keys and values are converted to float once, then every query of
+// the row and every q head of the group reads them.
 void attend(const AttentionProblem& p) {
   const int64_t qe = p.q_type == ffi::DataType::F32 ? 4 : 2;
   const int64_t ke = p.kv_type == ffi::DataType::F32 ? 4
@@ -105,37 +108,50 @@ void attend(const AttentionProblem& p) {
   const KVReadView& c = p.kv;
   const bool layer_ok = p.layer_ok();
   const float k_scale = *p.k_scale, v_scale = *p.v_scale;
-  std::vector<float> q(p.head_dim), acc(p.head_dim), scores, key(p.head_dim);
-  std::vector<int64_t> offsets;
+  const int64_t D = p.head_dim;
+  std::vector<float> q(D), acc(D), keys, values, scores;
+  std::vector<char> present;
   for (int32_t b = 0; b < p.batch; ++b) {
-    for (int32_t t = 0; t < p.tokens; ++t) {
-      const int32_t n = layer_ok ? p.keys(b, t) : 0;
-      for (int32_t h = 0; h < p.q_heads; ++h) {
-        const int32_t kvh = h / p.group;
-        const int64_t qi = p.q_index(b, t, h);
-        for (int32_t d = 0; d < p.head_dim; ++d) q[d] = load(p.q + (qi + d) * qe, p.q_type);
-        scores.clear();
-        offsets.clear();
-        float m = -INFINITY;
-        for (int32_t s = 0; s < n; ++s) {
-          const int64_t off = c.offset(*p.layer, b, kvh, s);
-          if (off < 0) continue;  // no page: never read
-          float dot = 0.f;
-          for (int32_t d = 0; d < p.head_dim; ++d) dot += q[d] * load(c.k + off + d * ke, p.kv_type);
-          const float score = dot * k_scale * p.scale;
-          scores.push_back(score);
-          offsets.push_back(off);
-          m = std::max(m, score);
+    int32_t most = 0;
+    for (int32_t t = 0; t < p.tokens && layer_ok; ++t) most = std::max(most, p.keys(b, t));
+    for (int32_t kvh = 0; kvh < c.heads; ++kvh) {
+      keys.assign(most * D, 0.f);
+      values.assign(most * D, 0.f);
+      present.assign(most, 0);
+      for (int32_t s = 0; s < most; ++s) {
+        const int64_t off = c.offset(*p.layer, b, kvh, s);
+        if (off < 0) continue;  // no page: never read
+        present[s] = 1;
+        for (int64_t d = 0; d < D; ++d) {
+          keys[s * D + d] = load(c.k + off + d * ke, p.kv_type);
+          values[s * D + d] = load(c.v + off + d * ke, p.kv_type);
         }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        float sum = 0.f;
-        for (size_t i = 0; i < scores.size(); ++i) {
-          const float w = std::exp(scores[i] - m);
-          sum += w;
-          for (int32_t d = 0; d < p.head_dim; ++d) acc[d] += w * load(c.v + offsets[i] + d * ke, p.kv_type);
+      }
+      for (int32_t t = 0; t < p.tokens; ++t) {
+        const int32_t n = layer_ok ? p.keys(b, t) : 0;
+        for (int32_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
+          const int64_t qi = p.q_index(b, t, h);
+          for (int64_t d = 0; d < D; ++d) q[d] = load(p.q + (qi + d) * qe, p.q_type);
+          scores.assign(n, -INFINITY);
+          float m = -INFINITY;
+          for (int32_t s = 0; s < n; ++s) {
+            if (!present[s]) continue;
+            float dot = 0.f;
+            for (int64_t d = 0; d < D; ++d) dot += q[d] * keys[s * D + d];
+            scores[s] = dot * k_scale * p.scale;
+            m = std::max(m, scores[s]);
+          }
+          std::fill(acc.begin(), acc.end(), 0.f);
+          float sum = 0.f;
+          for (int32_t s = 0; s < n; ++s) {
+            if (!present[s]) continue;
+            const float w = std::exp(scores[s] - m);
+            sum += w;
+            for (int64_t d = 0; d < D; ++d) acc[d] += w * values[s * D + d];
+          }
+          const float norm = sum > 0.f ? v_scale / sum : 0.f;
+          for (int64_t d = 0; d < D; ++d) store(p.out + (qi + d) * qe, p.q_type, acc[d] * norm);
         }
-        const float norm = sum > 0.f ? v_scale / sum : 0.f;
-        for (int32_t d = 0; d < p.head_dim; ++d) store(p.out + (qi + d) * qe, p.q_type, acc[d] * norm);
       }
     }
   }
