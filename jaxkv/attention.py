@@ -17,6 +17,15 @@ A decode step appends, commits, then attends::
 
 or, inside the layer loop, before ``commit``: ``prefill(q, cache, layer, new_lengths)``, which is
 the same for one token per row.
+
+Why jaxkv's own kernels rather than what JAX ships (issue 11): JAX's Pallas ``paged_attention``
+is deprecated with its Triton backend, decode-only, and needs power-of-two blocks; jax 0.11's cuDNN
+paged attention is private and its wrapper refuses a pool whose page count differs from
+``batch x table width`` (jaxkv sizes pools independently of the batch); cuDNN's dense attention on
+a layer of a stacked buffer makes XLA slice the layer first. One kernel family therefore serves
+every cache kind through one addressing view (``ffi/include/jaxkv/attention.h``). On the GPU,
+decode is split-KV; prefill runs on tensor cores for bfloat16 / float16 caches with head_dim 64,
+128 or 256 and GQA groups dividing 64, else the decode kernel with one query row per new token.
 """
 
 from __future__ import annotations
