@@ -5,6 +5,7 @@ return new caches; under ``jit`` with the cache donated every method runs in pla
 ops below work on raw arrays. ``jaxkv.reference`` holds a pure-jnp version of every op.
 """
 
+from . import attention as attention
 from . import reference as reference
 from .linear import LinearKVCache as LinearKVCache
 from .manager import KVCacheManager as KVCacheManager

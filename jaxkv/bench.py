@@ -25,6 +25,7 @@ import jax
 
 import jaxkv
 from jaxkv._bench import cases as C
+from jaxkv._bench import peers as P
 from jaxkv._bench import report as R
 from jaxkv._bench import timing as T
 
@@ -50,6 +51,9 @@ def parse(argv):
                    help='JSON {"op: case": "why"}: the measured explanation shown beside a row')
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--peers", action="store_true",
+                   help="also time FlashInfer on the attention cases (skipped with a note where it "
+                        "does not import)")
     return p.parse_args(argv)
 
 
@@ -82,7 +86,8 @@ def measure(step, carry, consts, case: C.Case, reps: int):
     return carry, result, hlo
 
 
-def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) -> dict:
+def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress,
+             peers: bool = False) -> dict:
     row = dict(op=case.op, case=case.name, series=case.series, sweep=case.sweep, note=case.note,
                status="ok", reason="", min_bytes=case.min_bytes, cache_bytes=case.cache_bytes,
                iters=case.iters, per_step=case.per_step,
@@ -103,6 +108,13 @@ def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) 
             carry, t, seen, expected = T.kernel_seconds(kernel, carry, consts, case.per_step)
             row["jaxkv"].update(kernel_time_s=t, kernel_launches=seen,
                                 kernel_launches_expected=expected)
+        if peers:
+            progress.label(f"{case.op} {case.name}: peers")
+            row["peers"] = P.run(case, carry, consts, case.iters, reps)
+            for impl in row["peers"].values():
+                if "gbps" in impl:
+                    impl["copy_frac"] = impl["gbps"] / copy_gbps
+                    impl["jaxkv_speedup"] = impl["time_s"] / row["jaxkv"]["time_s"]
         if case.target and case.target.no_kv_bytes:
             big = max(jax.tree_util.tree_leaves(carry), key=lambda x: x.size)
             row["jaxkv"]["touches_kv"] = T.touches(hlo, big)
@@ -150,6 +162,7 @@ def command(args, size: str) -> str:
     """The command line that reproduces the numbers (output paths left out)."""
     words = ["python -m jaxkv.bench", f"--size {size}", f"--reps {args.reps}"]
     words += [f"--op {op}" for op in args.op or []]
+    words += ["--peers"] if args.peers else []
     return " ".join(words + (["--no-sweep"] if args.no_sweep else []))
 
 
@@ -178,8 +191,8 @@ def main(argv=None) -> dict:
     if want_inc:
         progress.step("increment_lengths: fused add vs one launch")
         inc = C.increment_lengths_costs(cal["max_batch"], cal["loop_iters"], args.reps)
-    rows = [run_case(c, args.reps, calibration["copy_gbps"], on_gpu, progress) for c in chosen
-            if c.op != "increment_lengths"]
+    rows = [run_case(c, args.reps, calibration["copy_gbps"], on_gpu, progress, args.peers)
+            for c in chosen if c.op != "increment_lengths"]
     progress.close()
     if args.explain:
         with open(args.explain) as f:

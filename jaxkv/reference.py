@@ -168,3 +168,45 @@ def copy_pages(k_pages, v_pages, src_pages, dst_pages, layout="HND"):
     src = jnp.clip(src_pages, 0, num_pages - 1)
     move = lambda pool: pool.at[:, :, dst].set(pool[:, :, src], mode="drop")
     return _from_hnd(move(kp), layout), _from_hnd(move(vp), layout)
+
+
+# --- attention ---
+
+
+def attention(q, k, v, starts, counts, scale=None, k_scale=1.0, v_scale=1.0):
+    """Dense float32 attention, the oracle of ``jaxkv.attention``.
+
+    q [B, T, Hq, D]; k, v [B, Hkv, S, D] (the cache's tokens, dequantized by ``k_scale`` and
+    ``v_scale``). Query t < counts[b] of row b attends to keys [0, starts[b] + t] (Hq / Hkv query
+    heads per KV head); other queries give zeros. Returns float32 [B, T, Hq, D].
+    """
+    b, t, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    f32 = lambda x: jnp.asarray(x).astype(jnp.float32)
+    q = f32(q).reshape(b, t, hkv, hq // hkv, d)
+    k, v = f32(k) * k_scale, f32(v) * v_scale
+    hi = jax.lax.Precision.HIGHEST
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, precision=hi) * scale
+    last = starts[:, None] + jnp.arange(t)[None, :]  # [B, T]: the last key each query sees
+    visible = jnp.arange(s)[None, None, :] <= last[:, :, None]
+    live = jnp.arange(t)[None, :] < counts[:, None]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(visible[:, None, None] & live[:, None, None, :, None], probs, 0.0)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v, precision=hi)
+    return out.reshape(b, t, hq, d)
+
+
+def decode_attention(q, k, v, kv_lengths, scale=None, k_scale=1.0, v_scale=1.0):
+    """q [B, Hq, D] over keys [0, kv_lengths[b]) of k, v [B, Hkv, S, D]: float32 [B, Hq, D]
+    (zeros where the length is 0)."""
+    out = attention(q[:, None], k, v, kv_lengths - 1, (kv_lengths > 0).astype(jnp.int32), scale,
+                    k_scale, v_scale)
+    return out[:, 0]
+
+
+def prefill_attention(q, k, v, lengths, q_lengths, scale=None, k_scale=1.0, v_scale=1.0):
+    """q [B, T, Hq, D] at positions lengths[b] + t (t < q_lengths[b]): causal over k, v
+    [B, Hkv, S, D], which already hold the new tokens. float32 [B, T, Hq, D]."""
+    return attention(q, k, v, lengths, q_lengths, scale, k_scale, v_scale)

@@ -174,7 +174,11 @@ def test_xla_formulations_compute_the_same(case):
     for name, step in xla.items():
         got = run(step)
         for e, g in zip(pick(expected), pick(got), strict=True):
-            assert_bytes_equal(g, e, f"{case.name}: {name}")
+            if case.op.startswith("attention"):  # arithmetic: bf16 rounding, not bytes
+                np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32),
+                                           rtol=2e-2, atol=2e-2, err_msg=f"{case.name}: {name}")
+            else:
+                assert_bytes_equal(g, e, f"{case.name}: {name}")
 
 
 def test_memory_probe_pads_to_the_peak(monkeypatch):

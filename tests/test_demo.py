@@ -127,9 +127,15 @@ def test_demo_command_runs(capsys):
     assert "xla baseline generated the same tokens" in out
 
 
+def test_paged_kind_reads_the_pool_with_jaxkv_by_default():
+    eng = engine("paged", "jaxkv", page_size=16)  # attention="auto": jaxkv.attention
+    hlo = eng.compile()["decode"].as_text()
+    assert "jaxkv_attention" in hlo and "paged_attention" not in hlo
+
+
 @pytest.mark.gpu
-def test_paged_decode_attends_with_pallas_on_gpu():
-    eng = engine("paged", "jaxkv", page_size=16)  # attention="auto": Pallas for decode on a GPU
+def test_paged_decode_attends_with_pallas_on_gpu_when_asked():
+    eng = engine("paged", "jaxkv", page_size=16, attention="pallas")
     assert "paged_attention" in eng.compile()["decode"].as_text()
     dense = engine("paged", "jaxkv", page_size=16, attention="dense")
     assert "paged_attention" not in dense.compile()["decode"].as_text()

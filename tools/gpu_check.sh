@@ -30,9 +30,12 @@ fi
 
 if [ -z "${SKIP_BENCH:-}" ] && (cd /tmp && python3 -c "import jaxkv.bench" 2>/dev/null); then
   echo "== benchmarks"
+  # FlashInfer beside the attention rows (--peers; a note where it does not import):
+  # PEER_WHEELS=/path/to/shared/peer-wheels installs it first.
+  if [ -n "${PEER_WHEELS:-}" ]; then eval "$(bash "$PEER_WHEELS/setup_on_gpu.sh" "$PEER_WHEELS")"; fi
   explain="$PWD/benchmarks/explanations.json"  # measured reasons for rows that miss a target
   (cd /tmp && python3 -m jaxkv.bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
-    --explain "$explain" 2>&1) \
+    --explain "$explain" --peers 2>&1) \
     | tee "$OUT/bench.log"
 fi
 if [ -z "${SKIP_DEMO:-}" ]; then

@@ -481,6 +481,123 @@ def paged_compact(B, N, H, D, page, iters, target=None) -> Case:
                 note="min bytes 0: only the page table and lengths (O(batch)) may move")
 
 
+# --- attention (jaxkv.attention) ------------------------------------------------------------------
+
+
+def _dense_attention(q, k, v, lengths, layer_start=None):
+    """XLA's masked dense attention over every position (what a reader without a kernel does):
+    q [B, T, Hq, D], k/v [B, Hkv, S, D]; query t of row b sees keys <= lengths[b] + t."""
+    B, T, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
+    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(D)
+    last = lengths[:, None] + jnp.arange(T)[None, :]
+    s = jnp.where((jnp.arange(S)[None, None, :] <= last[:, :, None])[:, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bksd->btkgd", p, v).reshape(B, T, Hq, D)
+
+
+def _kv_bytes(lengths, H, D) -> int:
+    return int(np.sum(lengths)) * 2 * H * D * BF16.itemsize
+
+
+def _paged_pools(L, B, pages_per_seq, page, H, D, lengths, layout, seed):
+    """A PagedKVCache of random pools whose rows own shuffled pages, built without the allocator
+    (numpy page table: cheap at any size, and traceable with abstract pools)."""
+    num_pages = B * pages_per_seq
+    shape = (L, H, num_pages, page, D) if layout == "HND" else (L, num_pages, page, H, D)
+    table = np.random.default_rng(seed).permutation(num_pages).reshape(B, pages_per_seq)
+    return jaxkv.PagedKVCache(
+        k_pages=rand(shape, BF16, seed), v_pages=rand(shape, BF16, seed + 1),
+        page_table=i32(table), lengths=i32(lengths), ref_counts=i32(np.ones(num_pages)),
+        new_tokens=i32(np.zeros(B)), layout=layout)
+
+
+def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None) -> Case:
+    """One decode step of attention per op over a paged pool of 2 layers (layer i % 2), every
+    row N tokens. The output is the next op's query, so nothing is loop-invariant."""
+    pages_per_seq = -(-N // page)
+    num_pages = B * pages_per_seq
+    lengths = np.full(B, N)
+
+    def build():
+        cache = _paged_pools(2, B, pages_per_seq, page, H, D, lengths, layout, 110)
+        q = rand((B, Hq, D), BF16, 112)
+
+        def kernel(i, q, c):
+            return jaxkv.attention.decode(q, c, i % 2)
+
+        def gather_dense(i, q, c):
+            k, v = c.gather(i % 2, N, split=True)
+            return _dense_attention(q[:, None], k, v, c.lengths - 1)[:, 0]
+
+        return q, cache, kernel, {"gather+dense": gather_dense}
+
+    token = 2 * H * D * BF16.itemsize
+    return Case("attention_decode", f"paged {layout} B{B} N{N} {Hq}/{H} heads D{D} page {page}",
+                build, _kv_bytes(lengths, H, D) + 2 * B * Hq * D * BF16.itemsize,
+                2 * num_pages * page * token, iters, target=target,
+                requires=("attention",), series=f"paged {layout}",
+                note="min bytes: the live K/V tokens read once, plus q and the output")
+
+
+def attention_decode_linear(B, S, Hq, H, D, ragged, iters, target=None) -> Case:
+    """Decode attention on one layer of a 2-layer LinearKVCache, read in place; ragged: lengths
+    uniform in [1, S] (mean S/2), so time should follow the live bytes."""
+    rng = np.random.default_rng(13)
+    lengths = rng.integers(1, S + 1, B) if ragged else np.full(B, S)
+
+    def build():
+        cache = jaxkv.LinearKVCache(buffer=rand((2, B, 2, H, S, D), BF16, 120), lengths=i32(lengths),
+                                    active_batch_size=jnp.asarray(B, jnp.int32))
+        q = rand((B, Hq, D), BF16, 121)
+
+        def kernel(i, q, c):
+            return jaxkv.attention.decode(q, c, i % 2)
+
+        def dense(i, q, c):
+            layer = lax.dynamic_index_in_dim(c.buffer, i % 2, 0, keepdims=False)
+            return _dense_attention(q[:, None], layer[:, 0], layer[:, 1], c.lengths - 1)[:, 0]
+
+        return q, cache, kernel, {"dense": dense}
+
+    kind = f"ragged mean {int(np.mean(lengths))}" if ragged else "full"
+    return Case("attention_decode", f"linear B{B} S{S} {kind} {Hq}/{H} heads D{D}", build,
+                _kv_bytes(lengths, H, D) + 2 * B * Hq * D * BF16.itemsize,
+                2 * B * 2 * H * S * D * BF16.itemsize, iters, target=target,
+                requires=("attention",), series="linear",
+                note="min bytes: the live tokens only (not the capacity)")
+
+
+def attention_prefill_paged(B, prefix, T, Hq, H, D, page, iters, target=None) -> Case:
+    """Chunked prefill: T new tokens per row (already appended) attend causally over a cached
+    prefix of `prefix` tokens; 2 layers (layer i % 2), the output feeds the next op's queries."""
+    pages_per_seq = -(-(prefix + T) // page)
+    num_pages = B * pages_per_seq
+    lengths = np.full(B, prefix)
+
+    def build():
+        cache = _paged_pools(2, B, pages_per_seq, page, H, D, lengths, "NHD", 130)
+        q = rand((B, T, Hq, D), BF16, 132)
+        new = i32(np.full(B, T))
+
+        def kernel(i, q, c):
+            return jaxkv.attention.prefill(q, c, i % 2, new)
+
+        def gather_dense(i, q, c):  # the new tokens are appended, not committed: lengths + T
+            k, v = jaxkv.paged_gather(c.k_pages, c.v_pages, c.page_table, c.lengths + T, i % 2,
+                                      prefix + T, layout="NHD", split=True)
+            return _dense_attention(q, k, v, c.lengths)
+
+        return q, cache, kernel, {"gather+dense": gather_dense}
+
+    return Case("attention_prefill", f"paged NHD B{B} {T} new on {prefix} {Hq}/{H} heads D{D} "
+                f"page {page}", build, _kv_bytes(lengths + T, H, D) + 2 * B * T * Hq * D * 2,
+                2 * num_pages * page * 2 * H * D * BF16.itemsize, iters, target=target,
+                requires=("attention",), series="paged prefill",
+                note="compute-bound: the bandwidth column is only the bytes read once")
+
+
 # --- the sizes ------------------------------------------------------------------------------------
 
 T_COMPACT = Target(">= 85% of copy BW on live bytes; >= 5x XLA (take)", copy_frac=0.85,
@@ -492,6 +609,8 @@ T_DECODE = Target("<= 5 us; beats .at[].set", max_us=5.0, beats_xla=True)
 T_PREFILL = Target(">= 80% of copy BW", copy_frac=0.80)
 T_PAGED = Target(">= 80% of copy BW", copy_frac=0.80)
 T_PAGED_COMPACT = Target("O(batch) bytes: no KV data moved", no_kv_bytes=True)
+T_ATTN_DECODE = Target(">= 90% of copy BW on the KV bytes read", copy_frac=0.90)
+T_ATTN_LIVE = Target("reads live tokens only: >= 90% of copy BW on live bytes", copy_frac=0.90)
 MIXED = [(8, 128), (4, 256), (16, 64), (2, 128)]
 
 
@@ -508,6 +627,9 @@ def cases(size: str) -> list[Case]:
             paged_append(4, 64, 160, 2, 64, 16, 2, 3, T_PAGED),
             paged_gather(4, 128, 2, 64, 16, 3, Target(">= 80% of copy BW", copy_frac=0.80)),
             paged_compact(8, 128, 2, 64, 16, 10, T_PAGED_COMPACT),
+            attention_decode_paged(4, 128, 8, 2, 64, 16, "HND", 3, T_ATTN_DECODE),
+            attention_decode_linear(4, 128, 8, 2, 64, True, 3, T_ATTN_LIVE),
+            attention_prefill_paged(2, 32, 32, 8, 2, 64, 16, 2),
         ]
     # The issue's sizes on the H200, and a few smaller points per op for the plot.
     return [long_enough(c) for c in gpu_cases()]
@@ -540,11 +662,16 @@ def gpu_cases() -> list[Case]:
         paged_gather(64, 4096, 8, 128, 16, 5, Target(">= 80% of copy BW", copy_frac=0.80)),
         paged_gather(64, 1024, 8, 128, 16, 10, sweep=True),
         paged_compact(64, 4096, 8, 128, 16, 100, T_PAGED_COMPACT),
+        attention_decode_paged(64, 4096, 32, 8, 128, 16, "NHD", 20, T_ATTN_DECODE),
+        attention_decode_paged(64, 4096, 32, 8, 128, 16, "HND", 20, T_ATTN_DECODE),
+        attention_decode_linear(64, 4096, 32, 8, 128, False, 20),
+        attention_decode_linear(64, 4096, 32, 8, 128, True, 20, T_ATTN_LIVE),
+        attention_prefill_paged(8, 2048, 2048, 32, 8, 128, 16, 3),
     ]
 
 
 OPS = ("compact_kv_cache", "save_kv_cache", "instantiate_kv_cache", "append", "paged_append",
-       "paged_gather", "paged_compact", "increment_lengths")
+       "paged_gather", "paged_compact", "attention_decode", "attention_prefill", "increment_lengths")
 
 
 def increment_lengths_costs(max_batch: int, n: int, reps: int) -> dict:

@@ -101,7 +101,22 @@ def text_table(report: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
     out = [header_line(report), line(rows[0]), line(["-" * w for w in widths])]
-    return "\n".join(out + [line(r) for r in rows[1:]])
+    return "\n".join(out + [line(r) for r in rows[1:]] + peer_lines(report))
+
+
+def peer_lines(report: dict) -> list[str]:
+    """One line per peer measurement (``--peers``): its time beside jaxkv's, same inputs."""
+    out = []
+    for r in report["rows"]:
+        for name, impl in (r.get("peers") or {}).items():
+            head = f"{r['op']} {r['case']}: {name}"
+            if "error" in impl:
+                out.append(f"{head}: not timed ({impl['error']})")
+            else:
+                out.append(f"{head} {fmt_time(impl['time_s'])}, {impl['gbps']:.0f} GB/s "
+                           f"({impl['copy_frac']:.0%} of copy); jaxkv {fmt_time(r['jaxkv']['time_s'])}"
+                           f" ({impl['jaxkv_speedup']:.2f}x); max |diff| {impl['max_abs_diff']:.2g}")
+    return ["", "peers (same inputs, cross-checked first):"] + out if out else []
 
 
 def header_line(report: dict) -> str:
@@ -164,6 +179,11 @@ def markdown(report: dict, plot_name: str | None) -> str:
                       f"{impl['spread']:.0%} | {impl['gbps']:.0f} | {impl['launches']:.3g} | "
                       f"{impl['big_copies']} | {fmt_extra(impl)} |"
                       + (" **hoisted out of the loop: not valid**" if impl["hoisted"] else ""))
+    peers = peer_lines(report)
+    if peers:
+        md += ["", "## Peers", "", "FlashInfer (`--peers`) on the inputs of the attention rows, its "
+               "output checked against jaxkv's before timing; time per call (CUDA events), jaxkv's "
+               "loop time beside it.", ""] + [f"- {x}" for x in peers[2:]]
     if plot_name:
         md += ["", f"![achieved bandwidth per op]({plot_name})"]
     return "\n".join(md) + "\n"

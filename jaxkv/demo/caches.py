@@ -10,8 +10,10 @@ compares against. Interface (``B`` = max_batch; live sequences occupy rows ``[0,
 - ``lengths(cache)`` int32 [B]; ``active(cache)`` int32 []; ``clear(cache, n)``: n empty live rows
 - ``reserve(cache, new_lengths)``: room for ``new_lengths`` [B] more tokens (paged: pages)
 - ``append(cache, layer, k, v, new_lengths)``: k, v [B, Hkv, T, D] after each row's tokens
-- ``attend(cache, layer, q, positions)``: q [B, T, Hq, D] over the cache -> [B, T, Hq, D]; the
-  new tokens (appended, not yet committed) are visible
+- ``attend(cache, layer, q, positions, new_lengths=None)``: q [B, T, Hq, D] over the cache ->
+  [B, T, Hq, D]; the new tokens (appended, not yet committed) are visible. With ``ops="jaxkv"``
+  this is ``jaxkv.attention.prefill``, reading the layer in place (every cache kind); queries
+  past ``new_lengths[b]`` then give zeros
 - ``commit(cache, new_lengths)``; ``evict(cache, batch_mapping)`` (survivors to ``[0, survivors)``)
 - ``save(cache, slot, length) -> (cache, saved)``: keeps a prompt's KV for later admissions
 - ``admit(cache, saved, n_old, n_new)``: rows ``[n_old, n_old + n_new)`` start from ``saved``
@@ -31,6 +33,19 @@ import jaxkv
 from jaxkv import reference
 
 from .model import LlamaConfig, dense_attention
+
+
+def _kernel_attends(cfg: LlamaConfig) -> bool:
+    """jaxkv.attention's kernels are built for this head_dim (else: dense attention)."""
+    return cfg.head_dim in jaxkv.attention.HEAD_DIMS
+
+
+def _jaxkv_attend(cache, layer, q, new_lengths):
+    """The new tokens attend causally over the cache, read in place (jaxkv.attention.prefill)."""
+    if new_lengths is None:
+        new_lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+    out = jaxkv.attention.prefill(q.astype(cache.dtype), cache, layer, new_lengths)
+    return out.astype(q.dtype)
 
 
 def _rows_in(max_batch: int, lo, hi) -> jax.Array:
@@ -86,7 +101,9 @@ class _RowKind:
     def commit(self, cache, new_lengths):
         return cache.commit(new_lengths)
 
-    def attend(self, cache, layer, q, positions):
+    def attend(self, cache, layer, q, positions, new_lengths=None):
+        if self.ops == "jaxkv" and _kernel_attends(self.cfg):
+            return _jaxkv_attend(cache, layer, q, new_lengths)
         k, v = self.kv(cache, layer)
         return dense_attention(q, k, v, positions)
 
@@ -191,16 +208,17 @@ class PagedKind:
 
     The cache has one row more than the batch: row ``B`` keeps the system prompt. Admission forks
     it (new rows share its full pages, copy-on-write of the last partial one); eviction releases
-    pages through ``compact``; ``reserve`` takes pages before every forward pass. Attention on a GPU
-    decode step is JAX's Pallas ``paged_attention`` reading the pool in place; elsewhere (CPU,
-    prefill) the layer is gathered into dense memory and attended densely.
+    pages through ``compact``; ``reserve`` takes pages before every forward pass. Attention is
+    ``jaxkv.attention`` reading the pool in place (``ops="jaxkv"``); the XLA baseline (and
+    ``attention="dense"``) gathers the layer into dense memory and attends densely;
+    ``attention="pallas"`` uses JAX's deprecated Pallas ``paged_attention`` for decode steps.
     """
 
     cfg: LlamaConfig
     dtype: str = "float32"
     ops: str = "jaxkv"  # or "xla"
     page_size: int = 16
-    attention: str = "auto"  # "pallas" (GPU decode, interpreted elsewhere), "dense", or "auto"
+    attention: str = "auto"  # "auto" (jaxkv.attention with ops="jaxkv"), "dense" or "pallas"
 
     def create(self, max_batch: int, max_seq_len: int):
         c = self.cfg
@@ -241,11 +259,14 @@ class PagedKind:
                                                   cache.lengths, layer, k, v, n, cache.layout)
         return dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
 
-    def attend(self, cache, layer, q, positions):
+    def attend(self, cache, layer, q, positions, new_lengths=None):
         batch = self._batch(cache)
         visible = cache.lengths + cache.new_tokens  # committed tokens and the ones just appended
         if self._use_pallas(cache) and q.shape[1] == 1:
             return self._pallas(cache, layer, q, visible)[:, None]
+        if self.ops == "jaxkv" and self.attention == "auto" and _kernel_attends(self.cfg):
+            n = None if new_lengths is None else self._pad(new_lengths)
+            return _jaxkv_attend(cache, layer, self._pad(q), n)[:batch]
         max_len = cache.max_pages_per_seq * cache.page_size
         if self.ops == "jaxkv":
             k, v = jaxkv.paged_gather(cache.k_pages, cache.v_pages, cache.page_table, visible,
@@ -258,7 +279,7 @@ class PagedKind:
 
     def _use_pallas(self, cache) -> bool:
         on_gpu = jax.default_backend() == "gpu"
-        if self.attention == "dense" or (self.attention == "auto" and not on_gpu):
+        if self.attention != "pallas":
             return False
         _, per_block = _pallas_blocks(cache.max_pages_per_seq)
         block, d = per_block * cache.page_size, cache.head_dim

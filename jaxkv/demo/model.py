@@ -161,7 +161,7 @@ def forward(cfg: LlamaConfig, params: Params, kind, cache, tokens, new_lengths):
 
     def attend(cache, i, q, k, v):
         cache = kind.append(cache, i, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), new_lengths)
-        return kind.attend(cache, i, q, positions), cache
+        return kind.attend(cache, i, q, positions, new_lengths), cache
 
     x, cache = decoder(cfg, params, tokens, positions, attend, cache)
     last = jnp.clip(new_lengths - 1, 0, steps - 1)

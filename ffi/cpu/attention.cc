@@ -1,0 +1,180 @@
+// CPU handlers of decode and prefill attention: exact float32 arithmetic, one query at a time
+// (scores of every live key, then a max-subtracted softmax, then the weighted sum of V).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "jaxkv/attention.h"
+#include "jaxkv/registry.h"
+
+namespace jaxkv {
+namespace {
+
+float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint32_t float_to_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return bits;
+}
+
+// A minifloat with `mbits` mantissa bits and exponent bias `bias` (no infinities are produced by
+// the dtypes read here; e4m3fn's NaN is exponent and mantissa all ones, e5m2's is IEEE).
+float minifloat(uint32_t x, int ebits, int mbits, int bias, bool ieee_special) {
+  const uint32_t sign = x >> (ebits + mbits);
+  const uint32_t e = (x >> mbits) & ((1u << ebits) - 1);
+  const uint32_t m = x & ((1u << mbits) - 1);
+  float v;
+  if (ieee_special && e == (1u << ebits) - 1) {
+    v = m ? NAN : INFINITY;
+  } else if (!ieee_special && e == (1u << ebits) - 1 && m == (1u << mbits) - 1) {
+    v = NAN;
+  } else if (e == 0) {
+    v = std::ldexp(static_cast<float>(m), 1 - bias - mbits);
+  } else {
+    v = std::ldexp(static_cast<float>(m | (1u << mbits)), static_cast<int>(e) - bias - mbits);
+  }
+  return sign ? -v : v;
+}
+
+float load(const char* p, ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case ffi::DataType::BF16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return bits_to_float(uint32_t{h} << 16);
+    }
+    case ffi::DataType::F16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return minifloat(h, 5, 10, 15, true);
+    }
+    case ffi::DataType::F8E4M3FN:
+      return minifloat(static_cast<uint8_t>(*p), 4, 3, 7, false);
+    case ffi::DataType::F8E5M2:
+      return minifloat(static_cast<uint8_t>(*p), 5, 2, 15, true);
+    default:
+      return 0.f;  // make_attention accepts only the dtypes above
+  }
+}
+
+// Round to nearest even, as XLA converts.
+uint16_t to_bf16(float f) {
+  const uint32_t b = float_to_bits(f);
+  if (std::isnan(f)) return static_cast<uint16_t>((b >> 16) | 0x40);
+  return static_cast<uint16_t>((b + 0x7fff + ((b >> 16) & 1)) >> 16);
+}
+
+uint16_t to_f16(float f) {
+  const uint32_t b = float_to_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((b >> 16) & 0x8000);
+  if (std::isnan(f)) return sign | 0x7e00;
+  const float a = std::fabs(f);
+  if (a >= 65520.f) return sign | 0x7c00;  // rounds to infinity
+  if (a < 6.103515625e-05f) {              // subnormal: a multiple of 2^-24, rounded to even
+    return sign | static_cast<uint16_t>(std::nearbyint(a * 16777216.f));
+  }
+  const uint32_t ab = b & 0x7fffffff;
+  const uint32_t rounded = ab + 0xfff + ((ab >> 13) & 1);
+  return sign | static_cast<uint16_t>((rounded >> 13) - ((127 - 15) << 10));
+}
+
+void store(char* p, ffi::DataType t, float f) {
+  if (t == ffi::DataType::F32) {
+    std::memcpy(p, &f, 4);
+  } else {
+    const uint16_t h = t == ffi::DataType::BF16 ? to_bf16(f) : to_f16(f);
+    std::memcpy(p, &h, 2);
+  }
+}
+
+// Row b, KV head kvh: its live keys and values are converted to float once, then every query of
+// the row and every q head of the group reads them.
+void attend(const AttentionProblem& p) {
+  const int64_t qe = p.q_type == ffi::DataType::F32 ? 4 : 2;
+  const int64_t ke = p.kv_type == ffi::DataType::F32 ? 4
+                     : (p.kv_type == ffi::DataType::BF16 || p.kv_type == ffi::DataType::F16) ? 2
+                                                                                           : 1;
+  const KVReadView& c = p.kv;
+  const bool layer_ok = p.layer_ok();
+  const float k_scale = *p.k_scale, v_scale = *p.v_scale;
+  const int64_t D = p.head_dim;
+  std::vector<float> q(D), acc(D), keys, values, scores;
+  std::vector<char> present;
+  for (int32_t b = 0; b < p.batch; ++b) {
+    int32_t most = 0;
+    for (int32_t t = 0; t < p.tokens && layer_ok; ++t) most = std::max(most, p.keys(b, t));
+    for (int32_t kvh = 0; kvh < c.heads; ++kvh) {
+      keys.assign(most * D, 0.f);
+      values.assign(most * D, 0.f);
+      present.assign(most, 0);
+      for (int32_t s = 0; s < most; ++s) {
+        const int64_t off = c.offset(*p.layer, b, kvh, s);
+        if (off < 0) continue;  // no page: never read
+        present[s] = 1;
+        for (int64_t d = 0; d < D; ++d) {
+          keys[s * D + d] = load(c.k + off + d * ke, p.kv_type);
+          values[s * D + d] = load(c.v + off + d * ke, p.kv_type);
+        }
+      }
+      for (int32_t t = 0; t < p.tokens; ++t) {
+        const int32_t n = layer_ok ? p.keys(b, t) : 0;
+        for (int32_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
+          const int64_t qi = p.q_index(b, t, h);
+          for (int64_t d = 0; d < D; ++d) q[d] = load(p.q + (qi + d) * qe, p.q_type);
+          scores.assign(n, -INFINITY);
+          float m = -INFINITY;
+          for (int32_t s = 0; s < n; ++s) {
+            if (!present[s]) continue;
+            float dot = 0.f;
+            for (int64_t d = 0; d < D; ++d) dot += q[d] * keys[s * D + d];
+            scores[s] = dot * k_scale * p.scale;
+            m = std::max(m, scores[s]);
+          }
+          std::fill(acc.begin(), acc.end(), 0.f);
+          float sum = 0.f;
+          for (int32_t s = 0; s < n; ++s) {
+            if (!present[s]) continue;
+            const float w = std::exp(scores[s] - m);
+            sum += w;
+            for (int64_t d = 0; d < D; ++d) acc[d] += w * values[s * D + d];
+          }
+          const float norm = sum > 0.f ? v_scale / sum : 0.f;
+          for (int64_t d = 0; d < D; ++d) store(p.out + (qi + d) * qe, p.q_type, acc[d] * norm);
+        }
+      }
+    }
+  }
+}
+
+ffi::Error attention_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> starts,
+                         ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> layer,
+                         ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>>,
+                         float scale, int32_t layout) {
+  auto p = make_attention("attention", q, k, v, table, starts, counts, layer, k_scale, v_scale, out,
+                          scale, layout);
+  if (p.has_error()) return p.error();
+  attend(*p);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// Decode and prefill are one problem on the CPU (the GPU splits their work differently).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_attention_cpu, attention_cpu, bind_attention(ffi::Ffi::Bind()));
+JAXKV_REGISTER_TARGET("jaxkv_attention_decode", "cpu", jaxkv_attention_cpu);
+JAXKV_REGISTER_TARGET("jaxkv_attention_prefill", "cpu", jaxkv_attention_cpu);
+
+}  // namespace jaxkv

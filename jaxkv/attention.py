@@ -1,0 +1,246 @@
+"""Attention over a jaxkv cache, read in place: ``decode`` and ``prefill``.
+
+Both read one layer of any cache kind (``LinearKVCache``, ``KVCacheManager``, ``PagedKVCache`` in
+either layout) without slicing it: the kernel receives the whole buffer (or pool) and the layer
+index and computes addresses itself, because a slice of a stacked buffer handed to a custom call
+is a copy of the layer. Only live tokens ``[0, length)`` are read, so time follows the live bytes,
+not the capacity. The kernels are jaxkv's own FFI targets: on the GPU a split-KV
+(flash-decoding) kernel with float32 online softmax, on the CPU exact float32 loops
+(``ffi/cpu/attention.cc``); ``jaxkv.reference.attention`` is the dense float32 oracle.
+
+A decode step appends, commits, then attends::
+
+    cache = cache.append(layer, k, v)            # inside the layer loop, before attention
+    ...
+    cache = cache.commit(1)
+    out = jaxkv.attention.decode(q, cache, layer)  # reads tokens [0, lengths[b])
+
+or, inside the layer loop, before ``commit``: ``prefill(q, cache, layer, new_lengths)``, which is
+the same for one token per row.
+
+Why jaxkv's own kernels rather than what JAX ships (issue 11): JAX's Pallas ``paged_attention``
+is deprecated with its Triton backend, decode-only, and needs power-of-two blocks; jax 0.11's cuDNN
+paged attention is private and its wrapper refuses a pool whose page count differs from
+``batch x table width`` (jaxkv sizes pools independently of the batch); cuDNN's dense attention on
+a layer of a stacked buffer makes XLA slice the layer first. One kernel family therefore serves
+every cache kind through one addressing view (``ffi/include/jaxkv/attention.h``). On the GPU,
+decode is split-KV; prefill runs on tensor cores for bfloat16 / float16 caches with head_dim 64,
+128 or 256 and GQA groups dividing 64, else the decode kernel with one query row per new token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi
+from . import _validate as validate
+from ._checks import check
+from .linear import LinearKVCache
+from .manager import KVCacheManager
+from .paged import PagedKVCache
+
+# Head dims the kernels are built for (ffi/cuda/attention.cu instantiates these; the CPU handler
+# accepts the same so that a program behaves alike on both).
+HEAD_DIMS = (16, 32, 64, 128, 256)
+QUERY_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+FP8_DTYPES = tuple(np.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2))
+
+_DENSE, _PAGED_HND, _PAGED_NHD = 0, 1, 2  # ffi/include/jaxkv/attention.h: KVLayout
+# The GPU kernel splits each row's keys over blocks until the grid has about this many blocks
+# (enough waves to fill an H200's 132 multiprocessors), with at least this many keys per block.
+_TARGET_BLOCKS = 2048
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_HEADS_PER_BLOCK = 8  # q heads one GPU block keeps in registers
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """What the kernel reads: buffers, page table, layer, geometry."""
+
+    k: jax.Array
+    v: jax.Array
+    page_table: jax.Array  # [B, max_pages], or int32 [0] for a dense cache
+    layout: int
+    layer: jax.Array  # int32 []
+    num_layers: int
+    max_batch: int
+    num_kv_heads: int
+    capacity: int  # positions a row can address
+    head_dim: int
+    readable: jax.Array  # int32 [B]: positions of each row backed by memory (paged: pages held)
+
+
+def _source(op: str, cache, layer_idx) -> _Source:
+    no_table = jnp.zeros((0,), jnp.int32)
+    if isinstance(cache, LinearKVCache):
+        layer = validate.int_scalar(op, "layer_idx", layer_idx)
+        _, batch, _, heads, cap, d = cache.buffer.shape
+        return _Source(cache.buffer, cache.buffer, no_table, _DENSE, layer, cache.num_layers,
+                       batch, heads, cap, d, jnp.full((batch,), cap, jnp.int32))
+    if isinstance(cache, KVCacheManager):
+        if not isinstance(layer_idx, (int, np.integer)) or isinstance(layer_idx, bool):
+            raise TypeError(f"{op}: layer_idx must be a Python int for a KVCacheManager (its layers "
+                            f"differ in shape), got {type(layer_idx).__name__}")
+        i = validate.static_int(op, "layer_idx", layer_idx, 0, cache.num_layers - 1)
+        buf = cache.layers[i]
+        batch, _, heads, cap, d = buf.shape
+        return _Source(buf, buf, no_table, _DENSE, jnp.zeros((), jnp.int32), 1, batch, heads, cap,
+                       d, jnp.full((batch,), cap, jnp.int32))
+    if isinstance(cache, PagedKVCache):
+        layer = validate.int_scalar(op, "layer_idx", layer_idx)
+        layout = _PAGED_NHD if cache.layout == "NHD" else _PAGED_HND
+        cap = cache.max_pages_per_seq * cache.page_size
+        return _Source(cache.k_pages, cache.v_pages, cache.page_table, layout, layer,
+                       cache.num_layers, cache.max_batch, cache.num_kv_heads, cap, cache.head_dim,
+                       cache.pages_held * cache.page_size)
+    raise TypeError(f"{op}: cache must be a LinearKVCache, KVCacheManager or PagedKVCache, got "
+                    f"{type(cache).__name__}")
+
+
+def _check_query(op: str, q, src: _Source, rank: int, hint: str, cache_dtype) -> int:
+    validate.array(op, "q", q)
+    validate.rank(op, "q", q, rank, hint)
+    if np.dtype(q.dtype) not in QUERY_DTYPES:
+        raise TypeError(f"{op}: q has dtype {q.dtype}; supported: float32, bfloat16, float16")
+    cache_dtype = np.dtype(cache_dtype)
+    if cache_dtype in FP8_DTYPES:
+        if np.dtype(q.dtype) == np.dtype(jnp.float32):
+            raise TypeError(f"{op}: q must be bfloat16 or float16 over a {cache_dtype} cache")
+    elif cache_dtype != np.dtype(q.dtype):
+        raise TypeError(f"{op}: q has dtype {q.dtype}, the cache holds {cache_dtype} (they must "
+                        "match, except over fp8 caches)")
+    batch, q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    if batch != src.max_batch:
+        raise ValueError(f"{op}: q has {batch} rows, the cache max_batch {src.max_batch} ({hint})")
+    if head_dim != src.head_dim:
+        raise ValueError(f"{op}: q has head_dim {head_dim}, the cache {src.head_dim} ({hint})")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"{op}: head_dim {head_dim} is not supported; supported: {HEAD_DIMS}")
+    if q_heads % src.num_kv_heads:
+        raise ValueError(f"{op}: q's num_q_heads ({q_heads}) must be a multiple of the cache's "
+                         f"num_kv_heads ({src.num_kv_heads})")
+    return q_heads
+
+
+def _dequant_scale(op: str, name: str, value, cache_dtype) -> jax.Array:
+    if value is None:
+        if np.dtype(cache_dtype) in FP8_DTYPES:
+            raise ValueError(f"{op}: {name} is required for an fp8 cache (its dequantization scale)")
+        return jnp.ones((), jnp.float32)
+    if isinstance(value, (int, float, np.floating)) and not isinstance(value, bool):
+        return jnp.asarray(value, jnp.float32)
+    validate.array(op, name, value)
+    validate.rank(op, name, value, 0)
+    if value.dtype != jnp.float32:
+        raise TypeError(f"{op}: {name} must be a float or a float32 scalar, got {value.dtype}")
+    return value
+
+
+def _softmax_scale(op: str, scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):
+        raise TypeError(f"{op}: scale must be a Python float (static), got {type(scale).__name__}")
+    return float(scale)
+
+
+def _splits(rows: int, src: _Source, q_heads: int) -> int:
+    """Blocks each (query, KV head) pair's keys are split over on the GPU (1: no combine)."""
+    per_block = math.ceil(q_heads // src.num_kv_heads / _MAX_HEADS_PER_BLOCK)
+    pairs = rows * src.num_kv_heads * per_block
+    by_keys = max(1, src.capacity // _MIN_KEYS_PER_SPLIT)
+    return max(1, min(by_keys, -(-_TARGET_BLOCKS // pairs)))
+
+
+def _call(target, q4, src: _Source, starts, counts, k_scale, v_scale, scale, splits):
+    b, t, hq, d = q4.shape
+    work = (b, t, hq, splits, d + 2) if splits > 1 else (0,)
+    out, _ = _ffi.call(
+        target,
+        (jax.ShapeDtypeStruct(q4.shape, q4.dtype), jax.ShapeDtypeStruct(work, jnp.float32)),
+        q4, src.k, src.v, src.page_table, starts, counts, src.layer, k_scale, v_scale,
+        scale=np.float32(scale), layout=np.int32(src.layout),
+    )
+    return out
+
+
+def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_scale=None):
+    """One query token per sequence attends over its cached tokens, read in place.
+
+    **Arguments:**
+    - ``q``: ``[max_batch, num_q_heads, head_dim]``, float32, bfloat16 or float16 (the cache's
+      dtype; bfloat16 or float16 over an fp8 cache). ``num_q_heads`` is a multiple of the layer's
+      KV heads (grouped-query attention: q head ``h`` reads KV head ``h // (num_q_heads / H)``).
+    - ``cache``: a ``LinearKVCache``, ``KVCacheManager`` or ``PagedKVCache`` (HND or NHD).
+    - ``layer_idx``: the layer; an int or an int32 scalar (traced, e.g. in a ``scan`` over layers),
+      a Python int for a ``KVCacheManager``. Out of range gives zeros (reported through checkify).
+    - ``kv_lengths``: int32 ``[max_batch]``: row ``b`` attends to tokens ``[0, kv_lengths[b])``;
+      default ``cache.lengths`` (append, commit, then attend).
+    - ``scale``: softmax scale (a Python float), default ``1/sqrt(head_dim)``.
+    - ``k_scale``, ``v_scale``: dequantization scales (float or float32 scalar), required for an fp8
+      cache: keys are read as ``k_scale * k``, values as ``v_scale * v``.
+
+    **Returns:** ``[max_batch, num_q_heads, head_dim]`` in ``q``'s dtype; rows of length 0 give
+    zeros. Lengths past the capacity (or, paged, past the pages a row holds) are reported through
+    ``checkify``; positions that no memory backs are never read.
+
+    >>> cache = jaxkv.LinearKVCache.create(1, 2, 2, 16, 64, jnp.float32)
+    >>> cache = cache.reset(jnp.array([3, 5], jnp.int32))
+    >>> jaxkv.attention.decode(jnp.ones((2, 4, 64)), cache, 0).shape
+    (2, 4, 64)
+    """
+    op = "attention.decode"
+    src = _source(op, cache, layer_idx)
+    q_heads = _check_query(op, q, src, 3, "[max_batch, num_q_heads, head_dim]", src.k.dtype)
+    if kv_lengths is None:
+        kv_lengths = cache.lengths
+    validate.array(op, "kv_lengths", kv_lengths)
+    validate.int32(op, "kv_lengths", kv_lengths)
+    validate.shape(op, "kv_lengths", kv_lengths, (src.max_batch,), "[max_batch]")
+    k_scale = _dequant_scale(op, "k_scale", k_scale, src.k.dtype)
+    v_scale = _dequant_scale(op, "v_scale", v_scale, src.k.dtype)
+    scale = _softmax_scale(op, scale, src.head_dim)
+    check((src.layer >= 0) & (src.layer < src.num_layers), f"{op}: layer_idx out of range")
+    check(jnp.all((kv_lengths >= 0) & (kv_lengths <= src.readable)),
+          f"{op}: kv_lengths outside [0, capacity] (paged: past the pages a row holds)")
+    starts = kv_lengths - 1
+    counts = (kv_lengths > 0).astype(jnp.int32)
+    out = _call("jaxkv_attention_decode", q[:, None], src, starts, counts, k_scale, v_scale, scale,
+                _splits(src.max_batch, src, q_heads))
+    return out[:, 0]
+
+
+def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale=None):
+    """Ragged chunked prefill: new tokens attend causally to themselves and the cached prefix.
+
+    Call after ``append`` and before ``commit``: ``q`` ``[max_batch, T, num_q_heads, head_dim]``
+    holds the queries of the tokens just appended, at positions ``[lengths[b], lengths[b] +
+    q_lengths[b])`` of row ``b`` (``lengths`` = ``cache.lengths``). Query ``t`` of row ``b`` attends
+    to tokens ``[0, lengths[b] + t]``. ``q_lengths``: int32 ``[max_batch]`` (0 for rows taking no
+    part). Other arguments as in ``decode``.
+
+    **Returns:** ``[max_batch, T, num_q_heads, head_dim]`` in ``q``'s dtype; queries at
+    ``t >= q_lengths[b]`` give zeros.
+    """
+    op = "attention.prefill"
+    src = _source(op, cache, layer_idx)
+    q_heads = _check_query(op, q, src, 4, "[max_batch, T, num_q_heads, head_dim]", src.k.dtype)
+    validate.array(op, "q_lengths", q_lengths)
+    validate.int32(op, "q_lengths", q_lengths)
+    validate.shape(op, "q_lengths", q_lengths, (src.max_batch,), "[max_batch]")
+    k_scale = _dequant_scale(op, "k_scale", k_scale, src.k.dtype)
+    v_scale = _dequant_scale(op, "v_scale", v_scale, src.k.dtype)
+    scale = _softmax_scale(op, scale, src.head_dim)
+    lengths = cache.lengths
+    check((src.layer >= 0) & (src.layer < src.num_layers), f"{op}: layer_idx out of range")
+    check(jnp.all((q_lengths >= 0) & (q_lengths <= q.shape[1])),
+          f"{op}: q_lengths outside [0, T]")
+    check(jnp.all((q_lengths == 0) | ((lengths >= 0) & (lengths + q_lengths <= src.readable))),
+          f"{op}: lengths + q_lengths past the capacity (paged: past the pages a row holds)")
+    return _call("jaxkv_attention_prefill", q, src, lengths, q_lengths, k_scale, v_scale, scale,
+                 _splits(src.max_batch * q.shape[1], src, q_heads))
