@@ -41,14 +41,30 @@ def _validate_mapping(op: str, batch_mapping, rows: int) -> None:
         raise ValueError(f"{op}: at most {validate.MAX_COMPACT_ROWS} rows, got {rows}")
 
 
+def _check_one_launch(buffers, *, kv: bool, rows: int, op: str) -> None:
+    """What the compaction handler takes in one launch (ffi/include/jaxkv/compact.h, layers.h),
+    checked at trace time: past it the handler would fail after the buffers were donated."""
+    if rows > validate.MAX_COMPACT_ROWS:
+        raise ValueError(f"{op}: at most {validate.MAX_COMPACT_ROWS} rows, got {rows}")
+    count = sum(b.shape[0] if kv and b.ndim == 6 else 1 for b in buffers)
+    if count > validate.MAX_LAYERS:
+        raise ValueError(f"{op}: at most {validate.MAX_LAYERS} layers per launch, got {count}")
+    for i, b in enumerate(buffers):
+        if kv:
+            *_, h, s, d = b.shape
+            validate.kv_geometry(op, f"layer {i}", h, s, d * b.dtype.itemsize)
+
+
 def compact_buffers(
-    buffers: Sequence[jax.Array], lengths, batch_mapping, *, kv: bool, rows: int
+    buffers: Sequence[jax.Array], lengths, batch_mapping, *, kv: bool, rows: int,
+    op: str = "compact",
 ) -> tuple[jax.Array | None, list[jax.Array]]:
     """The one FFI call behind every compaction (arguments already validated).
 
     ``buffers``: KV layers ``[rows, 2, H, S, D]`` or stacks ``[L, rows, 2, H, S, D]`` when ``kv``,
     else plain ``[rows, ...]`` tensors moved whole. Returns (new lengths or None, new buffers).
     """
+    _check_one_launch(buffers, kv=kv, rows=rows, op=op)
     n = len(buffers)
     has_lengths = lengths is not None
     lengths_in = lengths if has_lengths else jnp.zeros((0,), jnp.int32)
@@ -94,7 +110,7 @@ def compact_tensor_batch(x: jax.Array, batch_mapping: jax.Array) -> jax.Array:
     rows = x.shape[0]
     _validate_mapping(op, batch_mapping, rows)
     check_mapping_injective(op, batch_mapping, rows)
-    _, (out,) = compact_buffers([x], None, batch_mapping, kv=False, rows=rows)
+    _, (out,) = compact_buffers([x], None, batch_mapping, kv=False, rows=rows, op=op)
     return out
 
 
@@ -155,7 +171,9 @@ def compact_kv_cache(layers: Layers, lengths: jax.Array, batch_mapping: jax.Arra
     items = validate_kv_layers(op, layers, max_batch)
     _validate_mapping(op, batch_mapping, max_batch)
     check_mapping_injective(op, batch_mapping, max_batch)
-    new_lengths, out = compact_buffers(items, lengths, batch_mapping, kv=True, rows=max_batch)
+    new_lengths, out = compact_buffers(
+        items, lengths, batch_mapping, kv=True, rows=max_batch, op=op
+    )
     if isinstance(layers, (list, tuple)):
         return type(layers)(out), new_lengths
     return out[0], new_lengths
