@@ -241,8 +241,10 @@ def append_stacked(op, buffer, layer_idx, k, v, lengths, active_batch_size, new_
     check(
         (layer_idx >= 0) & (layer_idx < num_layers), f"{op}: layer_idx out of range"
     )
+    # Without forming lengths + count, which may pass int32 (the kernel computes in 64 bits).
+    fits = (lengths >= 0) & (lengths <= capacity) & (count <= capacity - lengths)
     check(
-        jnp.all(jnp.where(active, lengths + count <= capacity, True)),
+        jnp.all(jnp.where(active & (count > 0), fits, True)),
         f"{op}: tokens past max_seq_len are dropped",
     )
     return _ffi.call(

@@ -171,6 +171,11 @@ def compact_kv_cache(layers: Layers, lengths: jax.Array, batch_mapping: jax.Arra
     items = validate_kv_layers(op, layers, max_batch)
     _validate_mapping(op, batch_mapping, max_batch)
     check_mapping_injective(op, batch_mapping, max_batch)
+    capacity = max(layer.shape[3] for layer in items)
+    check(
+        (lengths >= 0) & (lengths <= capacity),
+        f"{op}: lengths outside [0, max_seq_len] (the kernel moves the clipped count)",
+    )
     new_lengths, out = compact_buffers(
         items, lengths, batch_mapping, kv=True, rows=max_batch, op=op
     )
@@ -182,7 +187,8 @@ def compact_kv_cache(layers: Layers, lengths: jax.Array, batch_mapping: jax.Arra
 def increment_lengths(lengths: jax.Array, increment) -> jax.Array:
     """``lengths + increment`` (TensorRT Edge-LLM's incrementLengthTensor, both overloads).
 
-    ``increment`` is a Python int or an int32 ``[batch]`` array.
+    ``increment`` is a Python int or an int32 ``[batch]`` array. It has no capacity to stop at
+    (the caches' ``commit`` saturates); a sum that wraps int32 is reported through ``checkify``.
 
     This is a fused XLA op, not a kernel, by measurement (H200, jax 0.11.2, 2026-11-20; the
     ``increment_lengths`` section of docs/benchmarks.md): in a decode-like step on int32[256],
@@ -196,4 +202,13 @@ def increment_lengths(lengths: jax.Array, increment) -> jax.Array:
         validate.array(op, "increment", increment)
         validate.int32(op, "increment", increment)
         validate.shape(op, "increment", increment, lengths.shape, "[batch]")
-    return lengths + jnp.asarray(increment, jnp.int32)
+    else:
+        validate.static_int(op, "increment", increment, lo=-(2**31), hi=2**31 - 1)
+    increment = jnp.asarray(increment, jnp.int32)
+    total = lengths + increment
+    # int32 wraps: the sum of two numbers of one sign has the other sign.
+    check(
+        ~((lengths >= 0) == (increment >= 0)) | ((total >= 0) == (lengths >= 0)),
+        f"{op}: lengths + increment overflows int32 (it wraps)",
+    )
+    return total

@@ -132,7 +132,8 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_len
     )
     check(
         ~skipped_tokens(page_table, lengths, count, tokens, g["num_pages"], g["page_size"]),
-        f"{op}: tokens without a page of this pool are dropped (reserve first)",
+        f"{op}: tokens past a row's reserved pages are dropped: no page of this pool holds them "
+        "(reserve first)",
     )
     return _ffi.call(
         "jaxkv_paged_append",
