@@ -21,11 +21,17 @@ Layers = Union[jax.Array, Sequence[jax.Array]]
 
 
 def check_mapping_injective(op: str, batch_mapping: jax.Array, rows: int) -> None:
-    """checkify report when two survivors are sent to one row (the kernel keeps one of them)."""
+    """checkify reports when two survivors are sent to one row (the kernel keeps one of them)
+    and for entries outside ``[-1, rows)``."""
     valid = (batch_mapping >= 0) & (batch_mapping < rows)
     hits = jnp.zeros((rows,), jnp.int32).at[jnp.where(valid, batch_mapping, rows)].add(1, mode="drop")
     check(
         jnp.all(hits <= 1), f"{op}: batch_mapping sends two surviving rows to the same new row"
+    )
+    # Documented as evictions, but a caller meaning one writes -1: anything else is a bug upstream.
+    check(
+        (batch_mapping >= -1) & (batch_mapping < rows),
+        f"{op}: batch_mapping entries outside [-1, rows) (they count as evictions)",
     )
 
 

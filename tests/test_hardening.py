@@ -93,6 +93,19 @@ def test_paged_commit_saturates_instead_of_wrapping():
     assert msg is not None
 
 
+def test_linear_append_reports_a_row_whose_length_is_past_int32_room():
+    # Found by the property tests: the old check formed lengths + count, which wrapped negative
+    # for a length near INT32_MAX and passed; the kernel (64-bit) dropped the token silently.
+    cache = jaxkv.LinearKVCache(
+        buffer=random_array((1, 2, 2, 1, 4, 2), F32),
+        lengths=jnp.asarray([INT32_MAX, 1], jnp.int32), active_batch_size=jnp.asarray(2, jnp.int32))
+    k = random_array((2, 1, 1, 2), F32)
+    msg, out = checked(lambda c, k: c.append(0, k, k), cache, k)
+    assert "past max_seq_len" in msg
+    want = ref.append_layer(cache.buffer[0], k, k, cache.lengths, cache.active_batch_size)
+    assert_bytes_equal(out.buffer[0], want, "buffer")
+
+
 # --- 3: limits create accepts are limits every method supports -------------------------------
 
 

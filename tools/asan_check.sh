@@ -2,7 +2,7 @@
 # The CPU handlers built with AddressSanitizer, then the test suite over them (issue 14).
 #
 # A separate venv (.venv-asan) and build dir (build/asan) so the normal build is not touched.
-# Python itself is not instrumented, so libasan is preloaded; leak detection is off (the
+# Python itself is not instrumented, so libasan (and libstdc++) are preloaded; leak detection is off (the
 # interpreter and XLA keep memory until exit). Any ASan report aborts the test process, so a
 # clean run is a pytest exit status of 0 with no "ERROR: AddressSanitizer" in the log.
 #   bash tools/asan_check.sh [pytest args...]      (default: the whole suite, 2 workers)
@@ -25,7 +25,11 @@ JAXKV_CUDA=OFF "$VENV/bin/pip" install -q --no-build-isolation --no-deps --force
 
 libasan=$(${CXX:-g++} -print-file-name=libasan.so)
 [ -f "$libasan" ] || { echo "libasan.so not found ($libasan)"; exit 1; }
-(cd /tmp && LD_PRELOAD="$libasan" ASAN_OPTIONS=detect_leaks=0 "$OLDPWD/$VENV/bin/python" -c \
+# libstdc++ right after it: python does not link it, and without it the runtime's __cxa_throw
+# interceptor finds no real function and aborts at jaxlib's first C++ exception.
+preload="$libasan:$(${CXX:-g++} -print-file-name=libstdc++.so)"
+export JAX_PLATFORMS=cpu  # the CPU handlers are the ones under test; no plugin probing
+(cd /tmp && LD_PRELOAD="$preload" ASAN_OPTIONS=detect_leaks=0 "$OLDPWD/$VENV/bin/python" -c \
   "import jaxkv._jaxkv as m, subprocess; \
    out = subprocess.run(['nm', '-D', m.__file__], capture_output=True, text=True).stdout; \
    assert '__asan' in out, 'the extension is not instrumented'; print('instrumented:', m.__file__)")
@@ -35,7 +39,7 @@ args=("$@")
 start=$(date +%s)
 # From tests/ so that `import jaxkv` is the instrumented install, not the source folder.
 set +e
-(cd tests && LD_PRELOAD="$libasan" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+(cd tests && LD_PRELOAD="$preload" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   "../$VENV/bin/python" -m pytest "${args[@]}") 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 set -e
