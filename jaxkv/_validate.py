@@ -22,6 +22,10 @@ CACHE_DTYPES = tuple(
 
 MAX_LAYERS = 256  # layers one launch takes (ffi/include/jaxkv/layers.h: kMaxLayers)
 MAX_COMPACT_ROWS = 8192  # rows one compaction schedules (ffi/include/jaxkv/compact.h)
+# What LinearKVCache / KVCacheManager.create accept: every method (compact in one launch) must
+# support the cache it makes, so a larger one is refused at create, not after donation.
+CREATE_LIMITS = dict(num_layers=MAX_LAYERS, max_batch=MAX_COMPACT_ROWS)
+INT32_MAX = 2**31 - 1  # the kernels keep sizes (tokens, heads, bytes of a token) in int32
 
 
 def array(op: str, name: str, x, what: str = "an array") -> jax.Array:
@@ -83,3 +87,25 @@ def layer_index(op: str, x, num_layers: int) -> jax.Array:
     if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
         static_int(op, "layer_idx", x, 0, num_layers - 1)
     return int_scalar(op, "layer_idx", x)
+
+
+def kv_geometry(op: str, name: str, heads: int, capacity: int, token_bytes: int) -> None:
+    """The kernels' int32 fields of a layer (ffi/include/jaxkv/layers.h: LayerSpan; paged.h:
+    PagedView) hold its sizes: 2 * heads, the token capacity and the bytes of one token."""
+    for what, v in (("2 * num_kv_heads", 2 * heads), ("max_seq_len", capacity),
+                    ("head_dim * itemsize", token_bytes)):
+        if v > INT32_MAX:
+            raise ValueError(f"{op}: {name} has {what} = {v}, more than int32 holds")
+
+
+def int32_dims(op: str, name: str, x) -> None:
+    """Every dimension of ``x`` fits the kernels' int32 size fields."""
+    if any(n > INT32_MAX for n in x.shape):
+        raise ValueError(f"{op}: {name} has a dimension past int32: {tuple(x.shape)}")
+
+
+def one_launch(op: str, what: str, count: int) -> None:
+    """``count`` (blocks, spans) fits one CUDA launch's grid.x (the handler would fail after
+    donation)."""
+    if count > INT32_MAX:
+        raise ValueError(f"{op}: {what} = {count}, more than one launch takes (2**31 - 1)")

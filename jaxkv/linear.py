@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
+from . import _lengths
 from . import _validate as validate
 from . import ops
 from ._checks import check
@@ -60,7 +61,7 @@ class LinearKVCache:
         dims = dict(num_layers=num_layers, max_batch=max_batch, num_kv_heads=num_kv_heads,
                     max_seq_len=max_seq_len, head_dim=head_dim)
         for name, value in dims.items():
-            validate.static_int(op, name, value, lo=1)
+            validate.static_int(op, name, value, lo=1, hi=validate.CREATE_LIMITS.get(name))
         if np.dtype(dtype) not in validate.CACHE_DTYPES:
             raise TypeError(f"{op}: unsupported dtype {np.dtype(dtype)}")
         shape = (num_layers, max_batch, 2, num_kv_heads, max_seq_len, head_dim)
@@ -134,8 +135,8 @@ class LinearKVCache:
         """Advances the lengths of active sequences (TensorRT Edge-LLM's commitSequenceLength).
 
         ``new_lengths``: a Python int (e.g. 1 per decode step) or int32 ``[max_batch]`` (tokens
-        appended per sequence by a ragged prefill). Lengths stop at ``max_seq_len`` (reported
-        through ``checkify``).
+        appended per sequence by a ragged prefill). Lengths stop at ``max_seq_len``; a negative
+        increment leaves the row as it was (both reported through ``checkify``).
         """
         self_lengths = commit_lengths(
             "LinearKVCache.commit", self.lengths, self.active_batch_size, new_lengths,
@@ -156,7 +157,7 @@ class LinearKVCache:
         validate.shape(op, "batch_mapping", batch_mapping, (self.max_batch,), "[max_batch]")
         ops.check_mapping_injective(op, batch_mapping, self.max_batch)
         lengths, (buffer,) = ops.compact_buffers(
-            [self.buffer], self.lengths, batch_mapping, kv=True, rows=self.max_batch
+            [self.buffer], self.lengths, batch_mapping, kv=True, rows=self.max_batch, op=op
         )
         survivors = surviving_count(batch_mapping, self.max_batch)
         check(
@@ -202,11 +203,7 @@ def reset_lengths(op: str, reuse_lengths, max_batch: int, max_seq_len: int):
     n = reuse_lengths.shape[0]
     if n > max_batch:
         raise ValueError(f"{op}: reuse_lengths has {n} entries, max_batch is {max_batch}")
-    check(
-        jnp.all((reuse_lengths >= 0) & (reuse_lengths <= max_seq_len)),
-        f"{op}: reuse_lengths outside [0, max_seq_len]",
-    )
-    lengths = jnp.zeros((max_batch,), jnp.int32).at[:n].set(reuse_lengths)
+    lengths = _lengths.reset(op, reuse_lengths, max_batch, max_seq_len)
     return lengths, jnp.asarray(n, jnp.int32)
 
 
@@ -225,17 +222,11 @@ def surviving_count(batch_mapping: jax.Array, rows: int) -> jax.Array:
 
 
 def commit_lengths(op, lengths, active_batch_size, new_lengths, max_seq_len) -> jax.Array:
-    """``lengths + new_lengths`` on active rows, capped at ``max_seq_len``."""
-    if isinstance(new_lengths, (bool, np.bool_)):
-        raise TypeError(f"{op}: new_lengths must be an int or an int32 array, got bool")
-    if not isinstance(new_lengths, (int, np.integer)):
-        validate.array(op, "new_lengths", new_lengths, "an int or an int32 array")
-        validate.int32(op, "new_lengths", new_lengths)
-        validate.shape(op, "new_lengths", new_lengths, lengths.shape, "[max_batch]")
+    """``lengths + new_lengths`` on active rows, saturating in ``[0, max_seq_len]``
+    (``_lengths.grow``: a negative or overflowing increment is reported and ignored)."""
+    increment = _lengths.increment_arg(op, "new_lengths", new_lengths, lengths.shape[0])
     active = jnp.arange(lengths.shape[0]) < active_batch_size
-    grown = lengths + jnp.where(active, jnp.asarray(new_lengths, jnp.int32), 0)
-    check(jnp.all(grown <= max_seq_len), f"{op}: lengths pass max_seq_len")
-    return jnp.minimum(grown, max_seq_len)
+    return _lengths.grow(op, lengths, increment, max_seq_len, rows=active)
 
 
 def append_stacked(op, buffer, layer_idx, k, v, lengths, active_batch_size, new_lengths=None):
@@ -255,13 +246,18 @@ def append_stacked(op, buffer, layer_idx, k, v, lengths, active_batch_size, new_
             )
     if k.shape != v.shape:
         raise ValueError(f"{op}: k and v shapes differ: {k.shape} vs {v.shape}")
+    validate.int32_dims(op, "cache", buffer)
+    validate.int32_dims(op, "k", k)
+    validate.kv_geometry(op, "cache", heads, capacity, head_dim * buffer.dtype.itemsize)
     count, new_lengths_in = append_counts(op, new_lengths, batch, k.shape[2])
     active = jnp.arange(batch) < active_batch_size
     check(
         (layer_idx >= 0) & (layer_idx < num_layers), f"{op}: layer_idx out of range"
     )
+    # Without forming lengths + count, which may pass int32 (the kernel computes in 64 bits).
+    fits = (lengths >= 0) & (lengths <= capacity) & (count <= capacity - lengths)
     check(
-        jnp.all(jnp.where(active, lengths + count <= capacity, True)),
+        jnp.all(jnp.where(active & (count > 0), fits, True)),
         f"{op}: tokens past max_seq_len are dropped",
     )
     return _ffi.call(

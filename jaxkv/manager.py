@@ -69,7 +69,7 @@ class KVCacheManager:
         above the cache's included).
         """
         op = "KVCacheManager.create"
-        validate.static_int(op, "max_batch", max_batch, lo=1)
+        validate.static_int(op, "max_batch", max_batch, lo=1, hi=validate.MAX_COMPACT_ROWS)
         validate.static_int(op, "max_seq_len", max_seq_len, lo=1)
         if np.dtype(dtype) not in validate.CACHE_DTYPES:
             raise TypeError(f"{op}: unsupported dtype {np.dtype(dtype)}")
@@ -173,7 +173,8 @@ class KVCacheManager:
 
     def commit(self, new_lengths: IntOrArray) -> "KVCacheManager":
         """Advances the lengths of active sequences (a Python int or int32 ``[max_batch]``);
-        lengths stop at ``max_seq_len`` (reported through ``checkify``)."""
+        lengths stop at ``max_seq_len``, a negative increment is ignored (both reported through
+        ``checkify``)."""
         lengths = linear.commit_lengths(
             "KVCacheManager.commit", self.lengths, self.active_batch_size, new_lengths,
             self.max_seq_len,
@@ -188,7 +189,7 @@ class KVCacheManager:
         validate.shape(op, "batch_mapping", batch_mapping, (self.max_batch,), "[max_batch]")
         ops.check_mapping_injective(op, batch_mapping, self.max_batch)
         lengths, layers = ops.compact_buffers(
-            list(self.layers), self.lengths, batch_mapping, kv=True, rows=self.max_batch
+            list(self.layers), self.lengths, batch_mapping, kv=True, rows=self.max_batch, op=op
         )
         survivors = linear.surviving_count(batch_mapping, self.max_batch)
         check(

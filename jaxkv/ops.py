@@ -21,11 +21,17 @@ Layers = Union[jax.Array, Sequence[jax.Array]]
 
 
 def check_mapping_injective(op: str, batch_mapping: jax.Array, rows: int) -> None:
-    """checkify report when two survivors are sent to one row (the kernel keeps one of them)."""
+    """checkify reports when two survivors are sent to one row (the kernel keeps one of them)
+    and for entries outside ``[-1, rows)``."""
     valid = (batch_mapping >= 0) & (batch_mapping < rows)
     hits = jnp.zeros((rows,), jnp.int32).at[jnp.where(valid, batch_mapping, rows)].add(1, mode="drop")
     check(
         jnp.all(hits <= 1), f"{op}: batch_mapping sends two surviving rows to the same new row"
+    )
+    # Documented as evictions, but a caller meaning one writes -1: anything else is a bug upstream.
+    check(
+        (batch_mapping >= -1) & (batch_mapping < rows),
+        f"{op}: batch_mapping entries outside [-1, rows) (they count as evictions)",
     )
 
 
@@ -41,14 +47,30 @@ def _validate_mapping(op: str, batch_mapping, rows: int) -> None:
         raise ValueError(f"{op}: at most {validate.MAX_COMPACT_ROWS} rows, got {rows}")
 
 
+def _check_one_launch(buffers, *, kv: bool, rows: int, op: str) -> None:
+    """What the compaction handler takes in one launch (ffi/include/jaxkv/compact.h, layers.h),
+    checked at trace time: past it the handler would fail after the buffers were donated."""
+    if rows > validate.MAX_COMPACT_ROWS:
+        raise ValueError(f"{op}: at most {validate.MAX_COMPACT_ROWS} rows, got {rows}")
+    count = sum(b.shape[0] if kv and b.ndim == 6 else 1 for b in buffers)
+    if count > validate.MAX_LAYERS:
+        raise ValueError(f"{op}: at most {validate.MAX_LAYERS} layers per launch, got {count}")
+    for i, b in enumerate(buffers):
+        if kv:
+            *_, h, s, d = b.shape
+            validate.kv_geometry(op, f"layer {i}", h, s, d * b.dtype.itemsize)
+
+
 def compact_buffers(
-    buffers: Sequence[jax.Array], lengths, batch_mapping, *, kv: bool, rows: int
+    buffers: Sequence[jax.Array], lengths, batch_mapping, *, kv: bool, rows: int,
+    op: str = "compact",
 ) -> tuple[Any, list[jax.Array]]:
     """The one FFI call behind every compaction (arguments already validated).
 
     ``buffers``: KV layers ``[rows, 2, H, S, D]`` or stacks ``[L, rows, 2, H, S, D]`` when ``kv``,
     else plain ``[rows, ...]`` tensors moved whole. Returns (new lengths or None, new buffers).
     """
+    _check_one_launch(buffers, kv=kv, rows=rows, op=op)
     n = len(buffers)
     has_lengths = lengths is not None
     lengths_in = lengths if has_lengths else jnp.zeros((0,), jnp.int32)
@@ -94,7 +116,7 @@ def compact_tensor_batch(x: jax.Array, batch_mapping: jax.Array) -> jax.Array:
     rows = x.shape[0]
     _validate_mapping(op, batch_mapping, rows)
     check_mapping_injective(op, batch_mapping, rows)
-    _, (out,) = compact_buffers([x], None, batch_mapping, kv=False, rows=rows)
+    _, (out,) = compact_buffers([x], None, batch_mapping, kv=False, rows=rows, op=op)
     return out
 
 
@@ -155,7 +177,14 @@ def compact_kv_cache(layers: Layers, lengths: jax.Array, batch_mapping: jax.Arra
     items = validate_kv_layers(op, layers, max_batch)
     _validate_mapping(op, batch_mapping, max_batch)
     check_mapping_injective(op, batch_mapping, max_batch)
-    new_lengths, out = compact_buffers(items, lengths, batch_mapping, kv=True, rows=max_batch)
+    capacity = max(layer.shape[3] for layer in items)
+    check(
+        (lengths >= 0) & (lengths <= capacity),
+        f"{op}: lengths outside [0, max_seq_len] (the kernel moves the clipped count)",
+    )
+    new_lengths, out = compact_buffers(
+        items, lengths, batch_mapping, kv=True, rows=max_batch, op=op
+    )
     if isinstance(layers, (list, tuple)):
         return type(layers)(out), new_lengths
     return out[0], new_lengths
@@ -164,7 +193,8 @@ def compact_kv_cache(layers: Layers, lengths: jax.Array, batch_mapping: jax.Arra
 def increment_lengths(lengths: jax.Array, increment) -> jax.Array:
     """``lengths + increment`` (TensorRT Edge-LLM's incrementLengthTensor, both overloads).
 
-    ``increment`` is a Python int or an int32 ``[batch]`` array.
+    ``increment`` is a Python int or an int32 ``[batch]`` array. It has no capacity to stop at
+    (the caches' ``commit`` saturates); a sum that wraps int32 is reported through ``checkify``.
 
     This is a fused XLA op, not a kernel, by measurement (H200, jax 0.11.2, 2026-11-20; the
     ``increment_lengths`` section of docs/benchmarks.md): in a decode-like step on int32[256],
@@ -178,4 +208,13 @@ def increment_lengths(lengths: jax.Array, increment) -> jax.Array:
         validate.array(op, "increment", increment)
         validate.int32(op, "increment", increment)
         validate.shape(op, "increment", increment, lengths.shape, "[batch]")
-    return lengths + jnp.asarray(increment, jnp.int32)
+    else:
+        validate.static_int(op, "increment", increment, lo=-(2**31), hi=2**31 - 1)
+    increment = jnp.asarray(increment, jnp.int32)
+    total = lengths + increment
+    # int32 wraps: the sum of two numbers of one sign has the other sign.
+    check(
+        ~((lengths >= 0) == (increment >= 0)) | ((total >= 0) == (lengths >= 0)),
+        f"{op}: lengths + increment overflows int32 (it wraps)",
+    )
+    return total

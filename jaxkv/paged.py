@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _lengths
 from . import _validate as validate
 from . import ops
 from . import paged_ops
@@ -167,10 +168,13 @@ class PagedKVCache:
         """Assigns the pages each sequence needs for its next ``num_new_tokens`` tokens.
 
         ``num_new_tokens``: int32 ``[max_batch]`` (0 for slots with nothing to add). Sequences are
-        served in slot order while free pages last; a sequence whose pages do not fit (in the
-        pool, or past ``max_pages_per_seq``) is not served and is left as it was, and so is every
-        later sequence that needs pages (first come, first served). Pages are taken lowest index
-        first, so the result is deterministic.
+        served in slot order while free pages last; a sequence whose pages do not fit in the pool
+        is not served and is left as it was, and so is every later sequence that needs pages
+        (first come, first served: small requests do not starve a large one). A sequence that
+        asks for more than its own room (``max_pages_per_seq * page_size`` tokens) is not served
+        either, but it takes nothing from the pool and holds back no one: it could never be
+        served, and holding the queue behind it would stall every later sequence for good.
+        Pages are taken lowest index first, so the result is deterministic.
 
         **Returns:** ``(cache, served)``, ``served`` bool ``[max_batch]``. A shortage is reported
         through ``checkify``; ``max_prompt_length`` then reads the served sequences' counts.
@@ -265,7 +269,9 @@ class PagedKVCache:
         ``src_slot``: int or int32 scalar (may be traced); ``dst_slots``: int32 ``[n]``, distinct
         slots other than ``src_slot``. **Returns:** ``(cache, forked)``, ``forked`` bool ``[n]``:
         false where a destination is invalid or no page was left for its copy (``checkify``
-        reports both); such a destination is left empty.
+        reports both); such a destination is left empty. A slot repeated in ``dst_slots`` is
+        forked once: its first entry reads true, the repeats false (also reported), so the
+        true entries count the new sequences.
         """
         op = "PagedKVCache.fork"
         src = validate.int_scalar(op, "src_slot", src_slot)
@@ -314,7 +320,10 @@ class PagedKVCache:
             ref_counts=ref_counts,
         )
         slot = jnp.clip(dst_slots, 0, rows - 1)
-        forked = ok & served[slot]
+        i = jnp.arange(dst_slots.shape[0])
+        # A repeat: an earlier entry names the same slot.
+        repeat = jnp.any((dst_slots[None, :] == dst_slots[:, None]) & (i[None, :] < i[:, None]), 1)
+        forked = ok & served[slot] & ~repeat
         return cache, forked
 
     def copy_pages(self, src_pages: jax.Array, dst_pages: jax.Array) -> "PagedKVCache":
@@ -359,24 +368,14 @@ class PagedKVCache:
     def commit(self, num_new_tokens: IntOrArray) -> "PagedKVCache":
         """Advances the lengths by ``num_new_tokens`` (a Python int or int32 ``[max_batch]``).
 
-        Lengths stop at each sequence's reserved pages (reported through ``checkify``), so a
-        sequence ``reserve`` did not serve does not advance.
+        Lengths stop at each sequence's reserved pages, so a sequence ``reserve`` did not serve
+        does not advance; a negative count leaves the row as it was (both reported through
+        ``checkify``).
         """
         op = "PagedKVCache.commit"
-        if isinstance(num_new_tokens, (bool, np.bool_)):
-            raise TypeError(f"{op}: num_new_tokens must be an int or an int32 array, got bool")
-        if not isinstance(num_new_tokens, (int, np.integer)):
-            validate.array(op, "num_new_tokens", num_new_tokens, "an int or an int32 array")
-            validate.int32(op, "num_new_tokens", num_new_tokens)
-            validate.shape(op, "num_new_tokens", num_new_tokens, (self.max_batch,), "[max_batch]")
-        n = jnp.asarray(num_new_tokens, jnp.int32)
+        n = _lengths.increment_arg(op, "num_new_tokens", num_new_tokens, self.max_batch)
         capacity = self.pages_held * self.page_size
-        grown = self.lengths + jnp.maximum(n, 0)
-        check(
-            jnp.all((n >= 0) & (grown <= capacity)),
-            f"{op}: lengths would pass the reserved pages (or num_new_tokens < 0)",
-        )
-        return dataclasses.replace(self, lengths=jnp.maximum(jnp.minimum(grown, capacity), self.lengths))
+        return dataclasses.replace(self, lengths=_lengths.grow(op, self.lengths, n, capacity))
 
     def gather(self, layer_idx: IntOrArray, max_len: int, *, split: bool = False):
         """Layer ``layer_idx``'s tokens in dense memory: ``[max_batch, 2, H, max_len, D]``, or with

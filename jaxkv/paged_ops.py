@@ -44,7 +44,11 @@ def _check_pools(op: str, k_pages, v_pages, layout: str) -> dict:
             f"{op}: k_pages {k_pages.dtype}{tuple(k_pages.shape)} and v_pages "
             f"{v_pages.dtype}{tuple(v_pages.shape)} differ"
         )
-    return pool_geometry(layout, k_pages.shape)
+    validate.int32_dims(op, "k_pages", k_pages)
+    g = pool_geometry(layout, k_pages.shape)
+    validate.kv_geometry(op, "k_pages", g["num_kv_heads"], g["page_size"],
+                         g["head_dim"] * k_pages.dtype.itemsize)
+    return g
 
 
 def _check_table(op: str, page_table, lengths) -> int:
@@ -58,12 +62,31 @@ def _check_table(op: str, page_table, lengths) -> int:
         raise ValueError(
             f"{op}: page_table has {page_table.shape[0]} rows, lengths {lengths.shape[0]}"
         )
+    validate.int32_dims(op, "page_table", page_table)
     return lengths.shape[0]
 
 
 def pages_held(page_table: jax.Array) -> jax.Array:
     """int32 ``[B]``: pages assigned to each row (they are a prefix of its page-table row)."""
     return jnp.sum(page_table != NO_PAGE, axis=1, dtype=jnp.int32)
+
+
+def skipped_tokens(page_table, lengths, count, tokens: int, num_pages: int, page_size: int):
+    """bool ``[B, T]``: token ``t < count[b]`` of row ``b`` that the append kernel skips, asking
+    what it asks (ffi/include/jaxkv/paged.h: paged_offset, PagedView::page): is position
+    ``lengths[b] + t`` in the row's table, and is its entry a page of this pool,
+    ``0 <= entry < num_pages``? ``count``: int32 ``[B]`` already clipped to ``[0, T]``."""
+    batch, max_pages = page_table.shape
+    t = jnp.arange(tokens, dtype=jnp.int32)[None, :]
+    wanted = t < count[:, None]
+    if max_pages == 0 or page_size == 0:
+        return wanted
+    length = lengths[:, None]
+    # (length + t) // page_size without forming length + t, which may pass int32.
+    logical = length // page_size + (length % page_size + t) // page_size
+    in_row = (length >= 0) & (logical < max_pages)
+    entry = jnp.take_along_axis(page_table, jnp.clip(logical, 0, max_pages - 1), axis=1)
+    return wanted & ~(in_row & (entry >= 0) & (entry < num_pages))
 
 
 def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_lengths=None,
@@ -101,14 +124,17 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_len
     if k.shape != v.shape:
         raise ValueError(f"{op}: k and v shapes differ: {k.shape} vs {v.shape}")
     tokens = k.shape[-2]
+    validate.int32_dims(op, "k", k)
+    spans = (g["num_layers"] if all_layers else 1) * batch * g["num_kv_heads"]
+    validate.one_launch(op, "layers * rows * heads", spans)
     count, counts_in = append_counts(op, new_lengths, batch, tokens)
     check(
         (layer_idx >= 0) & (layer_idx < g["num_layers"]), f"{op}: layer_idx out of range"
     )
-    capacity = pages_held(page_table) * g["page_size"]
     check(
-        jnp.all((count == 0) | (lengths + count <= capacity)),
-        f"{op}: tokens past a row's reserved pages are dropped (reserve first)",
+        ~skipped_tokens(page_table, lengths, count, tokens, g["num_pages"], g["page_size"]),
+        f"{op}: tokens past a row's reserved pages are dropped: no page of this pool holds them "
+        "(reserve first)",
     )
     return _ffi.call(
         "jaxkv_paged_append",
@@ -132,7 +158,8 @@ def paged_gather(k_pages, v_pages, page_table, lengths, layer_idx, max_len: int,
     g = _check_pools(op, k_pages, v_pages, layout)
     batch = _check_table(op, page_table, lengths)
     layer_idx = validate.layer_index(op, layer_idx, g["num_layers"])
-    max_len = validate.static_int(op, "max_len", max_len, lo=1)
+    max_len = validate.static_int(op, "max_len", max_len, lo=1, hi=validate.INT32_MAX)
+    validate.one_launch(op, "rows * heads", batch * g["num_kv_heads"])
     check(
         (layer_idx >= 0) & (layer_idx < g["num_layers"]), f"{op}: layer_idx out of range"
     )
@@ -167,6 +194,8 @@ def copy_pages(k_pages, v_pages, src_pages, dst_pages, *, layout: str = "HND"):
         raise ValueError(
             f"{op}: src_pages {tuple(src_pages.shape)} and dst_pages {tuple(dst_pages.shape)} differ"
         )
+    runs = g["num_kv_heads"] if layout == "HND" else 1  # contiguous runs per page and layer
+    validate.one_launch(op, "pairs * layers * runs", src_pages.shape[0] * g["num_layers"] * runs)
     pages = g["num_pages"]
     valid = (src_pages >= 0) & (src_pages < pages) & (dst_pages >= 0) & (dst_pages < pages)
     valid &= src_pages != dst_pages  # the kernel skips these too

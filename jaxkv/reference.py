@@ -122,6 +122,8 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_len
     kp, vp = _to_hnd(k_pages, layout), _to_hnd(v_pages, layout)
     num_layers, _, num_pages, size, _ = kp.shape
     batch, _, tokens, _ = k.shape
+    if 0 in (num_layers, num_pages, size, page_table.shape[1]):
+        return k_pages, v_pages  # no page to write to
     count = jnp.full((batch,), tokens, jnp.int32) if new_lengths is None else new_lengths
     t = jnp.arange(tokens)[None, :]
     pos = lengths[:, None] + t  # [B, T]
@@ -141,8 +143,10 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_len
 def paged_gather(k_pages, v_pages, page_table, lengths, layer_idx, max_len, layout="HND"):
     """[B, 2, H, max_len, D]: token t < lengths[b] of row b, zeros elsewhere."""
     kp, vp = _to_hnd(k_pages, layout), _to_hnd(v_pages, layout)
-    num_layers, _, num_pages, size, _ = kp.shape
+    num_layers, heads, num_pages, size, head_dim = kp.shape
     batch = page_table.shape[0]
+    if 0 in (num_layers, num_pages, size, page_table.shape[1]):  # no page to read from
+        return jnp.zeros((batch, 2, heads, max_len, head_dim), kp.dtype)
     t = jnp.arange(max_len)[None, :]
     rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, max_len))
     page = _page_of(page_table, rows, t // size, num_pages)
@@ -160,10 +164,12 @@ def paged_gather(k_pages, v_pages, page_table, lengths, layer_idx, max_len, layo
 
 
 def copy_pages(k_pages, v_pages, src_pages, dst_pages, layout="HND"):
-    """Page dst[i] of every layer becomes page src[i]; pairs with an invalid page are skipped."""
+    """Page dst[i] of every layer becomes page src[i]; pairs with an invalid page, or copying a
+    page onto itself, are skipped."""
     kp, vp = _to_hnd(k_pages, layout), _to_hnd(v_pages, layout)
     num_pages = kp.shape[2]
     ok = (src_pages >= 0) & (src_pages < num_pages) & (dst_pages >= 0) & (dst_pages < num_pages)
+    ok &= src_pages != dst_pages  # a no-op, but it would race a real copy into the same page
     dst = jnp.where(ok, dst_pages, num_pages)
     src = jnp.clip(src_pages, 0, num_pages - 1)
     move = lambda pool: pool.at[:, :, dst].set(pool[:, :, src], mode="drop")

@@ -2,7 +2,7 @@
 # On a CUDA machine (the H200 of the device tool): build with the preinstalled toolchain, run the
 # whole test suite on the GPU, then the benchmarks, then the demo for each cache kind against its
 # XLA baseline. Logs go to $OUT (default /tmp/jaxkv-gpu). SKIP_TESTS=1 / SKIP_BENCH=1 / SKIP_DEMO=1
-# skip parts.
+# / SKIP_SANITIZE=1 / SKIP_SOAK=1 skip parts.
 #   bash tools/gpu_check.sh [pytest args...]
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxkv-gpu}
@@ -26,6 +26,47 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   # From tests/ so that `import jaxkv` is the installed package, not the source folder.
   (cd tests && JAXKV_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1) | tee "$OUT/tests.log"
   tests_rc=${PIPESTATUS[0]}
+fi
+
+# compute-sanitizer over the kernel tests (issue 14). Every buffer its own cudaMalloc (the platform
+# allocator, no preallocated pool), so an access past a buffer leaves its allocation and memcheck
+# sees it; no command buffers, so every launch is a plain launch the tool instruments. Fails on any
+# finding: --error-exitcode, and the summary line must read 0.
+sanitize() {  # sanitize TOOL LOG pytest-args...
+  local tool=$1 log=$2; shift 2
+  if ! command -v compute-sanitizer >/dev/null; then
+    echo "compute-sanitizer not found (PATH=$PATH)"; return 1
+  fi
+  echo "== compute-sanitizer --tool $tool: $*"
+  (cd tests && XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+    XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_force_host_platform_device_count=8" \
+    JAXKV_REQUIRE_GPU=1 compute-sanitizer --tool "$tool" --error-exitcode 99 \
+    python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1) | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  local summary
+  summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -1)
+  echo "compute-sanitizer $tool: exit $rc; ${summary:-no summary line}"
+  [ "$rc" -eq 0 ] && echo "$summary" | grep -qE "SUMMARY: 0 (errors|hazards)"
+}
+sanitize_rc=0
+if [ -z "${SKIP_SANITIZE:-}" ]; then
+  command -v compute-sanitizer >/dev/null || export PATH="$PATH:/usr/local/cuda/bin"
+  # memcheck: every kernel (the hostile inputs of the property tests included); racecheck: the one
+  # kernel with shared memory, compaction (its move schedule), through every caller.
+  sanitize memcheck "$OUT/memcheck.log" test_compact.py test_linear.py test_manager.py \
+    test_reuse.py test_paged_ops.py test_paged.py test_hardening.py test_properties.py \
+    || sanitize_rc=1
+  sanitize racecheck "$OUT/racecheck.log" test_compact.py test_linear.py test_manager.py \
+    -k "compact or evict" || sanitize_rc=1
+fi
+
+# The long soak: 10,000 random steps per cache kind against a host-side model.
+soak_rc=0
+if [ -z "${SKIP_SOAK:-}" ]; then
+  echo "== soak"
+  (soak="$PWD/tools/soak.py"; cd /tmp && python3 "$soak" --steps 10000 --check-every 100 2>&1) \
+    | tee "$OUT/soak.log"
+  soak_rc=${PIPESTATUS[0]}
 fi
 
 if [ -z "${SKIP_BENCH:-}" ] && (cd /tmp && python3 -c "import jaxkv.bench" 2>/dev/null); then
@@ -53,4 +94,5 @@ if [ -z "${SKIP_DEMO:-}" ]; then
     (tool="$PWD/tools/evict_call_cost.py"; cd /tmp && python3 "$tool" 2>&1)
   } | tee "$OUT/demo.log"
 fi
-exit "$tests_rc"
+echo "gpu_check: tests exit $tests_rc, sanitizers $sanitize_rc, soak $soak_rc"
+[ "$tests_rc" -eq 0 ] && [ "$sanitize_rc" -eq 0 ] && [ "$soak_rc" -eq 0 ]

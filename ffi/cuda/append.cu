@@ -35,19 +35,26 @@ __device__ __forceinline__ void copy_chunk(const AppendSpan& s, int64_t chunk, i
   }
 }
 
-__global__ void __launch_bounds__(kWarps * 32) append_kernel(const AppendParams p, int width) {
-  const int64_t span = int64_t{blockIdx.y} * kWarps + threadIdx.x / 32;
-  if (span >= p.spans()) return;
-  const AppendSpan s = append_span(p, span);
-  const int64_t chunk = blockIdx.x;
-  if (chunk * kChunkWords * width >= s.bytes) return;
+// Grid-stride over both axes: any number of spans and chunks fits the grid limits (grid.y is
+// at most 65535, so a batch of 8192 rows with 32 heads needs a second pass), and the handler never
+// has to refuse a call after its cache was donated.
+__global__ void __launch_bounds__(kWarps * 32)
+    append_kernel(const AppendParams p, int width, int64_t span_groups, int64_t chunks) {
   const int lane = threadIdx.x % 32;
-  switch (width) {
-    case 16: copy_chunk<16>(s, chunk, lane); break;
-    case 8: copy_chunk<8>(s, chunk, lane); break;
-    case 4: copy_chunk<4>(s, chunk, lane); break;
-    case 2: copy_chunk<2>(s, chunk, lane); break;
-    default: copy_chunk<1>(s, chunk, lane); break;
+  for (int64_t group = blockIdx.y; group < span_groups; group += gridDim.y) {
+    const int64_t span = group * kWarps + threadIdx.x / 32;
+    if (span >= p.spans()) break;
+    const AppendSpan s = append_span(p, span);
+    for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+      if (chunk * kChunkWords * width >= s.bytes) break;
+      switch (width) {
+        case 16: copy_chunk<16>(s, chunk, lane); break;
+        case 8: copy_chunk<8>(s, chunk, lane); break;
+        case 4: copy_chunk<4>(s, chunk, lane); break;
+        case 2: copy_chunk<2>(s, chunk, lane); break;
+        default: copy_chunk<1>(s, chunk, lane); break;
+      }
+    }
   }
 }
 
@@ -62,9 +69,9 @@ ffi::Error append_cuda(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
   const int64_t chunks = (span_words + kChunkWords - 1) / kChunkWords;
   const int64_t span_groups = (p->spans() + kWarps - 1) / kWarps;
   if (chunks == 0 || span_groups == 0) return ffi::Error::Success();
-  if (span_groups > 65535 || chunks > 0x7fffffff) return invalid("append", "too many spans");
-  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(span_groups));
-  append_kernel<<<grid, kWarps * 32, 0, stream>>>(*p, width);
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(chunks, 0x7fffffff)),
+                  static_cast<unsigned>(std::min<int64_t>(span_groups, 65535)));
+  append_kernel<<<grid, kWarps * 32, 0, stream>>>(*p, width, span_groups, chunks);
   return cuda_status("append");
 }
 

@@ -153,7 +153,8 @@ inline ffi::ErrorOr<PagedView> make_view(const char* op, ffi::AnyBuffer k_pages,
   if (d.size() != 5) return ffi::Unexpected(invalid(op, "pools must have rank 5"));
   if (v_pages.element_type() != k_pages.element_type() || v_pages.size_bytes() != k_pages.size_bytes())
     return ffi::Unexpected(invalid(op, "K and V pools differ"));
-  if (batch <= 0 || table_elements % batch != 0)
+  // Zero rows is a valid (empty) call: the table is then [0, max_pages_per_seq].
+  if (batch < 0 || (batch == 0 ? table_elements != 0 : table_elements % batch != 0))
     return ffi::Unexpected(invalid(op, "page_table must be [max_batch, max_pages_per_seq]"));
   PagedView c;
   c.k = static_cast<char*>(k_pages.untyped_data());
@@ -164,7 +165,7 @@ inline ffi::ErrorOr<PagedView> make_view(const char* op, ffi::AnyBuffer k_pages,
   c.num_pages = static_cast<int32_t>(nhd ? d[1] : d[2]);
   c.page_size = static_cast<int32_t>(nhd ? d[2] : d[3]);
   c.batch = static_cast<int32_t>(batch);
-  c.max_pages = static_cast<int32_t>(table_elements / batch);
+  c.max_pages = batch ? static_cast<int32_t>(table_elements / batch) : 0;
   c.token_bytes = static_cast<int32_t>(d[4] * *elem);
   c.nhd = nhd;
   return c;
@@ -204,7 +205,10 @@ inline ffi::ErrorOr<TokenMove> make_append(ffi::AnyBuffer k, ffi::AnyBuffer v,
   if (kd.size() != 4 + o || k.element_type() != k_pages->element_type() ||
       v.element_type() != k.element_type() || v.size_bytes() != k.size_bytes())
     return ffi::Unexpected(invalid(op, "k/v do not match the pools"));
-  const int64_t elem = c->token_bytes / k_pages->dimensions()[4];
+  // The element size from the dtype (token_bytes / head_dim would divide by zero at head_dim 0).
+  auto elem_or = element_bytes(k_pages->element_type(), op);
+  if (elem_or.has_error()) return ffi::Unexpected(elem_or.error());
+  const int64_t elem = *elem_or;
   if (kd[o] != batch || kd[o + 1] != c->heads || kd[o + 3] * elem != c->token_bytes ||
       (o && kd[0] != c->num_layers))
     return ffi::Unexpected(invalid(op, "k/v shape does not match the cache"));
