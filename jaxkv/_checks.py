@@ -12,6 +12,7 @@ The rule uses ``jax._src.checkify``; where that is missing, ``check`` falls back
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import jax.numpy as jnp
@@ -63,8 +64,27 @@ if _checkify_internals is not None:
     _checkify_internals.error_checks[check_p] = _checkify_rule
 
 
+# Open collections, innermost last: the checks of a per-shard body (sharding.py), which are
+# reported outside its shard_map (jax 0.10's checkify of a shard_map fails on sharded inputs).
+_collections: list[list] = []
+
+
+@contextlib.contextmanager
+def collected():
+    """Within: ``check`` appends ``(pred, msg)`` to the yielded list instead of binding."""
+    found: list = []
+    _collections.append(found)
+    try:
+        yield found
+    finally:
+        _collections.pop()
+
+
 def check(pred, msg: str) -> None:
     """Reports ``msg`` through ``checkify`` where ``pred`` (a bool array) is not all true."""
+    if _collections:
+        _collections[-1].append((jnp.all(jnp.asarray(pred, bool)), msg))
+        return
     if _checkify_internals is None:
         checkify.debug_check(jnp.all(pred), msg)
     else:

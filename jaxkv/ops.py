@@ -62,6 +62,7 @@ def compact_buffers(
         lengths_in,
         *buffers,
         input_output_aliases={2 + i: 1 + i for i in range(n)},
+        result_inputs={0: (0, 1)},  # the lengths come from the mapping and the lengths
         kv=kv,
         rows=rows,
     )

@@ -55,11 +55,12 @@ def _described(op: str, buffers: Sequence[jax.Array], names: Sequence[str]):
     return out
 
 
-def _slots(op: str, batch_idx, rows: int, allow_many: bool) -> jax.Array:
+def _slots(op: str, batch_idx, rows: int, allow_many: bool, foreign=None) -> jax.Array:
     """``batch_idx`` as an int32 ``[]`` (or ``[n]``) array of cache rows.
 
     A Python int is checked now; array entries outside ``[0, rows)`` are reported through
-    ``checkify`` and the kernel skips them.
+    ``checkify`` and the kernel skips them, except where ``foreign`` (bool, like ``batch_idx``)
+    says the row is another batch shard's (sharding.py): skipped silently.
     """
     if isinstance(batch_idx, (int, np.integer)) and not isinstance(batch_idx, (bool, np.bool_)):
         validate.static_int(op, "batch_idx", batch_idx, 0, rows - 1)
@@ -73,14 +74,15 @@ def _slots(op: str, batch_idx, rows: int, allow_many: bool) -> jax.Array:
         raise ValueError(
             f"{op}: batch_idx must have shape {layout}, got {tuple(batch_idx.shape)}"
         )
+    in_range = (batch_idx >= 0) & (batch_idx < rows)
     check(
-        jnp.all((batch_idx >= 0) & (batch_idx < rows)),
+        jnp.all(in_range if foreign is None else in_range | foreign),
         f"{op}: batch_idx outside [0, max_batch): nothing written there",
     )
     return batch_idx
 
 
-def save_buffers(op, buffers, names, batch_idx, seq_len) -> list[jax.Array]:
+def save_buffers(op, buffers, names, batch_idx, seq_len, foreign=None) -> list[jax.Array]:
     """The one FFI call of a save; ``buffers``: rank-5 layers or rank-6 stacks, same max_batch.
 
     Returns one ``[2, H, seq_len, D]`` array per described layer (a stack gives one per layer).
@@ -91,13 +93,14 @@ def save_buffers(op, buffers, names, batch_idx, seq_len) -> list[jax.Array]:
     for name, (_, _, h, s, d), _ in layers:
         if seq_len > s:
             raise ValueError(f"{op}: seq_len {seq_len} exceeds max_seq_len {s} of {name}")
-    slots = _slots(op, batch_idx, rows, allow_many=False)
+    slots = _slots(op, batch_idx, rows, allow_many=False, foreign=foreign)
     results = [jax.ShapeDtypeStruct((2, h, seq_len, d), dt) for _, (_, _, h, _, d), dt in layers]
     out = _ffi.call("jaxkv_copy_prefix", results, slots, *buffers, to_cache=False, rows=rows)
     return list(out)
 
 
-def instantiate_buffers(op, buffers, names, saved, saved_names, batch_idx) -> list[jax.Array]:
+def instantiate_buffers(op, buffers, names, saved, saved_names, batch_idx,
+                        foreign=None) -> list[jax.Array]:
     """The one FFI call of an instantiate; ``saved``: one ``[2, H, T, D]`` per described layer.
 
     Returns the new ``buffers`` (aliased: donate them to run in place).
@@ -119,7 +122,7 @@ def instantiate_buffers(op, buffers, names, saved, saved_names, batch_idx) -> li
             raise ValueError(
                 f"{op}: {sname} holds {x.shape[2]} tokens, more than max_seq_len {s} of {name}"
             )
-    slots = _slots(op, batch_idx, rows, allow_many=True)
+    slots = _slots(op, batch_idx, rows, allow_many=True, foreign=foreign)
     n = len(saved)
     out = _ffi.call(
         "jaxkv_copy_prefix",
@@ -218,9 +221,11 @@ def save_saved_kv(op, buffers, names, batch_idx, seq_len) -> SavedKV:
     return SavedKV(layers=tuple(out), length=jnp.asarray(seq_len, jnp.int32))
 
 
-def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx) -> list[jax.Array]:
+def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx,
+                         foreign=None) -> list[jax.Array]:
     """``instantiate`` of the cache classes: ``saved`` into every layer of ``buffers``."""
     if not isinstance(saved, SavedKV):
         raise TypeError(f"{op}: saved must be a SavedKV, got {type(saved).__name__}")
     names_saved = [f"saved.layers[{i}]" for i in range(saved.num_layers)]
-    return instantiate_buffers(op, buffers, names, list(saved.layers), names_saved, batch_idx)
+    return instantiate_buffers(op, buffers, names, list(saved.layers), names_saved, batch_idx,
+                               foreign)
