@@ -280,3 +280,303 @@ def create(cls, op: str, s, fields: dict, max_batch: int, heads: dict):
     else:
         active = s.full((), 0, jnp.int32, REPLICATED)
     return cls(**placed, lengths=rows, active_batch_size=active, sharding=s)
+
+
+# Functional ops (``sharding=``): the layers as in a KVCacheManager, any other rows tensor split
+# on its leading axis.
+def _rows_spec(s: CacheSharding, rows: int, op: str) -> P:
+    s.require_divides(op, "max_batch", rows, "batch")
+    return s.spec(*ROWS)
+
+
+def _padded_mapping(batch_mapping, rows: int):
+    """A mapping of every row: rows past ``n_old`` are evicted, as the unsharded op does."""
+    extra = rows - batch_mapping.shape[0]
+    if extra == 0:
+        return batch_mapping
+    return jnp.concatenate([batch_mapping, jnp.full((extra,), -1, jnp.int32)])
+
+
+def compact_kv_cache(layers, lengths, batch_mapping, s: CacheSharding):
+    from . import ops
+
+    op = "compact_kv_cache"
+    _eval_shape(ops.compact_kv_cache, layers, lengths, batch_mapping)
+    rows = lengths.shape[0]
+    row_spec = _rows_spec(s, rows, op)
+    layer_specs = jax.tree.map(lambda _: s.spec(*LAYER), layers)
+
+    def body(layers, lengths, mapping):
+        return ops.compact_kv_cache(layers, lengths, localize_mapping(op, s, mapping, rows))
+
+    return per_shard(s, body, (layers, lengths, _padded_mapping(batch_mapping, rows)),
+                     (layer_specs, row_spec, row_spec), (layer_specs, row_spec))
+
+
+def compact_tensor_batch(x, batch_mapping, s: CacheSharding):
+    from . import ops
+
+    op = "compact_tensor_batch"
+    _eval_shape(ops.compact_tensor_batch, x, batch_mapping)
+    rows = x.shape[0]
+    row_spec = _rows_spec(s, rows, op)
+
+    def body(x, mapping):
+        return ops.compact_tensor_batch(x, localize_mapping(op, s, mapping, rows))
+
+    return per_shard(s, body, (x, _padded_mapping(batch_mapping, rows)), (row_spec, row_spec),
+                     row_spec)
+
+
+def save_kv_cache(layers, batch_idx, seq_len: int, s: CacheSharding):
+    op = "save_kv_cache"
+    _eval_shape(lambda l, i: reuse.save_kv_cache(l, i, seq_len), layers, batch_idx)
+    items, _ = reuse._layer_list(op, layers)
+    rows = items[0].shape[0]
+    _rows_spec(s, rows, op)
+    for i, layer in enumerate(items):
+        s.require_divides(op, f"num_kv_heads of layer {i}", layer.shape[2], "heads")
+    layer_specs = jax.tree.map(lambda _: s.spec(*LAYER), layers)
+    saved_specs = jax.tree.map(lambda _: s.spec(*SAVED), layers)
+    local_rows = rows // s.batch_shards
+
+    def body(layers, idx):
+        local, owned = s.local_rows(idx, local_rows)
+        foreign = (idx >= 0) & (idx < rows) & ~owned
+        items, names = reuse._layer_list(op, layers)
+        out = reuse.save_buffers(op, items, names, local, seq_len, foreign=foreign)
+        return reuse._like(layers, [s.from_owner(x, owned) for x in out])
+
+    return per_shard(s, body, (layers, _row_ids(op, batch_idx)), (layer_specs, P()), saved_specs)
+
+
+def instantiate_kv_cache(layers, saved, batch_idx, s: CacheSharding):
+    op = "instantiate_kv_cache"
+    _eval_shape(reuse.instantiate_kv_cache, layers, saved, batch_idx)
+    items, _ = reuse._layer_list(op, layers)
+    rows = items[0].shape[0]
+    _rows_spec(s, rows, op)
+    for i, layer in enumerate(items):
+        s.require_divides(op, f"num_kv_heads of layer {i}", layer.shape[2], "heads")
+    layer_specs = jax.tree.map(lambda _: s.spec(*LAYER), layers)
+    saved_specs = jax.tree.map(lambda _: s.spec(*SAVED), saved)
+    local_rows = rows // s.batch_shards
+
+    def body(layers, saved, idx):
+        local, owned = s.local_rows(idx, local_rows)
+        foreign = (idx >= 0) & (idx < rows) & ~owned
+        items, names = reuse._layer_list(op, layers)
+        saved_items = list(saved) if isinstance(saved, (list, tuple)) else [saved]
+        saved_names = [f"saved[{i}]" for i in range(len(saved_items))]
+        out = reuse.instantiate_buffers(op, items, names, saved_items, saved_names, local,
+                                        foreign=foreign)
+        return reuse._like(layers, out)
+
+    return per_shard(s, body, (layers, saved, _row_ids(op, batch_idx)),
+                     (layer_specs, saved_specs, P()), layer_specs)
+
+
+# The paged cache: each batch shard owns an equal share of the pages, its own allocator
+# (ref_counts of its share) and page tables of local page ids.
+def create_paged(cls, op: str, s, shape, dtype, layout: str, num_pages: int, max_batch: int,
+                 max_pages_per_seq: int, num_kv_heads: int):
+    from .paged_ops import NO_PAGE
+
+    if not isinstance(s, CacheSharding):
+        raise TypeError(f"{op}: sharding must be a jaxkv.CacheSharding, got {type(s).__name__}")
+    s.require_divides(op, "max_batch", max_batch, "batch")
+    s.require_divides(op, "num_pages", num_pages, "batch")
+    s.require_divides(op, "num_kv_heads", num_kv_heads, "heads")
+    pool = POOL[layout]
+    return cls(
+        k_pages=s.full(shape, 0, dtype, pool),
+        v_pages=s.full(shape, 0, dtype, pool),
+        page_table=s.full((max_batch, max_pages_per_seq), NO_PAGE, jnp.int32, ROWS),
+        lengths=s.full((max_batch,), 0, jnp.int32, ROWS),
+        ref_counts=s.full((num_pages,), 0, jnp.int32, ROWS),
+        new_tokens=s.full((max_batch,), 0, jnp.int32, ROWS),
+        layout=layout,
+        sharding=s,
+    )
+
+
+def reserve(cache, num_new_tokens):
+    s = cache.sharding
+    return method(cache, "reserve", (num_new_tokens,), (ROWS,),
+                  out_specs=(cache_specs(cache), s.spec(*ROWS)))
+
+
+def release(cache, mask):
+    return method(cache, "release", (mask,), (ROWS,))
+
+
+def paged_append(cache, name: str, layer_idx, k, v, new_lengths):
+    roles = KV_LAYERS if name == "append_layers" else KV
+    args = (k, v, new_lengths) if name == "append_layers" else (layer_idx, k, v, new_lengths)
+    return method(cache, name, args, ((REPLICATED,) if name == "append" else ()) + (roles, roles, ROWS))
+
+
+def gather(cache, layer_idx, max_len: int, split: bool):
+    s = cache.sharding
+    dense = s.spec("batch", None, "heads", None, None)
+    out = (s.spec(*KV),) * 2 if split else dense
+
+    def call(c, layer_idx):
+        return c.gather(layer_idx, max_len, split=split)
+
+    validate_method(cache, "gather", layer_idx, max_len)
+    layer = _row_ids("PagedKVCache.gather", layer_idx)
+
+    def body(c, layer):
+        return call(_local(c), layer)
+
+    return per_shard(s, body, (cache, layer), (cache_specs(cache), P()), out)
+
+
+def paged_metadata(cache, name: str, combine: str):
+    """A global query from one int per shard: ``psum`` or ``pmax`` over the batch shards."""
+    s = cache.sharding
+
+    def body(c):
+        x = getattr(_local(c), name)
+        if s.batch is None:
+            return x
+        if combine == "max":
+            return jax.lax.pmax(x, s.batch)
+        return jax.lax.psum(x.astype(jnp.int32), s.batch)
+
+    out = per_shard(s, body, (cache,), (cache_specs(cache),), P())
+    return out == s.batch_shards if combine == "all" else out
+
+
+def fork(cache, src_slot, dst_slots):
+    """Forks inside one batch shard (pages never cross shards); ``forked`` is combined from
+    the shards with one psum of an int32 per destination."""
+    from . import _checks
+
+    op = "PagedKVCache.fork"
+    validate_method(cache, "fork", src_slot, dst_slots)
+    s = cache.sharding
+    rows = cache.max_batch
+    local_rows = rows // s.batch_shards
+    src = _row_ids(op, src_slot)
+
+    def body(c, src, dst):
+        src_local, src_here = s.local_rows(src, local_rows)
+        dst_local, dst_here = s.local_rows(dst, local_rows)
+        mine = dst_here & src_here
+        # The local fork sees other shards' destinations as invalid: its own reports are
+        # replaced by the global ones below.
+        with _checks.collected():
+            out, forked = _local(c).fork(jnp.where(src_here, src_local, 0),
+                                         jnp.where(mine, dst_local, local_rows))
+        ok = (src >= 0) & (src < rows) & (dst >= 0) & (dst < rows) & (dst != src)
+        hits = jnp.zeros((rows + 1,), jnp.int32).at[jnp.where(ok, dst, rows)].add(1)[:rows]
+        check(jnp.all(ok) & jnp.all(hits <= 1),
+              f"{op}: dst_slots must be distinct valid slots other than src_slot")
+        shard_of = lambda r: r // local_rows  # noqa: E731
+        check(~ok | (shard_of(dst) == shard_of(src)),
+              f"{op}: a destination on another batch shard than the source is not forked "
+              "(pages never cross shards)")
+        check(forked | ~mine, f"{op}: out of pages")
+        done = s.psum_batch((forked & mine).astype(jnp.int32)) > 0
+        return _global(out, s), done
+
+    specs = cache_specs(cache)
+    return per_shard(s, body, (cache, src, dst_slots), (specs, P(), P()), (specs, P()))
+
+
+def localize_pages(op: str, s: CacheSharding, src, dst, num_pages: int):
+    """Global page ids -> this shard's local ids; a pair of another shard (or straddling two,
+    reported) gets -1, which copy_pages skips."""
+    share = num_pages // s.batch_shards
+    src_local, src_here = s.local_rows(src, share)
+    dst_local, dst_here = s.local_rows(dst, share)
+    valid = (src >= 0) & (src < num_pages) & (dst >= 0) & (dst < num_pages)
+    check(~valid | (src // share == dst // share),
+          f"{op}: a pair of pages on two batch shards is skipped (pages never cross shards)")
+    mine = src_here & dst_here
+    return jnp.where(mine, src_local, -1), jnp.where(mine, dst_local, -1)
+
+
+def copy_pages(cache, src_pages, dst_pages):
+    op = "PagedKVCache.copy_pages"
+    validate_method(cache, "copy_pages", src_pages, dst_pages)
+    s = cache.sharding
+
+    def body(c, src, dst):
+        src, dst = localize_pages(op, s, src, dst, cache.num_pages)
+        return _global(_local(c).copy_pages(src, dst), s)
+
+    specs = cache_specs(cache)
+    return per_shard(s, body, (cache, src_pages, dst_pages), (specs, P(), P()), specs)
+
+
+# The paged functional ops: pools split as a PagedKVCache's, page tables of local page ids.
+def _pool_specs(op, s: CacheSharding, k_pages, page_table, layout: str):
+    from .paged_ops import pool_geometry
+
+    g = pool_geometry(layout, k_pages.shape)
+    s.require_divides(op, "num_pages", g["num_pages"], "batch")
+    s.require_divides(op, "num_kv_heads", g["num_kv_heads"], "heads")
+    s.require_divides(op, "max_batch", page_table.shape[0], "batch")
+    return s.spec(*POOL[layout])
+
+
+def paged_append_op(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_lengths,
+                    layout: str, s: CacheSharding):
+    from . import paged_ops
+
+    op = "paged_append"
+    _eval_shape(lambda *a: paged_ops.paged_append(*a, layout=layout), k_pages, v_pages,
+                page_table, lengths, layer_idx, k, v, new_lengths)
+    pool = _pool_specs(op, s, k_pages, page_table, layout)
+    rows = s.spec(*ROWS)
+    kv = s.spec(*(KV_LAYERS if k.ndim == 5 else KV))
+    layer = _row_ids(op, layer_idx) if k.ndim == 4 else jnp.zeros((), jnp.int32)
+
+    def body(kp, vp, table, lengths, layer, k, v, new_lengths):
+        return paged_ops.paged_append(kp, vp, table, lengths, layer, k, v, new_lengths,
+                                      layout=layout)
+
+    return per_shard(s, body, (k_pages, v_pages, page_table, lengths, layer, k, v, new_lengths),
+                     (pool, pool, rows, rows, P(), kv, kv, rows), (pool, pool))
+
+
+def paged_gather_op(k_pages, v_pages, page_table, lengths, layer_idx, max_len, layout: str,
+                    split: bool, s: CacheSharding):
+    from . import paged_ops
+
+    op = "paged_gather"
+    _eval_shape(lambda *a: paged_ops.paged_gather(*a, max_len, layout=layout, split=split),
+                k_pages, v_pages, page_table, lengths, layer_idx)
+    pool = _pool_specs(op, s, k_pages, page_table, layout)
+    rows = s.spec(*ROWS)
+    out = (s.spec(*KV),) * 2 if split else s.spec("batch", None, "heads", None, None)
+
+    def body(kp, vp, table, lengths, layer):
+        return paged_ops.paged_gather(kp, vp, table, lengths, layer, max_len, layout=layout,
+                                      split=split)
+
+    return per_shard(s, body, (k_pages, v_pages, page_table, lengths, _row_ids(op, layer_idx)),
+                     (pool, pool, rows, rows, P()), out)
+
+
+def copy_pages_op(k_pages, v_pages, src_pages, dst_pages, layout: str, s: CacheSharding):
+    from . import paged_ops
+    from .paged_ops import pool_geometry
+
+    op = "copy_pages"
+    _eval_shape(lambda *a: paged_ops.copy_pages(*a, layout=layout), k_pages, v_pages,
+                src_pages, dst_pages)
+    g = pool_geometry(layout, k_pages.shape)
+    s.require_divides(op, "num_pages", g["num_pages"], "batch")
+    s.require_divides(op, "num_kv_heads", g["num_kv_heads"], "heads")
+    pool = s.spec(*POOL[layout])
+
+    def body(kp, vp, src, dst):
+        src, dst = localize_pages(op, s, src, dst, g["num_pages"])
+        return paged_ops.copy_pages(kp, vp, src, dst, layout=layout)
+
+    return per_shard(s, body, (k_pages, v_pages, src_pages, dst_pages), (pool, pool, P(), P()),
+                     (pool, pool))

@@ -152,7 +152,7 @@ def _like(layers: Layers, out: list[jax.Array]):
     return type(layers)(out) if isinstance(layers, (list, tuple)) else out[0]
 
 
-def save_kv_cache(layers: Layers, batch_idx: IntOrArray, seq_len: int):
+def save_kv_cache(layers: Layers, batch_idx: IntOrArray, seq_len: int, sharding=None):
     """Copies tokens ``[0, seq_len)`` of cache row ``batch_idx`` out of every layer, in one launch.
 
     **Arguments:**
@@ -166,17 +166,24 @@ def save_kv_cache(layers: Layers, batch_idx: IntOrArray, seq_len: int):
     **Returns:** with the structure of ``layers``, ``[2, H, seq_len, D]`` per layer: the K and V of
     tokens ``[0, seq_len)`` of row ``batch_idx``. Fresh arrays; the cache is not modified.
 
+    With ``sharding`` (a ``jaxkv.CacheSharding``; layers split as a KVCacheManager's), the shard
+    that owns the row reads it and one all-reduce of the result's size hands it to the others.
+
     >>> cache = jnp.arange(2 * 2 * 1 * 4 * 2, dtype=jnp.float32).reshape(2, 2, 1, 4, 2)
     >>> save_kv_cache(cache, 1, 2)[0, 0]
     Array([[16., 17.],
            [18., 19.]], dtype=float32)
     """
+    if sharding is not None:
+        from . import _sharded
+
+        return _sharded.save_kv_cache(layers, batch_idx, seq_len, sharding)
     op = "save_kv_cache"
     items, names = _layer_list(op, layers)
     return _like(layers, save_buffers(op, items, names, batch_idx, seq_len))
 
 
-def instantiate_kv_cache(layers: Layers, saved: Layers, batch_idx: IntOrArray):
+def instantiate_kv_cache(layers: Layers, saved: Layers, batch_idx: IntOrArray, sharding=None):
     """Writes saved prefixes into tokens ``[0, T)`` of cache rows, every layer in one launch.
 
     **Arguments:**
@@ -192,6 +199,9 @@ def instantiate_kv_cache(layers: Layers, saved: Layers, batch_idx: IntOrArray):
     **Returns:** ``layers'``: tokens ``[0, T)`` of each target row replaced by ``saved``;
     every other byte unchanged.
 
+    With ``sharding`` (a ``jaxkv.CacheSharding``; layers split as a KVCacheManager's, ``saved``
+    by heads), each batch shard writes the target rows it owns.
+
     >>> cache = jnp.zeros((3, 2, 1, 4, 2), jnp.float32)
     >>> prefix = jnp.ones((2, 1, 2, 2), jnp.float32)
     >>> out = instantiate_kv_cache(cache, prefix, jnp.array([0, 2], jnp.int32))
@@ -200,6 +210,10 @@ def instantiate_kv_cache(layers: Layers, saved: Layers, batch_idx: IntOrArray):
            [0., 0., 0., 0.],
            [1., 1., 0., 0.]], dtype=float32)
     """
+    if sharding is not None:
+        from . import _sharded
+
+        return _sharded.instantiate_kv_cache(layers, saved, batch_idx, sharding)
     op = "instantiate_kv_cache"
     items, names = _layer_list(op, layers)
     if isinstance(layers, (list, tuple)):
