@@ -438,12 +438,12 @@ def paged_metadata(cache, name: str, combine: str):
     s = cache.sharding
 
     def body(c):
-        x = getattr(_local(c), name)
+        x = getattr(_local(c), name).astype(jnp.int32)
         if s.batch is None:
             return x
         if combine == "max":
             return jax.lax.pmax(x, s.batch)
-        return jax.lax.psum(x.astype(jnp.int32), s.batch)
+        return jax.lax.psum(x, s.batch)
 
     out = per_shard(s, body, (cache,), (cache_specs(cache),), P())
     return out == s.batch_shards if combine == "all" else out

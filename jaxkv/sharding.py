@@ -152,8 +152,9 @@ def per_shard(sharding: CacheSharding, fn, args: tuple, in_specs: tuple, out_spe
         flags = [mark_varying(jnp.reshape(pred, (1,)), axes) for pred, _ in found]
         return out, flags
 
-    run = shard_map(body, mesh=sharding.mesh, in_specs=tuple(in_specs),
-                    out_specs=(out_specs, P(axes)))
+    # jit: called eagerly, shard_map would run the body one primitive at a time.
+    run = jax.jit(shard_map(body, mesh=sharding.mesh, in_specs=tuple(in_specs),
+                            out_specs=(out_specs, P(axes))))
     if explicit(sharding.mesh):
         args = placed_as(sharding.mesh, tuple(args), tuple(in_specs))
     out, flags = run(*args)
