@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.extend import core as jax_core
 from jax.interpreters import ad, batching, mlir
 
@@ -51,11 +53,27 @@ ad.primitive_jvps[check_p] = _jvp
 
 if _checkify_internals is not None:
 
+    def _merged_over_devices(error):
+        """jax 0.10's checkify rule of shard_map returns the error with a leading device axis,
+        which the next check cannot combine with: merge it to one error (a gather of a few
+        flags, under checkify only)."""
+        if all(jnp.ndim(p) == 0 for p in error._pred.values()):
+            return error
+
+        def replicated(x):
+            mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+            if mesh is None or not getattr(mesh, "axis_names", ()):
+                return x
+            return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
+
+        return _checkify_internals._reduce_any_error(jax.tree.map(replicated, error))
+
     def _checkify_rule(*args, msg):
         # (ctx,) error, enabled_errors, pred
         ctx, (error, enabled_errors, pred) = args[:_TAKES_CTX], args[_TAKES_CTX:]
         failed_check = _checkify_internals.FailedCheckError
         if failed_check in enabled_errors:
+            error = _merged_over_devices(error)
             error = _checkify_internals.assert_func(
                 *ctx, error, jnp.logical_not(jnp.all(pred)),
                 failed_check(_checkify_internals.get_traceback(), msg))
