@@ -552,3 +552,18 @@ def test_scan_decode_loop_stays_sharded_and_in_place(mesh):
     want = jax.jit(run)(make(None), tokens)
     assert_bytes_equal(out.buffer, want.buffer, "64 steps")
     assert_bytes_equal(out.lengths, want.lengths, "lengths")
+
+
+def test_readme_sharding_example_runs(capsys):
+    import pathlib
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Sharding", 1)[1]
+    block = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    namespace = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    cache = namespace["cache"]
+    assert cache.buffer.sharding.spec == P(None, None, None, "tp", None, None)
+    assert len(cache.buffer.sharding.device_set) == jax.device_count()
+    np.testing.assert_array_equal(cache.lengths, [1, 1, 1, 1])
+    assert "'tp'" in capsys.readouterr().out
