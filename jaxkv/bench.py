@@ -50,6 +50,9 @@ def parse(argv):
                    help='JSON {"op: case": "why"}: the measured explanation shown beside a row')
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--devices", type=int, metavar="N",
+                   help="instead: sharded compact / append / paged append per-device bandwidth "
+                        "on N devices against 1 (jaxkv/_bench/sharded.py)")
     return p.parse_args(argv)
 
 
@@ -155,6 +158,10 @@ def command(args, size: str) -> str:
 
 def main(argv=None) -> dict:
     args = parse(argv)
+    if args.devices:
+        from jaxkv._bench import sharded
+
+        return sharded.main(args)
     backend = jax.default_backend()
     on_gpu = backend == "gpu"
     size = args.size or ("gpu" if on_gpu else "cpu")

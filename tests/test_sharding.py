@@ -567,3 +567,14 @@ def test_readme_sharding_example_runs(capsys):
     assert len(cache.buffer.sharding.device_set) == jax.device_count()
     np.testing.assert_array_equal(cache.lengths, [1, 1, 1, 1])
     assert "'tp'" in capsys.readouterr().out
+
+
+def test_bench_devices_measures_sharded_ops_in_place():
+    from jaxkv._bench import sharded
+
+    rows = sharded.run(2, "cpu", reps=1, ops=("compact",))
+    assert [r["split"] for r in rows] == list(sharded.SPLITS)
+    for r in rows:
+        assert r["gbps_1"] > 0 and r["gbps_2"] > 0 and r["ratio"] > 0
+        assert r["big_copies_1"] == r["big_copies_2"] == 0
+    assert "ratio" in sharded.table(rows)
