@@ -578,3 +578,22 @@ def test_bench_devices_measures_sharded_ops_in_place():
         assert r["gbps_1"] > 0 and r["gbps_2"] > 0 and r["ratio"] > 0
         assert r["big_copies_1"] == r["big_copies_2"] == 0
     assert "ratio" in sharded.table(rows)
+
+
+@pytest.mark.parametrize("kind", ["paged"])  # the paged kind goes through every sharded path
+def test_demo_with_a_mesh_generates_the_unsharded_tokens(kind):
+    from jaxkv.demo import cli
+
+    argv = ["--cache", kind, "--requests", "4", "--max-batch", "2", "--system-len", "4",
+            "--max-prompt-len", "4", "--max-new-tokens", "5"]
+    outputs = []
+    for extra in ([], ["--mesh", "tp=2"]):
+        stream = cli.Stream(cli.parse_args(argv + extra))
+        engine = stream.engine("jaxkv")
+        requests = stream.requests()
+        with jax.default_matmul_precision("highest"):
+            engine.run(requests)
+        outputs.append([r.output for r in requests])
+        if extra:
+            assert engine.kind.sharding.heads == "tp" and engine.cache_copies() == 0
+    assert outputs[0] == outputs[1] and all(outputs[0])
