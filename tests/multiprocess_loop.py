@@ -16,8 +16,8 @@ L, B, H, S, D = 2, 4, 4, 16, 8
 PAGES, PAGE, STEPS = 16, 4, 5
 
 
-def run(seed: int) -> dict[str, np.ndarray]:
-    """The loop on ``jax.devices()`` (8 of them, in one process or across several)."""
+def run(seed: int, devices=None) -> dict[str, np.ndarray]:
+    """The loop on ``devices`` (8 of them, in one process or across several; default: all)."""
     import functools
 
     import jax
@@ -28,7 +28,7 @@ def run(seed: int) -> dict[str, np.ndarray]:
 
     import jaxkv
 
-    mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), devices=devices or jax.devices())
     s = jaxkv.CacheSharding(mesh, heads="tp", batch="dp")
     rng = np.random.default_rng(seed)
 

@@ -22,11 +22,25 @@ PAGES, PAGE = 16, 4
 F32 = jnp.float32
 SPLITS = {"heads": dict(heads="tp"), "batch": dict(batch="dp"), "both": dict(heads="tp", batch="dp")}
 _rng = np.random.default_rng()
+# The 8 emulated CPU devices (conftest), also where the default backend is a GPU with fewer.
+DEVICES = jax.devices() if jax.device_count() >= 8 else jax.devices("cpu")
+
+
+@pytest.fixture(autouse=True)
+def on_the_mesh_devices(request):
+    """Arrays a test on the mesh makes live where the mesh is (the CPU devices on a 1- or 2-GPU
+    machine); the other tests use the default backend's devices."""
+    if "mesh" not in request.fixturenames:
+        yield
+        return
+    with jax.default_device(DEVICES[0]):
+        yield
 
 
 @pytest.fixture(scope="module", params=["Auto", "Explicit"])
 def mesh(request):
-    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(getattr(AxisType, request.param),) * 2)
+    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(getattr(AxisType, request.param),) * 2,
+                         devices=DEVICES[:8])
 
 
 @pytest.fixture(params=list(SPLITS))
@@ -241,7 +255,10 @@ def dense_args(c, s, kind):
 
 @pytest.mark.parametrize("kind", ["linear", "manager"])
 def test_dense_lifecycle_equals_unsharded_per_shard(sharding, kind):
-    s = sharding
+    check_dense_lifecycle(sharding, kind)
+
+
+def check_dense_lifecycle(s, kind):
     c = poisoned(create(kind, s))
     glob, local_args, owner = dense_args(c, s, kind)
     static = 1 if kind == "manager" else None
@@ -301,7 +318,10 @@ def paged_args(s):
 
 
 def test_paged_lifecycle_equals_unsharded_per_shard(sharding):
-    s = sharding
+    check_paged_lifecycle(sharding)
+
+
+def check_paged_lifecycle(s):
     k = s.batch_shards
     c = poisoned(jaxkv.PagedKVCache.create(L, PAGES, PAGE, H, D, B, 4, F32, sharding=s))
     glob, local_args, owner = paged_args(s)
@@ -505,6 +525,7 @@ def test_functional_ops_compile_in_place_without_collectives(mesh):
                     saved, jnp.int32(3))
 
 
+@pytest.mark.parametrize("mesh", ["Auto"], indirect=True)  # Explicit: in the lifecycle tests
 def test_paged_ops_compile_in_place_without_collectives(mesh):
     s = jaxkv.CacheSharding(mesh, heads="tp", batch="dp")
 
@@ -569,6 +590,7 @@ def test_readme_sharding_example_runs(capsys):
     assert "'tp'" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices of the default backend")
 def test_bench_devices_measures_sharded_ops_in_place():
     from jaxkv._bench import sharded
 
@@ -580,6 +602,7 @@ def test_bench_devices_measures_sharded_ops_in_place():
     assert "ratio" in sharded.table(rows)
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices of the default backend")
 @pytest.mark.parametrize("kind", ["paged"])  # the paged kind goes through every sharded path
 def test_demo_with_a_mesh_generates_the_unsharded_tokens(kind):
     from jaxkv.demo import cli
@@ -597,3 +620,18 @@ def test_demo_with_a_mesh_generates_the_unsharded_tokens(kind):
         if extra:
             assert engine.kind.sharding.heads == "tp" and engine.cache_copies() == 0
     assert outputs[0] == outputs[1] and all(outputs[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ["heads", "batch"])
+def test_lifecycles_on_every_gpu(split):
+    """The CUDA kernels per shard: every op on a mesh of all the GPUs (1, 2, ...)."""
+    gpus = jax.devices("gpu")
+    if B % len(gpus) or H % len(gpus) or PAGES % len(gpus):
+        pytest.skip(f"{len(gpus)} GPUs do not divide the test shapes")
+    mesh = jax.make_mesh((len(gpus),), ("d",), devices=gpus)
+    s = jaxkv.CacheSharding(mesh, **{split: "d"})
+    with jax.default_device(gpus[0]):
+        for kind in ("linear", "manager"):
+            check_dense_lifecycle(s, kind)
+        check_paged_lifecycle(s)
