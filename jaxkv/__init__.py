@@ -10,6 +10,7 @@ from . import reference as reference
 from .linear import LinearKVCache as LinearKVCache
 from .manager import KVCacheManager as KVCacheManager
 from .manager import KVLayerConfig as KVLayerConfig
+from .sharding import CacheSharding as CacheSharding
 from .ops import compact_kv_cache as compact_kv_cache
 from .ops import compact_tensor_batch as compact_tensor_batch
 from .ops import increment_lengths as increment_lengths

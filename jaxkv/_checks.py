@@ -12,11 +12,14 @@ The rule uses ``jax._src.checkify``; where that is missing, ``check`` falls back
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.extend import core as jax_core
 from jax.interpreters import ad, batching, mlir
 
@@ -52,11 +55,27 @@ ad.primitive_jvps[check_p] = _jvp
 
 if _checkify_internals is not None:
 
+    def _merged_over_devices(error):
+        """jax 0.10's checkify rule of shard_map returns the error with a leading device axis,
+        which the next check cannot combine with: merge it to one error (a gather of a few
+        flags, under checkify only)."""
+        if all(jnp.ndim(p) == 0 for p in error._pred.values()):
+            return error
+
+        def replicated(x):
+            mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+            if mesh is None or not getattr(mesh, "axis_names", ()):
+                return x
+            return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
+
+        return _checkify_internals._reduce_any_error(jax.tree.map(replicated, error))
+
     def _checkify_rule(*args, msg):
         # (ctx,) error, enabled_errors, pred
         ctx, (error, enabled_errors, pred) = args[:_TAKES_CTX], args[_TAKES_CTX:]
         failed_check = _checkify_internals.FailedCheckError
         if failed_check in enabled_errors:
+            error = _merged_over_devices(error)
             error = _checkify_internals.assert_func(
                 *ctx, error, jnp.logical_not(jnp.all(pred)),
                 failed_check(_checkify_internals.get_traceback(), msg))
@@ -65,8 +84,27 @@ if _checkify_internals is not None:
     _checkify_internals.error_checks[check_p] = _checkify_rule
 
 
+# Open collections, innermost last: the checks of a per-shard body (sharding.py), which are
+# reported outside its shard_map (jax 0.10's checkify of a shard_map fails on sharded inputs).
+_collections: list[list] = []
+
+
+@contextlib.contextmanager
+def collected():
+    """Within: ``check`` appends ``(pred, msg)`` to the yielded list instead of binding."""
+    found: list = []
+    _collections.append(found)
+    try:
+        yield found
+    finally:
+        _collections.pop()
+
+
 def check(pred, msg: str) -> None:
     """Reports ``msg`` through ``checkify`` where ``pred`` (a bool array) is not all true."""
+    if _collections:
+        _collections[-1].append((jnp.all(jnp.asarray(pred, bool)), msg))
+        return
     if _checkify_internals is None:
         checkify.debug_check(jnp.all(pred), msg)
     else:

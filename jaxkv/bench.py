@@ -54,6 +54,9 @@ def parse(argv):
     p.add_argument("--peers", action="store_true",
                    help="also time FlashInfer on the attention cases (skipped with a note where it "
                         "does not import)")
+    p.add_argument("--devices", type=int, metavar="N",
+                   help="instead: sharded compact / append / paged append per-device bandwidth "
+                        "on N devices against 1 (jaxkv/_bench/sharded.py)")
     return p.parse_args(argv)
 
 
@@ -168,6 +171,10 @@ def command(args, size: str) -> str:
 
 def main(argv=None) -> dict:
     args = parse(argv)
+    if args.devices:
+        from jaxkv._bench import sharded
+
+        return sharded.main(args)
     backend = jax.default_backend()
     on_gpu = backend == "gpu"
     size = args.size or ("gpu" if on_gpu else "cpu")

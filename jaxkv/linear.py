@@ -11,9 +11,11 @@ import numpy as np
 
 from . import _ffi
 from . import _lengths
+from . import _sharded
 from . import _validate as validate
 from . import ops
 from ._checks import check
+from .sharding import LINEAR_BUFFER, CacheSharding
 
 IntOrArray = Union[int, jax.Array]
 
@@ -37,6 +39,8 @@ class LinearKVCache:
     buffer: jax.Array  # [num_layers, max_batch, 2, num_kv_heads, max_seq_len, head_dim]
     lengths: jax.Array  # int32 [max_batch]: tokens stored per sequence
     active_batch_size: jax.Array  # int32 []: sequences [0, active_batch_size) are live
+    # ([batch_shards] when the batch is sharded: a count per shard; docs/sharding.md)
+    sharding: CacheSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
     def create(
@@ -47,6 +51,7 @@ class LinearKVCache:
         max_seq_len: int,
         head_dim: int,
         dtype=jnp.bfloat16,
+        sharding: CacheSharding | None = None,
     ) -> "LinearKVCache":
         """An empty cache: ``buffer`` ``[num_layers, max_batch, 2, num_kv_heads, max_seq_len,
         head_dim]`` of ``dtype`` (zeros), ``lengths`` int32 ``[max_batch]`` zeros, no active row.
@@ -56,6 +61,10 @@ class LinearKVCache:
 
         **Raises:** ``TypeError`` for a size that is not an int or an unsupported dtype,
         ``ValueError`` for a size out of range (each names the argument).
+
+        With ``sharding`` (a ``jaxkv.CacheSharding``) every buffer is created already placed on
+        its mesh, never on one device first (docs/sharding.md); a size the mesh axis does not
+        divide is a ``ValueError`` naming it.
         """
         op = "LinearKVCache.create"
         dims = dict(num_layers=num_layers, max_batch=max_batch, num_kv_heads=num_kv_heads,
@@ -65,6 +74,9 @@ class LinearKVCache:
         if np.dtype(dtype) not in validate.CACHE_DTYPES:
             raise TypeError(f"{op}: unsupported dtype {np.dtype(dtype)}")
         shape = (num_layers, max_batch, 2, num_kv_heads, max_seq_len, head_dim)
+        if sharding is not None:
+            return _sharded.create(cls, op, sharding, dict(buffer=(shape, dtype, LINEAR_BUFFER)),
+                                   max_batch, dict(num_kv_heads=num_kv_heads))
         return cls(
             buffer=jnp.zeros(shape, dtype),
             lengths=jnp.zeros((max_batch,), jnp.int32),
@@ -94,6 +106,8 @@ class LinearKVCache:
     @property
     def all_empty(self) -> jax.Array:
         """bool ``[]``: no active sequence holds a token (TensorRT Edge-LLM's getKVCacheAllEmpty)."""
+        if self.sharding is not None:
+            return _sharded.all_empty(self)
         active = jnp.arange(self.max_batch) < self.active_batch_size
         return jnp.all(jnp.where(active, self.lengths, 0) == 0)
 
@@ -102,6 +116,8 @@ class LinearKVCache:
 
         ``n``: a Python int in ``[0, max_batch]`` (checked at trace time) or an int32 scalar
         (clipped to that range, reported through ``checkify``)."""
+        if self.sharding is not None:
+            return _sharded.set_active_batch_size(self, n)
         n = active_batch_size_arg("LinearKVCache.set_active_batch_size", n, self.max_batch)
         return dataclasses.replace(self, active_batch_size=n)
 
@@ -111,6 +127,8 @@ class LinearKVCache:
         ``reuse_lengths``: int32 ``[n]``, ``n <= max_batch``: tokens already in the cache for each
         new sequence (a reused prompt; 0 for none). Slots past ``n`` get length 0.
         """
+        if self.sharding is not None:
+            return _sharded.reset(self, reuse_lengths)
         lengths, active = reset_lengths(
             "LinearKVCache.reset", reuse_lengths, self.max_batch, self.max_seq_len
         )
@@ -125,6 +143,8 @@ class LinearKVCache:
         (a ``scan`` over layers); out of range writes nothing. Tokens past ``max_seq_len`` are
         dropped; both cases are reported through ``checkify``.
         """
+        if self.sharding is not None:
+            return _sharded.append(self, layer_idx, k, v, new_lengths)
         buffer = append_stacked(
             "LinearKVCache.append", self.buffer, layer_idx, k, v, self.lengths,
             self.active_batch_size, new_lengths,
@@ -138,6 +158,8 @@ class LinearKVCache:
         appended per sequence by a ragged prefill). Lengths stop at ``max_seq_len``; a negative
         increment leaves the row as it was (both reported through ``checkify``).
         """
+        if self.sharding is not None:
+            return _sharded.commit(self, new_lengths)
         self_lengths = commit_lengths(
             "LinearKVCache.commit", self.lengths, self.active_batch_size, new_lengths,
             self.max_seq_len,
@@ -151,6 +173,8 @@ class LinearKVCache:
         survivors are expected on rows ``[0, survivors)``. Lengths follow their sequences and the
         active batch size becomes the number of survivors.
         """
+        if self.sharding is not None:
+            return _sharded.compact(self, batch_mapping)
         op = "LinearKVCache.compact"
         validate.array(op, "batch_mapping", batch_mapping)
         validate.int32(op, "batch_mapping", batch_mapping)
@@ -171,6 +195,8 @@ class LinearKVCache:
         ``jaxkv.SavedKV`` (see ``jaxkv.save_kv_cache``)."""
         from . import reuse  # the prompt-reuse family, reuse.py
 
+        if self.sharding is not None:
+            return _sharded.save(self, batch_idx, seq_len)
         op = "LinearKVCache.save"
         return reuse.save_saved_kv(op, [self.buffer], ["buffer"], batch_idx, seq_len)
 
@@ -180,6 +206,8 @@ class LinearKVCache:
         unchanged: pass ``saved.length`` to ``reset``."""
         from . import reuse
 
+        if self.sharding is not None:
+            return _sharded.instantiate(self, saved, batch_idx)
         (buffer,) = reuse.instantiate_saved_kv(
             "LinearKVCache.instantiate", [self.buffer], ["buffer"], saved, batch_idx
         )

@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _sharded
 from . import _validate as validate
 from . import linear, ops, reuse
 from .linear import LinearKVCache
 from .reuse import SavedKV
+from .sharding import LAYER, CacheSharding
 from ._checks import check
 
 IntOrArray = Union[int, jax.Array]
@@ -49,6 +51,8 @@ class KVCacheManager:
     layers: tuple[jax.Array, ...]  # per layer [max_batch, 2, H_i, S_i, D_i] (layer_config(i))
     lengths: jax.Array  # int32 [max_batch]: tokens stored per sequence
     active_batch_size: jax.Array  # int32 []: sequences [0, active_batch_size) are live
+    # ([batch_shards] when the batch is sharded: a count per shard; docs/sharding.md)
+    sharding: CacheSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
     def create(
@@ -57,6 +61,7 @@ class KVCacheManager:
         max_batch: int,
         max_seq_len: int,
         dtype=jnp.bfloat16,
+        sharding: CacheSharding | None = None,
     ) -> "KVCacheManager":
         """An empty cache: layer ``i`` is ``[max_batch, 2, H_i, S_i, D_i]`` of ``dtype`` (zeros)
         with ``H_i, D_i`` from ``layer_configs[i]`` and ``S_i`` its ``max_seq_len`` (default:
@@ -67,6 +72,9 @@ class KVCacheManager:
 
         **Raises:** ``TypeError`` / ``ValueError`` naming the argument (a layer's ``max_seq_len``
         above the cache's included).
+
+        With ``sharding`` (a ``jaxkv.CacheSharding``) every layer is created already placed on
+        its mesh (docs/sharding.md).
         """
         op = "KVCacheManager.create"
         validate.static_int(op, "max_batch", max_batch, lo=1, hi=validate.MAX_COMPACT_ROWS)
@@ -76,7 +84,7 @@ class KVCacheManager:
         configs = list(layer_configs)
         if not 1 <= len(configs) <= validate.MAX_LAYERS:
             raise ValueError(f"{op}: 1 to {validate.MAX_LAYERS} layer configs needed, got {len(configs)}")
-        layers = []
+        layers, shapes = [], []
         for i, c in enumerate(configs):
             if not isinstance(c, KVLayerConfig):
                 raise TypeError(
@@ -86,7 +94,14 @@ class KVCacheManager:
             validate.static_int(op, f"layer_configs[{i}].head_dim", c.head_dim, lo=1)
             seq = max_seq_len if c.max_seq_len is None else c.max_seq_len
             validate.static_int(op, f"layer_configs[{i}].max_seq_len", seq, lo=1, hi=max_seq_len)
-            layers.append(jnp.zeros((max_batch, 2, c.num_kv_heads, seq, c.head_dim), dtype))
+            shapes.append((max_batch, 2, c.num_kv_heads, seq, c.head_dim))
+        if sharding is not None:
+            heads = {f"layer_configs[{i}].num_kv_heads": c.num_kv_heads
+                     for i, c in enumerate(configs)}
+            return _sharded.create(cls, op, sharding,
+                                   dict(layers=[(shape, dtype, LAYER) for shape in shapes]),
+                                   max_batch, heads)
+        layers = [jnp.zeros(shape, dtype) for shape in shapes]
         return cls(
             layers=tuple(layers),
             lengths=jnp.zeros((max_batch,), jnp.int32),
@@ -144,17 +159,23 @@ class KVCacheManager:
     @property
     def all_empty(self) -> jax.Array:
         """bool ``[]``: no active sequence holds a token."""
+        if self.sharding is not None:
+            return _sharded.all_empty(self)
         active = jnp.arange(self.max_batch) < self.active_batch_size
         return jnp.all(jnp.where(active, self.lengths, 0) == 0)
 
     def set_active_batch_size(self, n: IntOrArray) -> "KVCacheManager":
         """Marks rows ``[0, n)`` active; see ``LinearKVCache.set_active_batch_size``."""
+        if self.sharding is not None:
+            return _sharded.set_active_batch_size(self, n)
         n = linear.active_batch_size_arg("KVCacheManager.set_active_batch_size", n, self.max_batch)
         return dataclasses.replace(self, active_batch_size=n)
 
     def reset(self, reuse_lengths: jax.Array) -> "KVCacheManager":
         """Starts a new batch of ``n`` sequences; ``reuse_lengths``: int32 ``[n]``, tokens already
         in the cache for each (a prompt instantiated with ``instantiate``; 0 for none)."""
+        if self.sharding is not None:
+            return _sharded.reset(self, reuse_lengths)
         lengths, active = linear.reset_lengths(
             "KVCacheManager.reset", reuse_lengths, self.max_batch, self.max_seq_len
         )
@@ -164,6 +185,8 @@ class KVCacheManager:
         """Writes ``k``, ``v`` ``[max_batch, H_i, T, D_i]`` into layer ``layer_idx`` (a static int:
         layers differ in shape) after each active sequence's tokens; see ``LinearKVCache.append``.
         Tokens past the layer's ``max_seq_len`` are dropped (reported through ``checkify``)."""
+        if self.sharding is not None:
+            return _sharded.append(self, layer_idx, k, v, new_lengths)
         op = "KVCacheManager.append"
         i = self._index(op, layer_idx)
         layer = linear.append_stacked(
@@ -175,6 +198,9 @@ class KVCacheManager:
         """Advances the lengths of active sequences (a Python int or int32 ``[max_batch]``);
         lengths stop at ``max_seq_len``, a negative increment is ignored (both reported through
         ``checkify``)."""
+        lengths stop at ``max_seq_len`` (reported through ``checkify``)."""
+        if self.sharding is not None:
+            return _sharded.commit(self, new_lengths)
         lengths = linear.commit_lengths(
             "KVCacheManager.commit", self.lengths, self.active_batch_size, new_lengths,
             self.max_seq_len,
@@ -183,6 +209,8 @@ class KVCacheManager:
 
     def compact(self, batch_mapping: jax.Array) -> "KVCacheManager":
         """Evicts and compacts every layer in one launch (see ``LinearKVCache.compact``)."""
+        if self.sharding is not None:
+            return _sharded.compact(self, batch_mapping)
         op = "KVCacheManager.compact"
         validate.array(op, "batch_mapping", batch_mapping)
         validate.int32(op, "batch_mapping", batch_mapping)
@@ -204,6 +232,8 @@ class KVCacheManager:
     def save(self, batch_idx: IntOrArray, seq_len: int) -> SavedKV:
         """Tokens ``[0, seq_len)`` of row ``batch_idx``, every layer, in one launch (see
         ``jaxkv.save_kv_cache``); ``seq_len`` (static) must fit every layer."""
+        if self.sharding is not None:
+            return _sharded.save(self, batch_idx, seq_len)
         return reuse.save_saved_kv(
             "KVCacheManager.save", list(self.layers), self._names(), batch_idx, seq_len
         )
@@ -213,6 +243,8 @@ class KVCacheManager:
         an int32 ``[n]`` array of rows), every layer in one launch (see
         ``jaxkv.instantiate_kv_cache``). Lengths are unchanged: pass ``saved.length`` to ``reset``.
         """
+        if self.sharding is not None:
+            return _sharded.instantiate(self, saved, batch_idx)
         layers = reuse.instantiate_saved_kv(
             "KVCacheManager.instantiate", list(self.layers), self._names(), saved, batch_idx
         )

@@ -84,13 +84,14 @@ def compact_buffers(
         lengths_in,
         *buffers,
         input_output_aliases={2 + i: 1 + i for i in range(n)},
+        result_inputs={0: (0, 1)},  # the lengths come from the mapping and the lengths
         kv=kv,
         rows=rows,
     )
     return (out[0] if has_lengths else None), list(out[1:])
 
 
-def compact_tensor_batch(x: jax.Array, batch_mapping: jax.Array) -> jax.Array:
+def compact_tensor_batch(x: jax.Array, batch_mapping: jax.Array, sharding=None) -> jax.Array:
     """Moves rows of ``x`` to their new batch positions (TensorRT Edge-LLM's compactTensorBatch).
 
     **Arguments:**
@@ -102,12 +103,19 @@ def compact_tensor_batch(x: jax.Array, batch_mapping: jax.Array) -> jax.Array:
     survivor moves into keep their contents. Any injective mapping works in place (swaps, cycles,
     chains in either direction); two survivors sent to one row is reported through ``checkify``.
 
+    With ``sharding`` (a ``jaxkv.CacheSharding``), ``x`` is split on its rows by the batch axis
+    and every shard compacts its own rows (docs/sharding.md).
+
     >>> x = jnp.arange(6.0).reshape(3, 2)
     >>> compact_tensor_batch(x, jnp.array([-1, 0, 1], jnp.int32))
     Array([[2., 3.],
            [4., 5.],
            [4., 5.]], dtype=float32)
     """
+    if sharding is not None:
+        from . import _sharded
+
+        return _sharded.compact_tensor_batch(x, batch_mapping, sharding)
     op = "compact_tensor_batch"
     validate.array(op, "x", x)
     if x.ndim < 1:
@@ -149,7 +157,8 @@ def validate_lengths(op: str, lengths, name: str = "lengths") -> int:
     return lengths.shape[0]
 
 
-def compact_kv_cache(layers: Layers, lengths: jax.Array, batch_mapping: jax.Array):
+def compact_kv_cache(layers: Layers, lengths: jax.Array, batch_mapping: jax.Array,
+                     sharding=None):
     """Evicts finished sequences and compacts the survivors, every layer in one launch.
 
     (TensorRT Edge-LLM's compactKVCacheSingleLayer / compactKVCacheBatched, for any injective
@@ -166,12 +175,19 @@ def compact_kv_cache(layers: Layers, lengths: jax.Array, batch_mapping: jax.Arra
     are unspecified; rows no survivor moves into are not written); ``lengths'[batch_mapping[i]] =
     lengths[i]`` and every other slot gets 0. Only live tokens move.
 
+    With ``sharding`` (a ``jaxkv.CacheSharding``), the layers are split as a KVCacheManager's and
+    every batch shard compacts its own rows (docs/sharding.md).
+
     >>> cache = jnp.ones((4, 2, 1, 8, 16), jnp.bfloat16)
     >>> lengths = jnp.array([3, 5, 2, 0], jnp.int32)
     >>> _, new_lengths = compact_kv_cache(cache, lengths, jnp.array([-1, 0, 1, -1], jnp.int32))
     >>> new_lengths
     Array([5, 2, 0, 0], dtype=int32)
     """
+    if sharding is not None:
+        from . import _sharded
+
+        return _sharded.compact_kv_cache(layers, lengths, batch_mapping, sharding)
     op = "compact_kv_cache"
     max_batch = validate_lengths(op, lengths)
     items = validate_kv_layers(op, layers, max_batch)

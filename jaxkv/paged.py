@@ -15,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _lengths
+from . import _sharded
 from . import _validate as validate
 from . import ops
 from . import paged_ops
 from .paged_ops import NO_PAGE
+from .sharding import CacheSharding
 from ._checks import check
 
 IntOrArray = Union[int, jax.Array]
@@ -52,6 +54,8 @@ class PagedKVCache:
     ref_counts: jax.Array  # int32 [num_pages]: page-table entries naming each page; 0 = free
     new_tokens: jax.Array  # int32 [max_batch]: tokens the last reserve made room for
     layout: str = dataclasses.field(default="HND", metadata=dict(static=True))
+    # Sharded: pools, tables and allocator split per batch shard, local page ids (docs/sharding.md)
+    sharding: CacheSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
     def create(
@@ -65,6 +69,7 @@ class PagedKVCache:
         max_pages_per_seq: int,
         dtype=jnp.bfloat16,
         layout: str = "HND",
+        sharding: CacheSharding | None = None,
     ) -> "PagedKVCache":
         """An empty cache: every page free, every page-table entry ``NO_PAGE``, lengths 0.
 
@@ -77,6 +82,9 @@ class PagedKVCache:
         **Raises:** ``TypeError`` / ``ValueError`` naming the argument: sizes must be Python ints
         in ``[1, 2**31 - 1]``, positions and per-layer head counts must fit in int32, ``layout``
         one of ``"HND"``, ``"NHD"``.
+
+        With ``sharding`` (a ``jaxkv.CacheSharding``) every leaf is created already placed, each
+        batch shard owning ``num_pages / batch_shards`` pages (docs/sharding.md).
         """
         op = "PagedKVCache.create"
         dims = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
@@ -96,6 +104,9 @@ class PagedKVCache:
             shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
         else:
             shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        if sharding is not None:
+            return _sharded.create_paged(cls, op, sharding, shape, dtype, layout, num_pages,
+                                         max_batch, max_pages_per_seq, num_kv_heads)
         return cls(
             k_pages=jnp.zeros(shape, dtype),
             v_pages=jnp.zeros(shape, dtype),
@@ -135,21 +146,29 @@ class PagedKVCache:
     @property
     def num_free_pages(self) -> jax.Array:
         """int32 ``[]``: pages no sequence holds."""
+        if self.sharding is not None:
+            return _sharded.paged_metadata(self, "num_free_pages", "sum")
         return jnp.sum(self.ref_counts == 0, dtype=jnp.int32)
 
     @property
     def max_context_length(self) -> jax.Array:
         """int32 ``[]``: the longest sequence in the cache (max of ``lengths``)."""
+        if self.sharding is not None:
+            return _sharded.paged_metadata(self, "max_context_length", "max")
         return jnp.max(self.lengths)
 
     @property
     def max_prompt_length(self) -> jax.Array:
         """int32 ``[]``: the most tokens the last ``reserve`` made room for in one sequence."""
+        if self.sharding is not None:
+            return _sharded.paged_metadata(self, "max_prompt_length", "max")
         return jnp.max(self.new_tokens)
 
     @property
     def empty(self) -> jax.Array:
         """bool ``[]``: no sequence holds a token (the seed's empty_cache)."""
+        if self.sharding is not None:
+            return _sharded.paged_metadata(self, "empty", "all")
         return jnp.all(self.lengths == 0)
 
     def cache_length(self, b: IntOrArray) -> jax.Array:
@@ -179,6 +198,8 @@ class PagedKVCache:
         **Returns:** ``(cache, served)``, ``served`` bool ``[max_batch]``. A shortage is reported
         through ``checkify``; ``max_prompt_length`` then reads the served sequences' counts.
         """
+        if self.sharding is not None:
+            return _sharded.reserve(self, num_new_tokens)
         op = "PagedKVCache.reserve"
         validate.array(op, "num_new_tokens", num_new_tokens)
         validate.int32(op, "num_new_tokens", num_new_tokens)
@@ -210,6 +231,8 @@ class PagedKVCache:
     def release(self, mask: jax.Array) -> "PagedKVCache":
         """Ends the sequences where ``mask`` (bool ``[max_batch]``) is set: their pages go back to
         the pool (a shared page when its last holder ends), their lengths become 0."""
+        if self.sharding is not None:
+            return _sharded.release(self, mask)
         op = "PagedKVCache.release"
         validate.array(op, "mask", mask)
         if mask.dtype != jnp.bool_:
@@ -237,6 +260,8 @@ class PagedKVCache:
         empty. Two sequences sent to one slot is reported through ``checkify``; the higher old slot
         keeps it and the other is released, so no page leaks.
         """
+        if self.sharding is not None:
+            return _sharded.compact(self, batch_mapping)
         op = "PagedKVCache.compact"
         validate.array(op, "batch_mapping", batch_mapping)
         validate.int32(op, "batch_mapping", batch_mapping)
@@ -273,6 +298,8 @@ class PagedKVCache:
         forked once: its first entry reads true, the repeats false (also reported), so the
         true entries count the new sequences.
         """
+        if self.sharding is not None:
+            return _sharded.fork(self, src_slot, dst_slots)
         op = "PagedKVCache.fork"
         src = validate.int_scalar(op, "src_slot", src_slot)
         validate.array(op, "dst_slots", dst_slots)
@@ -329,6 +356,8 @@ class PagedKVCache:
     def copy_pages(self, src_pages: jax.Array, dst_pages: jax.Array) -> "PagedKVCache":
         """Copies physical pages ``src_pages[i]`` -> ``dst_pages[i]`` (every layer, K and V, one
         launch); see ``jaxkv.paged_ops.copy_pages``. The page table is not changed."""
+        if self.sharding is not None:
+            return _sharded.copy_pages(self, src_pages, dst_pages)
         k_pages, v_pages = paged_ops.copy_pages(
             self.k_pages, self.v_pages, src_pages, dst_pages, layout=self.layout
         )
@@ -343,6 +372,8 @@ class PagedKVCache:
         idle slots); None writes all ``T``. Positions without a reserved page are skipped and
         reported through ``checkify``. Lengths are unchanged (see ``commit``).
         """
+        if self.sharding is not None:
+            return _sharded.paged_append(self, "append", layer_idx, k, v, new_lengths)
         op = "PagedKVCache.append"
         for name, x in (("k", k), ("v", v)):
             validate.array(op, name, x)
@@ -355,6 +386,8 @@ class PagedKVCache:
 
     def append_layers(self, k: jax.Array, v: jax.Array, new_lengths=None):
         """``append`` of every layer at once, one launch: ``k``, ``v`` ``[L, max_batch, H, T, D]``."""
+        if self.sharding is not None:
+            return _sharded.paged_append(self, "append_layers", 0, k, v, new_lengths)
         op = "PagedKVCache.append_layers"
         for name, x in (("k", k), ("v", v)):
             validate.array(op, name, x)
@@ -372,6 +405,8 @@ class PagedKVCache:
         does not advance; a negative count leaves the row as it was (both reported through
         ``checkify``).
         """
+        if self.sharding is not None:
+            return _sharded.method(self, "commit", (num_new_tokens,), (("batch",),))
         op = "PagedKVCache.commit"
         n = _lengths.increment_arg(op, "num_new_tokens", num_new_tokens, self.max_batch)
         capacity = self.pages_held * self.page_size
@@ -381,6 +416,8 @@ class PagedKVCache:
         """Layer ``layer_idx``'s tokens in dense memory: ``[max_batch, 2, H, max_len, D]``, or with
         ``split`` a ``(k, v)`` pair of ``[max_batch, H, max_len, D]``. Positions at or past a
         sequence's length are zeros."""
+        if self.sharding is not None:
+            return _sharded.gather(self, layer_idx, max_len, split)
         return paged_ops.paged_gather(
             self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, max_len,
             layout=self.layout, split=split,

@@ -90,7 +90,7 @@ def skipped_tokens(page_table, lengths, count, tokens: int, num_pages: int, page
 
 
 def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_lengths=None,
-                 *, layout: str = "HND"):
+                 *, layout: str = "HND", sharding=None):
     """Writes ``k``, ``v`` into the pools through the page table, K and V in one launch.
 
     **Arguments:**
@@ -106,7 +106,15 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_len
     ``lengths[b] + t`` of that row, i.e. in page ``page_table[b, pos // S]``, slot ``pos % S``.
     Positions without an assigned page are skipped (reported through ``checkify``); no other
     byte of the pools is written.
+
+    With ``sharding`` (a ``jaxkv.CacheSharding``): pools, table and tokens split as a
+    PagedKVCache's; each shard's table holds page ids local to its share (docs/sharding.md).
     """
+    if sharding is not None:
+        from . import _sharded
+
+        return _sharded.paged_append_op(k_pages, v_pages, page_table, lengths, layer_idx, k, v,
+                                        new_lengths, layout, sharding)
     op = "paged_append"
     g = _check_pools(op, k_pages, v_pages, layout)
     batch = _check_table(op, page_table, lengths)
@@ -146,14 +154,19 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_len
 
 
 def paged_gather(k_pages, v_pages, page_table, lengths, layer_idx, max_len: int, *,
-                 layout: str = "HND", split: bool = False):
+                 layout: str = "HND", split: bool = False, sharding=None):
     """Copies one layer's tokens into dense memory.
 
     **Returns:** ``[B, 2, H, max_len, D]`` (K then V), or with ``split`` a pair of
     ``[B, H, max_len, D]``. Position ``t`` of row ``b`` holds the cached token for
     ``t < lengths[b]`` and zeros after it (also where no page is assigned). The pools are read,
-    not copied.
+    not copied. With ``sharding``: split as in ``paged_append``; the result by batch and heads.
     """
+    if sharding is not None:
+        from . import _sharded
+
+        return _sharded.paged_gather_op(k_pages, v_pages, page_table, lengths, layer_idx,
+                                        max_len, layout, split, sharding)
     op = "paged_gather"
     g = _check_pools(op, k_pages, v_pages, layout)
     batch = _check_table(op, page_table, lengths)
@@ -176,14 +189,21 @@ def paged_gather(k_pages, v_pages, page_table, lengths, layer_idx, max_len: int,
     return tuple(out) if split else out[0]
 
 
-def copy_pages(k_pages, v_pages, src_pages, dst_pages, *, layout: str = "HND"):
+def copy_pages(k_pages, v_pages, src_pages, dst_pages, *, layout: str = "HND", sharding=None):
     """Copies physical page ``src_pages[i]`` to ``dst_pages[i]``, every layer, K and V, in one
     launch (vLLM's copy_blocks).
 
     ``src_pages``, ``dst_pages``: int32 ``[n]``. Pairs with an entry outside ``[0, num_pages)``
     are skipped. Destinations must be distinct and not among the sources (``checkify``); donate the
     pools to run in place.
+
+    With ``sharding``: pools split as a PagedKVCache's; page ids are global (shard ``s`` owns
+    ``[s * P/k, (s + 1) * P/k)``) and a pair straddling two shards is skipped (``checkify``).
     """
+    if sharding is not None:
+        from . import _sharded
+
+        return _sharded.copy_pages_op(k_pages, v_pages, src_pages, dst_pages, layout, sharding)
     op = "copy_pages"
     g = _check_pools(op, k_pages, v_pages, layout)
     for name, x in (("src_pages", src_pages), ("dst_pages", dst_pages)):

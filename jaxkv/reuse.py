@@ -55,11 +55,12 @@ def _described(op: str, buffers: Sequence[jax.Array], names: Sequence[str]):
     return out
 
 
-def _slots(op: str, batch_idx, rows: int, allow_many: bool) -> jax.Array:
+def _slots(op: str, batch_idx, rows: int, allow_many: bool, foreign=None) -> jax.Array:
     """``batch_idx`` as an int32 ``[]`` (or ``[n]``) array of cache rows.
 
     A Python int is checked now; array entries outside ``[0, rows)`` are reported through
-    ``checkify`` and the kernel skips them.
+    ``checkify`` and the kernel skips them, except where ``foreign`` (bool, like ``batch_idx``)
+    says the row is another batch shard's (sharding.py): skipped silently.
     """
     if isinstance(batch_idx, (int, np.integer)) and not isinstance(batch_idx, (bool, np.bool_)):
         validate.static_int(op, "batch_idx", batch_idx, 0, rows - 1)
@@ -73,14 +74,15 @@ def _slots(op: str, batch_idx, rows: int, allow_many: bool) -> jax.Array:
         raise ValueError(
             f"{op}: batch_idx must have shape {layout}, got {tuple(batch_idx.shape)}"
         )
+    in_range = (batch_idx >= 0) & (batch_idx < rows)
     check(
-        jnp.all((batch_idx >= 0) & (batch_idx < rows)),
+        jnp.all(in_range if foreign is None else in_range | foreign),
         f"{op}: batch_idx outside [0, max_batch): nothing written there",
     )
     return batch_idx
 
 
-def save_buffers(op, buffers, names, batch_idx, seq_len) -> list[jax.Array]:
+def save_buffers(op, buffers, names, batch_idx, seq_len, foreign=None) -> list[jax.Array]:
     """The one FFI call of a save; ``buffers``: rank-5 layers or rank-6 stacks, same max_batch.
 
     Returns one ``[2, H, seq_len, D]`` array per described layer (a stack gives one per layer).
@@ -91,13 +93,14 @@ def save_buffers(op, buffers, names, batch_idx, seq_len) -> list[jax.Array]:
     for name, (_, _, h, s, d), _ in layers:
         if seq_len > s:
             raise ValueError(f"{op}: seq_len {seq_len} exceeds max_seq_len {s} of {name}")
-    slots = _slots(op, batch_idx, rows, allow_many=False)
+    slots = _slots(op, batch_idx, rows, allow_many=False, foreign=foreign)
     results = [jax.ShapeDtypeStruct((2, h, seq_len, d), dt) for _, (_, _, h, _, d), dt in layers]
     out = _ffi.call("jaxkv_copy_prefix", results, slots, *buffers, to_cache=False, rows=rows)
     return list(out)
 
 
-def instantiate_buffers(op, buffers, names, saved, saved_names, batch_idx) -> list[jax.Array]:
+def instantiate_buffers(op, buffers, names, saved, saved_names, batch_idx,
+                        foreign=None) -> list[jax.Array]:
     """The one FFI call of an instantiate; ``saved``: one ``[2, H, T, D]`` per described layer.
 
     Returns the new ``buffers`` (aliased: donate them to run in place).
@@ -119,7 +122,7 @@ def instantiate_buffers(op, buffers, names, saved, saved_names, batch_idx) -> li
             raise ValueError(
                 f"{op}: {sname} holds {x.shape[2]} tokens, more than max_seq_len {s} of {name}"
             )
-    slots = _slots(op, batch_idx, rows, allow_many=True)
+    slots = _slots(op, batch_idx, rows, allow_many=True, foreign=foreign)
     n = len(saved)
     out = _ffi.call(
         "jaxkv_copy_prefix",
@@ -149,7 +152,7 @@ def _like(layers: Layers, out: list[jax.Array]):
     return type(layers)(out) if isinstance(layers, (list, tuple)) else out[0]
 
 
-def save_kv_cache(layers: Layers, batch_idx: IntOrArray, seq_len: int):
+def save_kv_cache(layers: Layers, batch_idx: IntOrArray, seq_len: int, sharding=None):
     """Copies tokens ``[0, seq_len)`` of cache row ``batch_idx`` out of every layer, in one launch.
 
     **Arguments:**
@@ -163,17 +166,24 @@ def save_kv_cache(layers: Layers, batch_idx: IntOrArray, seq_len: int):
     **Returns:** with the structure of ``layers``, ``[2, H, seq_len, D]`` per layer: the K and V of
     tokens ``[0, seq_len)`` of row ``batch_idx``. Fresh arrays; the cache is not modified.
 
+    With ``sharding`` (a ``jaxkv.CacheSharding``; layers split as a KVCacheManager's), the shard
+    that owns the row reads it and one all-reduce of the result's size hands it to the others.
+
     >>> cache = jnp.arange(2 * 2 * 1 * 4 * 2, dtype=jnp.float32).reshape(2, 2, 1, 4, 2)
     >>> save_kv_cache(cache, 1, 2)[0, 0]
     Array([[16., 17.],
            [18., 19.]], dtype=float32)
     """
+    if sharding is not None:
+        from . import _sharded
+
+        return _sharded.save_kv_cache(layers, batch_idx, seq_len, sharding)
     op = "save_kv_cache"
     items, names = _layer_list(op, layers)
     return _like(layers, save_buffers(op, items, names, batch_idx, seq_len))
 
 
-def instantiate_kv_cache(layers: Layers, saved: Layers, batch_idx: IntOrArray):
+def instantiate_kv_cache(layers: Layers, saved: Layers, batch_idx: IntOrArray, sharding=None):
     """Writes saved prefixes into tokens ``[0, T)`` of cache rows, every layer in one launch.
 
     **Arguments:**
@@ -189,6 +199,9 @@ def instantiate_kv_cache(layers: Layers, saved: Layers, batch_idx: IntOrArray):
     **Returns:** ``layers'``: tokens ``[0, T)`` of each target row replaced by ``saved``;
     every other byte unchanged.
 
+    With ``sharding`` (a ``jaxkv.CacheSharding``; layers split as a KVCacheManager's, ``saved``
+    by heads), each batch shard writes the target rows it owns.
+
     >>> cache = jnp.zeros((3, 2, 1, 4, 2), jnp.float32)
     >>> prefix = jnp.ones((2, 1, 2, 2), jnp.float32)
     >>> out = instantiate_kv_cache(cache, prefix, jnp.array([0, 2], jnp.int32))
@@ -197,6 +210,10 @@ def instantiate_kv_cache(layers: Layers, saved: Layers, batch_idx: IntOrArray):
            [0., 0., 0., 0.],
            [1., 1., 0., 0.]], dtype=float32)
     """
+    if sharding is not None:
+        from . import _sharded
+
+        return _sharded.instantiate_kv_cache(layers, saved, batch_idx, sharding)
     op = "instantiate_kv_cache"
     items, names = _layer_list(op, layers)
     if isinstance(layers, (list, tuple)):
@@ -218,9 +235,11 @@ def save_saved_kv(op, buffers, names, batch_idx, seq_len) -> SavedKV:
     return SavedKV(layers=tuple(out), length=jnp.asarray(seq_len, jnp.int32))
 
 
-def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx) -> list[jax.Array]:
+def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx,
+                         foreign=None) -> list[jax.Array]:
     """``instantiate`` of the cache classes: ``saved`` into every layer of ``buffers``."""
     if not isinstance(saved, SavedKV):
         raise TypeError(f"{op}: saved must be a SavedKV, got {type(saved).__name__}")
     names_saved = [f"saved.layers[{i}]" for i in range(saved.num_layers)]
-    return instantiate_buffers(op, buffers, names, list(saved.layers), names_saved, batch_idx)
+    return instantiate_buffers(op, buffers, names, list(saved.layers), names_saved, batch_idx,
+                               foreign)

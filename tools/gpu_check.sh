@@ -78,6 +78,11 @@ if [ -z "${SKIP_BENCH:-}" ] && (cd /tmp && python3 -c "import jaxkv.bench" 2>/de
   (cd /tmp && python3 -m jaxkv.bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
     --explain "$explain" --peers 2>&1) \
     | tee "$OUT/bench.log"
+  ngpu=$(nvidia-smi -L | wc -l)
+  if [ "$ngpu" -ge 2 ]; then  # sharded ops: per-device bandwidth on every GPU against one
+    (cd /tmp && python3 -m jaxkv.bench --devices "$ngpu" --json "$OUT/bench_devices.json" 2>&1) \
+      | tee "$OUT/bench_devices.log"
+  fi
 fi
 if [ -z "${SKIP_DEMO:-}" ]; then
   echo "== demo (tokens/s for jaxkv vs --baseline xla)"
@@ -90,6 +95,9 @@ if [ -z "${SKIP_DEMO:-}" ]; then
       (cd /tmp && python3 -m jaxkv demo --cache "$cache" --baseline xla --dtype bfloat16 \
         --requests 256 --max-batch 64 --system-len 512 --max-new-tokens 128 --show 0 2>&1)
     done
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # a cache sharded over 2 GPUs (KV heads)
+      (cd /tmp && python3 -m jaxkv demo --cache paged --mesh tp=2 --baseline xla 2>&1)
+    fi
     # One jitted step per Python call: the dispatch cost a step pays, jaxkv vs XLA.
     (tool="$PWD/tools/evict_call_cost.py"; cd /tmp && python3 "$tool" 2>&1)
   } | tee "$OUT/demo.log"

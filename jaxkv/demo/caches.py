@@ -85,6 +85,7 @@ class _RowKind:
     cfg: LlamaConfig
     dtype: str = "float32"
     ops: str = "jaxkv"  # or "xla"
+    sharding: jaxkv.CacheSharding | None = None  # --mesh: KV heads split over devices
 
     def lengths(self, cache):
         return cache.lengths
@@ -140,7 +141,7 @@ class LinearKind(_RowKind):
     def create(self, max_batch: int, max_seq_len: int):
         c = self.cfg
         return jaxkv.LinearKVCache.create(c.num_layers, max_batch, c.num_kv_heads, max_seq_len,
-                                          c.head_dim, jnp.dtype(self.dtype))
+                                          c.head_dim, jnp.dtype(self.dtype), self.sharding)
 
     def kv(self, cache, layer):
         return cache.keys(layer), cache.values(layer)
@@ -174,7 +175,8 @@ class ManagerKind(_RowKind):
     def create(self, max_batch: int, max_seq_len: int):
         c = self.cfg
         layers = [jaxkv.KVLayerConfig(c.num_kv_heads, c.head_dim)] * c.num_layers
-        return jaxkv.KVCacheManager.create(layers, max_batch, max_seq_len, jnp.dtype(self.dtype))
+        return jaxkv.KVCacheManager.create(layers, max_batch, max_seq_len, jnp.dtype(self.dtype),
+                                           self.sharding)
 
     def kv(self, cache, layer):
         return cache.separate(layer)
@@ -219,6 +221,7 @@ class PagedKind:
     ops: str = "jaxkv"  # or "xla"
     page_size: int = 16
     attention: str = "auto"  # "auto" (jaxkv.attention with ops="jaxkv"), "dense" or "pallas"
+    sharding: jaxkv.CacheSharding | None = None  # --mesh: KV heads split over devices
 
     def create(self, max_batch: int, max_seq_len: int):
         c = self.cfg
@@ -227,7 +230,7 @@ class PagedKind:
             num_layers=c.num_layers, num_pages=(max_batch + 1) * pages_per_seq,
             page_size=self.page_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             max_batch=max_batch + 1, max_pages_per_seq=pages_per_seq, dtype=jnp.dtype(self.dtype),
-            layout="HND")
+            layout="HND", sharding=self.sharding)
 
     @staticmethod
     def _batch(cache) -> int:
@@ -270,7 +273,8 @@ class PagedKind:
         max_len = cache.max_pages_per_seq * cache.page_size
         if self.ops == "jaxkv":
             k, v = jaxkv.paged_gather(cache.k_pages, cache.v_pages, cache.page_table, visible,
-                                      layer, max_len, layout=cache.layout, split=True)
+                                      layer, max_len, layout=cache.layout, split=True,
+                                      sharding=self.sharding)
         else:
             kv = reference.paged_gather(cache.k_pages, cache.v_pages, cache.page_table, visible,
                                         layer, max_len, cache.layout)
@@ -279,6 +283,8 @@ class PagedKind:
 
     def _use_pallas(self, cache) -> bool:
         on_gpu = jax.default_backend() == "gpu"
+        if self.sharding is not None:  # the Pallas call reads the whole pool: dense, per shard
+            return False
         if self.attention != "pallas":
             return False
         _, per_block = _pallas_blocks(cache.max_pages_per_seq)

@@ -34,7 +34,17 @@ def parse_args(argv):
         help="model and cache dtype (float32)")
     add("--seed", type=int, default=0, help="seed of the random weights and requests (0)")
     add("--show", type=int, default=3, help="requests whose tokens are printed (3)")
+    add("--mesh", metavar="AXES", help="serve from a sharded cache: mesh axes and sizes, e.g. "
+        "tp=4 (KV heads split over tp; dp, the batch axis, must be 1 for now)")
     args = p.parse_args(argv)
+    if args.mesh:
+        try:
+            args.mesh = parse_mesh(args.mesh)
+        except ValueError as e:
+            p.error(f"--mesh: {e}")
+        if args.mesh.get("dp", 1) > 1:  # see cache_sharding
+            p.error("--mesh: dp > 1 needs a scheduler per batch shard; the demo serves one "
+                    "global batch (use tp=N)")
     for name in ("requests", "max_batch", "system_len", "max_prompt_len", "max_new_tokens",
                  "page_size"):
         if getattr(args, name) < 1:
@@ -51,6 +61,35 @@ def parse_args(argv):
         p.error(f"--model {args.model}: no config.json there (expected a local Hugging Face "
                 "checkpoint directory)")
     return args
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"dp=2,tp=4"`` -> ``{"dp": 2, "tp": 4}``."""
+    axes = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not name.strip() or not size.strip().isdigit() or int(size) < 1:
+            raise ValueError(f"expected NAME=SIZE[,NAME=SIZE...], got {text!r}")
+        axes[name.strip()] = int(size)
+    return axes
+
+
+def cache_sharding(axes: dict[str, int] | None):
+    """The demo's ``jaxkv.CacheSharding``: KV heads over ``tp``, the batch over ``dp``.
+
+    The demo's scheduler is global (live rows ``[0, active)``, survivors compacted to the front),
+    while a batch shard is a cache of its own rows (docs/sharding.md): ``dp`` above 1 would need a
+    scheduler per shard, which the demo does not have yet.
+    """
+    if not axes:
+        return None
+    import jaxkv
+
+    count = int(np.prod(list(axes.values())))
+    if count > jax.device_count():
+        raise SystemExit(f"--mesh: {count} devices wanted, {jax.device_count()} visible")
+    mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), devices=jax.devices()[:count])
+    return jaxkv.CacheSharding(mesh, heads="tp" if "tp" in axes else None)
 
 
 def load_model(args):
@@ -146,6 +185,7 @@ class Stream:
         """The serving loop with jaxkv's cache ops (``ops="jaxkv"``) or XLA's (``"xla"``)."""
         a = self.args
         options = dict(page_size=a.page_size) if a.cache == "paged" else {}
+        options["sharding"] = cache_sharding(getattr(a, "mesh", None))
         kind = caches.make_kind(a.cache, self.cfg, dtype=a.dtype, ops=ops, **options)
         return loop.Engine(self.cfg, self.params, kind, max_batch=a.max_batch,
                            system_prompt=self.system_prompt, max_prompt_len=a.max_prompt_len,

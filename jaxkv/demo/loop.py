@@ -127,11 +127,19 @@ class Engine:
             evict=jax.jit(evict, donate_argnums=(0, 1)),
         )
 
+    def abstract_cache(self):
+        """The cache's shapes and dtypes; a sharded one (``--mesh``) also its placement, so that
+        the steps compile for it (and keep it, in place)."""
+        if getattr(self.kind, "sharding", None) is None:
+            return jax.eval_shape(lambda: self.kind.create(self.max_batch, self.max_seq_len))
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            self.kind.create(self.max_batch, self.max_seq_len))
+
     def example_args(self) -> dict[str, tuple]:
         """Abstract arguments of every step function (for ahead-of-time compilation)."""
         shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
         params = jax.tree.map(shape, self.params)
-        cache = jax.eval_shape(lambda: self.kind.create(self.max_batch, self.max_seq_len))
+        cache = self.abstract_cache()
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
         prompt = i32(self.max_batch, len(self.system_prompt))
         _, saved = jax.eval_shape(self.functions["prompt"], params, cache, prompt)
@@ -165,7 +173,7 @@ class Engine:
 
     def cache_copies(self) -> int:
         """Copies of a cache data buffer in the compiled step functions (0 when all in place)."""
-        cache = jax.eval_shape(lambda: self.kind.create(self.max_batch, self.max_seq_len))
+        cache = self.abstract_cache()
         types = {_hlo_type(x) for x in jax.tree.leaves(cache) if x.ndim >= 4}
         pattern = re.compile(r"=\s*(\S+?)(\{[^}]*\})?\s+copy(-start)?\(")
         return sum(
@@ -265,4 +273,6 @@ class Engine:
 def _hlo_type(x) -> str:
     """HLO spelling of an array type, e.g. 'f32[2,4,2,8,64,128]'."""
     name = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[jnp.dtype(x.dtype).name]
-    return f"{name}[{','.join(map(str, x.shape))}]"
+    sharding = getattr(x, "sharding", None)  # a sharded step's HLO holds per-device shapes
+    shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+    return f"{name}[{','.join(map(str, shape))}]"
