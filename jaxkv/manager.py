@@ -198,7 +198,6 @@ class KVCacheManager:
         """Advances the lengths of active sequences (a Python int or int32 ``[max_batch]``);
         lengths stop at ``max_seq_len``, a negative increment is ignored (both reported through
         ``checkify``)."""
-        lengths stop at ``max_seq_len`` (reported through ``checkify``)."""
         if self.sharding is not None:
             return _sharded.commit(self, new_lengths)
         lengths = linear.commit_lengths(
