@@ -580,3 +580,49 @@ def copy_pages_op(k_pages, v_pages, src_pages, dst_pages, layout: str, s: CacheS
 
     return per_shard(s, body, (k_pages, v_pages, src_pages, dst_pages), (pool, pool, P(), P()),
                      (pool, pool))
+
+
+# Attention (jaxkv.attention) on a sharded cache: each device attends with its own rows and KV
+# heads, and the q heads that read them (q head h reads KV head h // group, so splitting q heads
+# and KV heads into the same number of contiguous blocks keeps every group on one device).
+def _attend(call, cache, q, layer_idx, rows, q_roles, scales):
+    s = cache.sharding
+    _eval_shape(lambda c, q, l, r, sc: call(q, c, l, r, *sc), _unsharded(cache), q, layer_idx,
+                rows, scales)
+    dynamic_layer = _is_array(layer_idx)
+    dynamic_scales = [i for i, x in enumerate(scales) if _is_array(x)]
+
+    def body(c, q, r, *rest):
+        layer = rest[0] if dynamic_layer else layer_idx
+        local_scales = list(scales)
+        for i, x in zip(dynamic_scales, rest[dynamic_layer:]):
+            local_scales[i] = x
+        return call(q, _local(c), layer, r, *local_scales)
+
+    extra = ((jnp.asarray(layer_idx, jnp.int32),) if dynamic_layer else ()) + tuple(
+        scales[i] for i in dynamic_scales)
+    q_spec = s.spec(*q_roles)
+    specs = (cache_specs(cache), q_spec, s.spec(*ROWS)) + (P(),) * len(extra)
+    return per_shard(s, body, (cache, q, rows, *extra), specs, q_spec)
+
+
+def attention_decode(cache, q, layer_idx, kv_lengths, scale, k_scale, v_scale):
+    from . import attention
+
+    def call(q, c, layer, rows, k_scale, v_scale):
+        return attention.decode(q, c, layer, kv_lengths=rows, scale=scale, k_scale=k_scale,
+                                v_scale=v_scale)
+
+    rows = cache.lengths if kv_lengths is None else kv_lengths
+    return _attend(call, cache, q, layer_idx, rows, ("batch", "heads", None), (k_scale, v_scale))
+
+
+def attention_prefill(cache, q, layer_idx, q_lengths, scale, k_scale, v_scale):
+    from . import attention
+
+    def call(q, c, layer, rows, k_scale, v_scale):
+        return attention.prefill(q, c, layer, rows, scale=scale, k_scale=k_scale,
+                                 v_scale=v_scale)
+
+    return _attend(call, cache, q, layer_idx, q_lengths, ("batch", None, "heads", None),
+                   (k_scale, v_scale))

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
+from . import _sharded
 from . import _validate as validate
 from ._checks import check
 from .linear import LinearKVCache
@@ -194,6 +195,8 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     >>> jaxkv.attention.decode(jnp.ones((2, 4, 64)), cache, 0).shape
     (2, 4, 64)
     """
+    if getattr(cache, "sharding", None) is not None:  # per shard: docs/sharding.md
+        return _sharded.attention_decode(cache, q, layer_idx, kv_lengths, scale, k_scale, v_scale)
     op = "attention.decode"
     src = _source(op, cache, layer_idx)
     q_heads = _check_query(op, q, src, 3, "[max_batch, num_q_heads, head_dim]", src.k.dtype)
@@ -227,6 +230,8 @@ def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale
     **Returns:** ``[max_batch, T, num_q_heads, head_dim]`` in ``q``'s dtype; queries at
     ``t >= q_lengths[b]`` give zeros.
     """
+    if getattr(cache, "sharding", None) is not None:  # per shard: docs/sharding.md
+        return _sharded.attention_prefill(cache, q, layer_idx, q_lengths, scale, k_scale, v_scale)
     op = "attention.prefill"
     src = _source(op, cache, layer_idx)
     q_heads = _check_query(op, q, src, 4, "[max_batch, T, num_q_heads, head_dim]", src.k.dtype)
