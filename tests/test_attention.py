@@ -335,6 +335,8 @@ def test_bad_input_is_a_trace_time_error_naming_op_and_argument():
         (lambda: jaxkv.attention.decode(q, man, jnp.int32(0)), TypeError, "layer_idx must be a Python int"),
         (lambda: jaxkv.attention.decode(q, lin.buffer, 0), TypeError, "cache must be a LinearKVCache"),
     ]
+    bad.append((lambda: jaxkv.attention.decode(q, lin, L), ValueError,
+                "attention.decode: layer_idx must be in [0, 1], got 2"))
     odd = jaxkv.LinearKVCache.create(1, B, HKV, 8, 96, jnp.bfloat16)
     bad.append((lambda: jaxkv.attention.decode(normal((B, 4, 96), jnp.bfloat16), odd, 0), ValueError,
                 "head_dim 96 is not supported"))
