@@ -26,6 +26,7 @@ from .reuse import save_kv_cache as save_kv_cache
 __version__ = "0.1.0"
 
 __all__ = [
+    "attention",
     "LinearKVCache",
     "KVCacheManager",
     "KVLayerConfig",

@@ -79,7 +79,7 @@ class _Source:
 def _source(op: str, cache, layer_idx) -> _Source:
     no_table = jnp.zeros((0,), jnp.int32)
     if isinstance(cache, LinearKVCache):
-        layer = validate.int_scalar(op, "layer_idx", layer_idx)
+        layer = validate.layer_index(op, layer_idx, cache.num_layers)
         _, batch, _, heads, cap, d = cache.buffer.shape
         return _Source(cache.buffer, cache.buffer, no_table, _DENSE, layer, cache.num_layers,
                        batch, heads, cap, d, jnp.full((batch,), cap, jnp.int32))
@@ -93,7 +93,7 @@ def _source(op: str, cache, layer_idx) -> _Source:
         return _Source(buf, buf, no_table, _DENSE, jnp.zeros((), jnp.int32), 1, batch, heads, cap,
                        d, jnp.full((batch,), cap, jnp.int32))
     if isinstance(cache, PagedKVCache):
-        layer = validate.int_scalar(op, "layer_idx", layer_idx)
+        layer = validate.layer_index(op, layer_idx, cache.num_layers)
         layout = _PAGED_NHD if cache.layout == "NHD" else _PAGED_HND
         cap = cache.max_pages_per_seq * cache.page_size
         return _Source(cache.k_pages, cache.v_pages, cache.page_table, layout, layer,
@@ -190,10 +190,11 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     zeros. Lengths past the capacity (or, paged, past the pages a row holds) are reported through
     ``checkify``; positions that no memory backs are never read.
 
-    >>> cache = jaxkv.LinearKVCache.create(1, 2, 2, 16, 64, jnp.float32)
-    >>> cache = cache.reset(jnp.array([3, 5], jnp.int32))
-    >>> jaxkv.attention.decode(jnp.ones((2, 4, 64)), cache, 0).shape
-    (2, 4, 64)
+    >>> cache = LinearKVCache.create(1, 2, 2, 16, 64, jnp.float32)
+    >>> cache = cache.reset(jnp.array([3, 0], jnp.int32))
+    >>> out = decode(jnp.ones((2, 4, 64)), cache, 0)
+    >>> out.shape, bool(jnp.all(out[1] == 0))       # row 1 holds no token: zeros
+    ((2, 4, 64), True)
     """
     if getattr(cache, "sharding", None) is not None:  # per shard: docs/sharding.md
         return _sharded.attention_decode(cache, q, layer_idx, kv_lengths, scale, k_scale, v_scale)

@@ -193,6 +193,36 @@ def test_long_rows_split_over_blocks(kind):
     assert_close(out, ref_decode(q, k, v, cache.lengths), "bf16")
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_prefill_chunk_spans_several_query_and_key_tiles(layout):
+    """40 new tokens x 4 heads per KV head: several 64-row query tiles of the GPU's tensor-core
+    prefill (16 tokens each), partial ones at the end, over several 64-key tiles."""
+    dtype, head_dim, group, t, page, pages = jnp.bfloat16, 128, 4, 40, 16, 20
+    cap = page * pages
+    prefix = np.array([250, 0, 100], np.int32)
+    q_lengths = np.array([t, 17, 0], np.int32)
+    cache = jaxkv.PagedKVCache.create(1, 3 * pages, page, HKV, head_dim, 3, pages, dtype, layout)
+    table = jnp.asarray(_rng.permutation(3 * pages).reshape(3, pages), jnp.int32)
+    shape = cache.k_pages.shape
+    cache = dataclasses.replace(cache, k_pages=normal(shape, dtype), v_pages=normal(shape, dtype),
+                                page_table=table, lengths=jnp.asarray(prefix))
+    full = jnp.full((3,), cap, jnp.int32)
+    kv = ref_gather(cache.k_pages, cache.v_pages, table, full, 0, cap, layout)
+    q = normal((3, t, HKV * group, head_dim), dtype)
+    out = jax.jit(jaxkv.attention.prefill)(q, cache, 0, jnp.asarray(q_lengths))
+    want = ref_prefill(q, kv[:, 0], kv[:, 1], jnp.asarray(prefix), jnp.asarray(q_lengths))
+    assert_close(out, want, "bf16")
+
+
+def test_decode_group_larger_than_one_block():
+    """12 q heads per KV head: on the GPU two blocks per KV head (8 heads, then 4)."""
+    case = make_case("linear", jnp.float16, 64, 16, [0, 48, 9, 30])
+    q = normal((B, HKV * 12, 64), jnp.float16)
+    out = jax.jit(jaxkv.attention.decode)(q, case.cache, 1)
+    k, v = case.dense(1)
+    assert_close(out, ref_decode(q, k, v, case.cache.lengths), "f16")
+
+
 def test_scan_over_layers_with_donation_appends_and_attends():
     """A decode step as a model runs it: per layer (scan, traced index) append then attend."""
     case = make_case("paged-HND", jnp.float32, 64, 16, [7, 0, 20, 31])
@@ -335,6 +365,8 @@ def test_bad_input_is_a_trace_time_error_naming_op_and_argument():
         (lambda: jaxkv.attention.decode(q, man, jnp.int32(0)), TypeError, "layer_idx must be a Python int"),
         (lambda: jaxkv.attention.decode(q, lin.buffer, 0), TypeError, "cache must be a LinearKVCache"),
     ]
+    bad.append((lambda: jaxkv.attention.decode(q, lin, L), ValueError,
+                "attention.decode: layer_idx must be in [0, 1], got 2"))
     odd = jaxkv.LinearKVCache.create(1, B, HKV, 8, 96, jnp.bfloat16)
     bad.append((lambda: jaxkv.attention.decode(normal((B, 4, 96), jnp.bfloat16), odd, 0), ValueError,
                 "head_dim 96 is not supported"))
