@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax.extend import core as jax_core
 from jax.interpreters import ad, batching, mlir
 
+_checkify_internals: Any  # jax's private checkify module, or None where it moved
 try:
     from jax._src import checkify as _checkify_internals
 

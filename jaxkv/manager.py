@@ -63,8 +63,19 @@ class KVCacheManager:
         dtype=jnp.bfloat16,
         sharding: CacheSharding | None = None,
     ) -> "KVCacheManager":
-        """A zeroed cache; with ``sharding`` (a ``jaxkv.CacheSharding``) every layer is created
-        already placed on its mesh (docs/sharding.md)."""
+        """An empty cache: layer ``i`` is ``[max_batch, 2, H_i, S_i, D_i]`` of ``dtype`` (zeros)
+        with ``H_i, D_i`` from ``layer_configs[i]`` and ``S_i`` its ``max_seq_len`` (default:
+        ``max_seq_len``); ``lengths`` int32 ``[max_batch]`` zeros, no active row.
+
+        **Arguments:** ``layer_configs``: 1 to 256 ``KVLayerConfig``; ``max_batch``,
+        ``max_seq_len``: Python ints >= 1; ``dtype`` as for ``LinearKVCache.create``.
+
+        **Raises:** ``TypeError`` / ``ValueError`` naming the argument (a layer's ``max_seq_len``
+        above the cache's included).
+
+        With ``sharding`` (a ``jaxkv.CacheSharding``) every leaf is created already placed on
+        its mesh, never on one device first (docs/sharding.md).
+        """
         op = "KVCacheManager.create"
         validate.static_int(op, "max_batch", max_batch, lo=1)
         validate.static_int(op, "max_seq_len", max_seq_len, lo=1)
@@ -98,11 +109,12 @@ class KVCacheManager:
         )
 
     # Static configuration, read off the buffers' shapes.
-    num_layers = property(lambda self: len(self.layers))
-    max_batch = property(lambda self: self.lengths.shape[0])
+    num_layers = property(lambda self: len(self.layers), doc="Attention layers (static).")
+    max_batch = property(lambda self: self.lengths.shape[0], doc="Rows of the cache (static).")
     # Cache-wide max_seq_len (lengths stop there): the longest layer's.
-    max_seq_len = property(lambda self: max(layer.shape[3] for layer in self.layers))
-    dtype = property(lambda self: self.layers[0].dtype)
+    max_seq_len = property(lambda self: max(layer.shape[3] for layer in self.layers),
+                           doc="The longest layer capacity, in tokens (static).")
+    dtype = property(lambda self: self.layers[0].dtype, doc="Element type of every layer.")
 
     def _index(self, op: str, i: int) -> int:
         return validate.static_int(op, "layer_idx", i, 0, self.num_layers - 1)
@@ -155,6 +167,7 @@ class KVCacheManager:
         return jnp.all(jnp.where(active, self.lengths, 0) == 0)
 
     def set_active_batch_size(self, n: IntOrArray) -> "KVCacheManager":
+        """Marks rows ``[0, n)`` active; see ``LinearKVCache.set_active_batch_size``."""
         if self.sharding is not None:
             return _sharded.set_active_batch_size(self, n)
         n = linear.active_batch_size_arg("KVCacheManager.set_active_batch_size", n, self.max_batch)

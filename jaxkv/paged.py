@@ -70,8 +70,21 @@ class PagedKVCache:
         layout: str = "HND",
         sharding: CacheSharding | None = None,
     ) -> "PagedKVCache":
-        """An empty cache; with ``sharding`` (a ``jaxkv.CacheSharding``) every leaf is created
-        already placed, each batch shard owning ``num_pages / batch_shards`` pages."""
+        """An empty cache: every page free, every page-table entry ``NO_PAGE``, lengths 0.
+
+        ``k_pages``, ``v_pages``: ``[num_layers, num_kv_heads, num_pages, page_size, head_dim]``
+        (``layout="HND"``) or ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``
+        (``"NHD"``) of ``dtype``; ``page_table`` int32 ``[max_batch, max_pages_per_seq]``;
+        ``lengths``, ``new_tokens`` int32 ``[max_batch]``; ``ref_counts`` int32 ``[num_pages]``.
+        A sequence holds at most ``max_pages_per_seq * page_size`` tokens.
+
+        **Raises:** ``TypeError`` / ``ValueError`` naming the argument: sizes must be Python ints
+        in ``[1, 2**31 - 1]``, positions and per-layer head counts must fit in int32, ``layout``
+        one of ``"HND"``, ``"NHD"``.
+
+        With ``sharding`` (a ``jaxkv.CacheSharding``) every leaf is created already placed,
+        each batch shard owning ``num_pages / batch_shards`` pages (docs/sharding.md).
+        """
         op = "PagedKVCache.create"
         dims = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
                     num_kv_heads=num_kv_heads, head_dim=head_dim, max_batch=max_batch,
@@ -107,14 +120,21 @@ class PagedKVCache:
     def _geometry(self) -> dict:
         return paged_ops.pool_geometry(self.layout, self.k_pages.shape)
 
-    num_layers = property(lambda self: self._geometry()["num_layers"])
-    num_kv_heads = property(lambda self: self._geometry()["num_kv_heads"])
-    num_pages = property(lambda self: self._geometry()["num_pages"])
-    page_size = property(lambda self: self._geometry()["page_size"])
-    head_dim = property(lambda self: self._geometry()["head_dim"])
-    max_batch = property(lambda self: self.page_table.shape[0])
-    max_pages_per_seq = property(lambda self: self.page_table.shape[1])
-    dtype = property(lambda self: self.k_pages.dtype)
+    num_layers = property(lambda self: self._geometry()["num_layers"],
+                          doc="Decoder layers (static).")
+    num_kv_heads = property(lambda self: self._geometry()["num_kv_heads"],
+                            doc="KV heads per layer (static).")
+    num_pages = property(lambda self: self._geometry()["num_pages"],
+                         doc="Pages in the pool (static).")
+    page_size = property(lambda self: self._geometry()["page_size"],
+                         doc="Tokens per page (static).")
+    head_dim = property(lambda self: self._geometry()["head_dim"],
+                        doc="Elements per head (static).")
+    max_batch = property(lambda self: self.page_table.shape[0],
+                         doc="Rows of the page table (static).")
+    max_pages_per_seq = property(lambda self: self.page_table.shape[1],
+                                 doc="Page-table entries per row (static).")
+    dtype = property(lambda self: self.k_pages.dtype, doc="Element type of the pools.")
 
     # Read-side queries (the seed's).
     @property
@@ -381,7 +401,7 @@ class PagedKVCache:
         if isinstance(num_new_tokens, (bool, np.bool_)):
             raise TypeError(f"{op}: num_new_tokens must be an int or an int32 array, got bool")
         if not isinstance(num_new_tokens, (int, np.integer)):
-            validate.array(op, "num_new_tokens", num_new_tokens)
+            validate.array(op, "num_new_tokens", num_new_tokens, "an int or an int32 array")
             validate.int32(op, "num_new_tokens", num_new_tokens)
             validate.shape(op, "num_new_tokens", num_new_tokens, (self.max_batch,), "[max_batch]")
         n = jnp.asarray(num_new_tokens, jnp.int32)
