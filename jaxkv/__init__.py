@@ -29,6 +29,7 @@ __all__ = [
     "attention",
     "LinearKVCache",
     "KVCacheManager",
+    "CacheSharding",
     "KVLayerConfig",
     "PagedKVCache",
     "SavedKV",

@@ -59,8 +59,10 @@ if _checkify_internals is not None:
         """jax 0.10's checkify rule of shard_map returns the error with a leading device axis,
         which the next check cannot combine with: merge it to one error (a gather of a few
         flags, under checkify only)."""
-        if all(jnp.ndim(p) == 0 for p in error._pred.values()):
-            return error
+        preds = getattr(error, "_pred", None)
+        merge = getattr(_checkify_internals, "_reduce_any_error", None)
+        if preds is None or merge is None or all(jnp.ndim(p) == 0 for p in preds.values()):
+            return error  # nothing to merge, or a jax whose errors look otherwise
 
         def replicated(x):
             mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
@@ -68,7 +70,7 @@ if _checkify_internals is not None:
                 return x
             return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
 
-        return _checkify_internals._reduce_any_error(jax.tree.map(replicated, error))
+        return merge(jax.tree.map(replicated, error))
 
     def _checkify_rule(*args, msg):
         # (ctx,) error, enabled_errors, pred

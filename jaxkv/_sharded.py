@@ -113,10 +113,6 @@ def method(cache, name: str, args: tuple, roles: tuple, out_specs=None):
                      specs if out_specs is None else out_specs)
 
 
-def local_count(op: str, s: CacheSharding, rows: int) -> int:
-    return rows // s.batch_shards
-
-
 def localize_mapping(op: str, s: CacheSharding, mapping: jax.Array, rows: int) -> jax.Array:
     """A shard's slice of a global ``batch_mapping`` in local rows. A survivor sent to another
     shard's row is reported and evicted: compaction never moves data across shards."""
@@ -234,8 +230,8 @@ def save(cache, batch_idx, seq_len: int):
         return reuse.SavedKV(layers=tuple(s.from_owner(x, owned) for x in out),
                              length=jnp.asarray(seq_len, jnp.int32))
 
-    num = len(_kv_buffers(cache)[0]) if hasattr(cache, "layers") else cache.num_layers
-    return per_shard(s, body, (cache, idx), (cache_specs(cache), P()), _saved_specs(s, num))
+    return per_shard(s, body, (cache, idx), (cache_specs(cache), P()),
+                     _saved_specs(s, cache.num_layers))
 
 
 def instantiate(cache, saved, batch_idx):
@@ -420,15 +416,11 @@ def gather(cache, layer_idx, max_len: int, split: bool):
     s = cache.sharding
     dense = s.spec("batch", None, "heads", None, None)
     out = (s.spec(*KV),) * 2 if split else dense
-
-    def call(c, layer_idx):
-        return c.gather(layer_idx, max_len, split=split)
-
     validate_method(cache, "gather", layer_idx, max_len)
     layer = _row_ids("PagedKVCache.gather", layer_idx)
 
     def body(c, layer):
-        return call(_local(c), layer)
+        return _local(c).gather(layer, max_len, split=split)
 
     return per_shard(s, body, (cache, layer), (cache_specs(cache), P()), out)
 

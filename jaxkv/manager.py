@@ -144,7 +144,8 @@ class KVCacheManager:
         are copied once (under ``jit`` with the cache donated, that one copy is all); lengths and
         the active batch size are carried over."""
         layers = tuple(cache.buffer[i] for i in range(cache.num_layers))
-        return cls(layers=layers, lengths=cache.lengths, active_batch_size=cache.active_batch_size)
+        return cls(layers=layers, lengths=cache.lengths, active_batch_size=cache.active_batch_size,
+                   sharding=cache.sharding)
 
     def to_linear(self) -> LinearKVCache:
         """A LinearKVCache of a uniform cache: the layers stacked into one buffer (one copy)."""
@@ -154,6 +155,7 @@ class KVCacheManager:
             buffer=jnp.stack(self.layers),
             lengths=self.lengths,
             active_batch_size=self.active_batch_size,
+            sharding=self.sharding,
         )
 
     @property

@@ -48,8 +48,9 @@ class CacheSharding:
     Frozen and hashable: it is a static field of the cache pytrees.
 
     >>> mesh = jax.make_mesh((1, 1), ("dp", "tp"))
-    >>> CacheSharding(mesh, heads="tp", batch="dp").spec(*LAYER)
-    PartitionSpec('dp', None, 'tp', None, None)
+    >>> sharding = CacheSharding(mesh, heads="tp", batch="dp")
+    >>> sharding.spec(*LAYER) == P("dp", None, "tp", None, None)  # a layer [B, 2, H, S, D]
+    True
     """
 
     mesh: Mesh
@@ -78,10 +79,12 @@ class CacheSharding:
 
     @property
     def batch_shards(self) -> int:
+        """Devices along the batch axis (1 when the batch is not split)."""
         return self.shards("batch")
 
     @property
     def heads_shards(self) -> int:
+        """Devices along the heads axis (1 when the heads are not split)."""
         return self.shards("heads")
 
     def spec(self, *roles) -> P:
@@ -89,6 +92,7 @@ class CacheSharding:
         return P(*(None if r is None else getattr(self, r) for r in roles))
 
     def named(self, *roles) -> NamedSharding:
+        """The ``NamedSharding`` of a leaf whose dimensions play ``roles``."""
         return NamedSharding(self.mesh, self.spec(*roles))
 
     def require_divides(self, op: str, name: str, size: int, role: str) -> None:

@@ -11,7 +11,7 @@ import pytest
 import jaxkv
 
 PUBLIC_MODULES = ["jaxkv.linear", "jaxkv.manager", "jaxkv.paged", "jaxkv.ops", "jaxkv.paged_ops",
-                  "jaxkv.reuse", "jaxkv.reference", "jaxkv.attention"]
+                  "jaxkv.reuse", "jaxkv.reference", "jaxkv.attention", "jaxkv.sharding"]
 
 
 def public_names():

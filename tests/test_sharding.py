@@ -608,7 +608,7 @@ def test_demo_with_a_mesh_generates_the_unsharded_tokens(kind):
     from jaxkv.demo import cli
 
     argv = ["--cache", kind, "--requests", "4", "--max-batch", "2", "--system-len", "4",
-            "--max-prompt-len", "4", "--max-new-tokens", "5"]
+            "--max-prompt-len", "4", "--max-new-tokens", "5", "--page-size", "4"]
     outputs = []
     for extra in ([], ["--mesh", "tp=2"]):
         stream = cli.Stream(cli.parse_args(argv + extra))
