@@ -28,10 +28,9 @@ PREFIX = jnp.asarray([2, 0, 6, 13], jnp.int32)
 NEW = jnp.asarray([3, 0, 3, 3], jnp.int32)  # appended, not yet committed: what prefill reads
 
 
-def filled(kind, sharding):
+def filled(kind, sharding, k, v):
     """A cache of each kind holding PREFIX committed tokens and NEW appended ones (one row
-    empty), random data."""
-    k, v = random_array((B, H, S, D), F32, seed=1), random_array((B, H, S, D), F32, seed=2)
+    empty) of ``k``, ``v`` ``[B, H, S, D]``."""
     if kind == "paged":
         c = jaxkv.PagedKVCache.create(2, 16, 4, H, D, B, 4, F32, layout="NHD", sharding=sharding)
         c, _ = c.reserve(PREFIX + NEW)
@@ -50,12 +49,13 @@ def filled(kind, sharding):
 def test_prefill_and_decode_per_shard_equal_unsharded(mesh, kind):
     s = jaxkv.CacheSharding(mesh, heads="tp", batch="dp")
     with jax.default_device(DEVICES[0]), jax.default_matmul_precision("highest"):
-        sharded, plain = filled(kind, s), filled(kind, None)
-        qp = random_array((B, 3, HQ, D), F32, seed=4)
+        k, v = random_array((B, H, S, D), F32), random_array((B, H, S, D), F32)
+        sharded, plain = filled(kind, s, k, v), filled(kind, None, k, v)
+        qp = random_array((B, 3, HQ, D), F32)
         prefill = jax.jit(lambda c, q: jaxkv.attention.prefill(q, c, 1, NEW))
         np.testing.assert_allclose(prefill(sharded, qp), prefill(plain, qp), rtol=1e-5, atol=1e-6)
         sharded, plain = sharded.commit(NEW), plain.commit(NEW)
-        q = random_array((B, HQ, D), F32, seed=3)
+        q = random_array((B, HQ, D), F32)
         decode = jax.jit(lambda c, q: jaxkv.attention.decode(q, c, 1))
         np.testing.assert_allclose(decode(sharded, q), decode(plain, q), rtol=1e-5, atol=1e-6)
         for fn, x in ((decode, q), (prefill, qp)):
