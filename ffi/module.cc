@@ -17,6 +17,9 @@ NB_MODULE(_jaxkv, m) {
     }
     return by_platform;
   });
+  // The FFI API minor version of the headers it was built against (0.N): jaxkv/_ffi.py refuses
+  // to register handlers newer than the running jaxlib, which would take the backend down.
+  m.attr("ffi_api_minor") = JAXKV_FFI_API_MINOR;
 #ifdef JAXKV_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

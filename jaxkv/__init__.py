@@ -1,4 +1,9 @@
-"""jaxkv: KV-cache management for JAX inference loops (XLA FFI custom calls, CUDA and CPU)."""
+"""jaxkv: KV-cache management for JAX inference loops (XLA FFI custom calls, CUDA and CPU).
+
+The caches (``LinearKVCache``, ``KVCacheManager``, ``PagedKVCache``) are pytrees whose methods
+return new caches; under ``jit`` with the cache donated every method runs in place. The functional
+ops below work on raw arrays. ``jaxkv.reference`` holds a pure-jnp version of every op.
+"""
 
 from . import reference as reference
 from .linear import LinearKVCache as LinearKVCache
@@ -17,3 +22,26 @@ from .reuse import instantiate_kv_cache as instantiate_kv_cache
 from .reuse import save_kv_cache as save_kv_cache
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "LinearKVCache",
+    "KVCacheManager",
+    "KVLayerConfig",
+    "PagedKVCache",
+    "SavedKV",
+    "NO_PAGE",
+    "compact_kv_cache",
+    "compact_tensor_batch",
+    "copy_pages",
+    "increment_lengths",
+    "instantiate_kv_cache",
+    "paged_append",
+    "paged_gather",
+    "reference",
+    "save_kv_cache",
+]
+
+
+def __dir__() -> list[str]:
+    # dir(jaxkv) lists the public API, not the private modules importing it loads.
+    return sorted(__all__ + ["__version__"])

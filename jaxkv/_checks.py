@@ -13,12 +13,14 @@ The rule uses ``jax._src.checkify``; where that is missing, ``check`` falls back
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import jax.numpy as jnp
 from jax.experimental import checkify
 from jax.extend import core as jax_core
 from jax.interpreters import ad, batching, mlir
 
+_checkify_internals: Any  # jax's private checkify module, or None where it moved
 try:
     from jax._src import checkify as _checkify_internals
 

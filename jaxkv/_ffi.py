@@ -6,7 +6,11 @@ The extension exposes ``registrations()``: ``{platform: {target: capsule}}``. A 
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import jax
+import jaxlib
 
 try:
     from . import _jaxkv
@@ -18,6 +22,31 @@ except ImportError as e:  # most often: the source checkout shadows the installe
     ) from e
 
 WITH_CUDA: bool = bool(_jaxkv.with_cuda)
+
+
+def _runtime_ffi_api_minor() -> int | None:
+    """The FFI API minor version of the running jaxlib (from the headers it ships), or None."""
+    header = pathlib.Path(jaxlib.__file__).parent / "include/xla/ffi/api/c_api.h"
+    try:
+        found = re.search(r"#define XLA_FFI_API_MINOR (\d+)", header.read_text())
+    except OSError:
+        return None
+    return int(found.group(1)) if found else None
+
+
+def _check_ffi_api() -> None:
+    # Registering a handler built against newer headers than the running XLA takes the whole
+    # backend down at its first use ("Unable to initialize backend"); refuse it here, clearly.
+    built, running = _jaxkv.ffi_api_minor, _runtime_ffi_api_minor()
+    if running is not None and built > running:
+        raise ImportError(
+            f"jaxkv was built against XLA FFI API 0.{built}, but jaxlib {jaxlib.__version__} "
+            f"speaks 0.{running}: rebuild jaxkv against this jaxlib "
+            "(`pip install --no-build-isolation --force-reinstall --no-deps .` from its source)."
+        )
+
+
+_check_ffi_api()
 
 for _platform, _targets in _jaxkv.registrations().items():
     for _name, _capsule in _targets.items():

@@ -27,7 +27,7 @@ def increment_arg(op: str, name: str, increment, rows: int) -> jax.Array:
     if isinstance(increment, (int, np.integer)):
         validate.static_int(op, name, increment, lo=-(2**31), hi=2**31 - 1)
         return jnp.full((rows,), int(increment), jnp.int32)
-    validate.array(op, name, increment)
+    validate.array(op, name, increment, "an int or an int32 array")
     validate.int32(op, name, increment)
     validate.shape(op, name, increment, (rows,), "[max_batch]")
     return increment

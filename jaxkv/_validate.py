@@ -28,9 +28,9 @@ CREATE_LIMITS = dict(num_layers=MAX_LAYERS, max_batch=MAX_COMPACT_ROWS)
 INT32_MAX = 2**31 - 1  # the kernels keep sizes (tokens, heads, bytes of a token) in int32
 
 
-def array(op: str, name: str, x) -> jax.Array:
+def array(op: str, name: str, x, what: str = "an array") -> jax.Array:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{op}: {name} must be an array, got {type(x).__name__}")
+        raise TypeError(f"{op}: {name} must be {what}, got {type(x).__name__}")
     return x
 
 
@@ -75,10 +75,18 @@ def int_scalar(op: str, name: str, x) -> jax.Array:
         raise TypeError(f"{op}: {name} must be an int or an int32 scalar, got bool")
     if isinstance(x, (int, np.integer)):
         return jnp.asarray(x, jnp.int32)
-    array(op, name, x)
+    array(op, name, x, "an int or an int32 scalar")
     int32(op, name, x)
     rank(op, name, x, 0)
     return x
+
+
+def layer_index(op: str, x, num_layers: int) -> jax.Array:
+    """A layer index: a Python int in ``[0, num_layers)`` (checked now) or an int32 scalar (traced
+    is fine; the caller reports it through checkify when out of range)."""
+    if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+        static_int(op, "layer_idx", x, 0, num_layers - 1)
+    return int_scalar(op, "layer_idx", x)
 
 
 def kv_geometry(op: str, name: str, heads: int, capacity: int, token_bytes: int) -> None:

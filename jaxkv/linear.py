@@ -48,6 +48,17 @@ class LinearKVCache:
         head_dim: int,
         dtype=jnp.bfloat16,
     ) -> "LinearKVCache":
+        """An empty cache: ``buffer`` ``[num_layers, max_batch, 2, num_kv_heads, max_seq_len,
+        head_dim]`` of ``dtype`` (zeros), ``lengths`` int32 ``[max_batch]`` zeros, no active row.
+
+        **Arguments:** Python ints >= 1 for the sizes, ``num_layers <= 256`` and
+        ``max_batch <= 8192`` (what one compaction launch takes: refused here, not in ``compact``
+        after the cache was donated); ``dtype`` one of float32, bfloat16, float16, float8_e4m3fn,
+        float8_e5m2, int8, uint8.
+
+        **Raises:** ``TypeError`` for a size that is not an int or an unsupported dtype,
+        ``ValueError`` for a size out of range (each names the argument).
+        """
         op = "LinearKVCache.create"
         dims = dict(num_layers=num_layers, max_batch=max_batch, num_kv_heads=num_kv_heads,
                     max_seq_len=max_seq_len, head_dim=head_dim)
@@ -63,12 +74,12 @@ class LinearKVCache:
         )
 
     # Static configuration, read off the buffer's shape.
-    num_layers = property(lambda self: self.buffer.shape[0])
-    max_batch = property(lambda self: self.buffer.shape[1])
-    num_kv_heads = property(lambda self: self.buffer.shape[3])
-    max_seq_len = property(lambda self: self.buffer.shape[4])
-    head_dim = property(lambda self: self.buffer.shape[5])
-    dtype = property(lambda self: self.buffer.dtype)
+    num_layers = property(lambda self: self.buffer.shape[0], doc="Decoder layers (static).")
+    max_batch = property(lambda self: self.buffer.shape[1], doc="Rows of the cache (static).")
+    num_kv_heads = property(lambda self: self.buffer.shape[3], doc="KV heads per layer (static).")
+    max_seq_len = property(lambda self: self.buffer.shape[4], doc="Tokens each row holds (static).")
+    head_dim = property(lambda self: self.buffer.shape[5], doc="Elements per head (static).")
+    dtype = property(lambda self: self.buffer.dtype, doc="Element type of the buffer.")
 
     def layer(self, i: IntOrArray) -> jax.Array:
         """``[max_batch, 2, H, S, D]`` of layer ``i`` (a view under ``jit``)."""
@@ -89,6 +100,10 @@ class LinearKVCache:
         return jnp.all(jnp.where(active, self.lengths, 0) == 0)
 
     def set_active_batch_size(self, n: IntOrArray) -> "LinearKVCache":
+        """Marks rows ``[0, n)`` active (TensorRT Edge-LLM's setActiveBatchSize); lengths are kept.
+
+        ``n``: a Python int in ``[0, max_batch]`` (checked at trace time) or an int32 scalar
+        (clipped to that range, reported through ``checkify``)."""
         n = active_batch_size_arg("LinearKVCache.set_active_batch_size", n, self.max_batch)
         return dataclasses.replace(self, active_batch_size=n)
 
@@ -221,7 +236,7 @@ def append_stacked(op, buffer, layer_idx, k, v, lengths, active_batch_size, new_
     or into one layer ``[B, 2, H, S, D]`` (``layer_idx`` 0; reshaping it would cost a copy)."""
     stack = buffer.shape if buffer.ndim == 6 else (1, *buffer.shape)
     num_layers, batch, _, heads, capacity, head_dim = stack
-    layer_idx = validate.int_scalar(op, "layer_idx", layer_idx)
+    layer_idx = validate.layer_index(op, layer_idx, num_layers)
     for name, x in (("k", k), ("v", v)):
         validate.array(op, name, x)
         validate.rank(op, name, x, 4, "[max_batch, num_kv_heads, T, head_dim]")

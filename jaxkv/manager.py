@@ -58,6 +58,17 @@ class KVCacheManager:
         max_seq_len: int,
         dtype=jnp.bfloat16,
     ) -> "KVCacheManager":
+        """An empty cache: layer ``i`` is ``[max_batch, 2, H_i, S_i, D_i]`` of ``dtype`` (zeros)
+        with ``H_i, D_i`` from ``layer_configs[i]`` and ``S_i`` its ``max_seq_len`` (default:
+        ``max_seq_len``); ``lengths`` int32 ``[max_batch]`` zeros, no active row.
+
+        **Arguments:** ``layer_configs``: 1 to 256 ``KVLayerConfig``; ``max_batch``,
+        ``max_seq_len``: Python ints >= 1, ``max_batch <= 8192`` (one compaction launch);
+        ``dtype`` as for ``LinearKVCache.create``.
+
+        **Raises:** ``TypeError`` / ``ValueError`` naming the argument (a layer's ``max_seq_len``
+        above the cache's included).
+        """
         op = "KVCacheManager.create"
         validate.static_int(op, "max_batch", max_batch, lo=1, hi=validate.MAX_COMPACT_ROWS)
         validate.static_int(op, "max_seq_len", max_seq_len, lo=1)
@@ -84,11 +95,12 @@ class KVCacheManager:
         )
 
     # Static configuration, read off the buffers' shapes.
-    num_layers = property(lambda self: len(self.layers))
-    max_batch = property(lambda self: self.lengths.shape[0])
+    num_layers = property(lambda self: len(self.layers), doc="Attention layers (static).")
+    max_batch = property(lambda self: self.lengths.shape[0], doc="Rows of the cache (static).")
     # Cache-wide max_seq_len (lengths stop there): the longest layer's.
-    max_seq_len = property(lambda self: max(layer.shape[3] for layer in self.layers))
-    dtype = property(lambda self: self.layers[0].dtype)
+    max_seq_len = property(lambda self: max(layer.shape[3] for layer in self.layers),
+                           doc="The longest layer capacity, in tokens (static).")
+    dtype = property(lambda self: self.layers[0].dtype, doc="Element type of every layer.")
 
     def _index(self, op: str, i: int) -> int:
         return validate.static_int(op, "layer_idx", i, 0, self.num_layers - 1)
@@ -137,6 +149,7 @@ class KVCacheManager:
         return jnp.all(jnp.where(active, self.lengths, 0) == 0)
 
     def set_active_batch_size(self, n: IntOrArray) -> "KVCacheManager":
+        """Marks rows ``[0, n)`` active; see ``LinearKVCache.set_active_batch_size``."""
         n = linear.active_batch_size_arg("KVCacheManager.set_active_batch_size", n, self.max_batch)
         return dataclasses.replace(self, active_batch_size=n)
 

@@ -8,7 +8,7 @@ unless the caller wraps the function in ``checkify.checkify``).
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Any, Sequence, Union, cast
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +64,7 @@ def _check_one_launch(buffers, *, kv: bool, rows: int, op: str) -> None:
 def compact_buffers(
     buffers: Sequence[jax.Array], lengths, batch_mapping, *, kv: bool, rows: int,
     op: str = "compact",
-) -> tuple[jax.Array | None, list[jax.Array]]:
+) -> tuple[Any, list[jax.Array]]:
     """The one FFI call behind every compaction (arguments already validated).
 
     ``buffers``: KV layers ``[rows, 2, H, S, D]`` or stacks ``[L, rows, 2, H, S, D]`` when ``kv``,
@@ -123,7 +123,7 @@ def compact_tensor_batch(x: jax.Array, batch_mapping: jax.Array) -> jax.Array:
 def validate_kv_layers(op: str, layers: Layers, max_batch: int | None = None) -> list[jax.Array]:
     """``layers`` as a list of ``[max_batch, 2, H, S, D]`` arrays, checked."""
     is_list = isinstance(layers, (list, tuple))
-    items = list(layers) if is_list else [layers]
+    items = list(layers) if isinstance(layers, (list, tuple)) else [cast(jax.Array, layers)]
     if not items:
         raise ValueError(f"{op}: layers is empty")
     if len(items) > validate.MAX_LAYERS:

@@ -66,6 +66,18 @@ class PagedKVCache:
         dtype=jnp.bfloat16,
         layout: str = "HND",
     ) -> "PagedKVCache":
+        """An empty cache: every page free, every page-table entry ``NO_PAGE``, lengths 0.
+
+        ``k_pages``, ``v_pages``: ``[num_layers, num_kv_heads, num_pages, page_size, head_dim]``
+        (``layout="HND"``) or ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``
+        (``"NHD"``) of ``dtype``; ``page_table`` int32 ``[max_batch, max_pages_per_seq]``;
+        ``lengths``, ``new_tokens`` int32 ``[max_batch]``; ``ref_counts`` int32 ``[num_pages]``.
+        A sequence holds at most ``max_pages_per_seq * page_size`` tokens.
+
+        **Raises:** ``TypeError`` / ``ValueError`` naming the argument: sizes must be Python ints
+        in ``[1, 2**31 - 1]``, positions and per-layer head counts must fit in int32, ``layout``
+        one of ``"HND"``, ``"NHD"``.
+        """
         op = "PagedKVCache.create"
         dims = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
                     num_kv_heads=num_kv_heads, head_dim=head_dim, max_batch=max_batch,
@@ -98,14 +110,21 @@ class PagedKVCache:
     def _geometry(self) -> dict:
         return paged_ops.pool_geometry(self.layout, self.k_pages.shape)
 
-    num_layers = property(lambda self: self._geometry()["num_layers"])
-    num_kv_heads = property(lambda self: self._geometry()["num_kv_heads"])
-    num_pages = property(lambda self: self._geometry()["num_pages"])
-    page_size = property(lambda self: self._geometry()["page_size"])
-    head_dim = property(lambda self: self._geometry()["head_dim"])
-    max_batch = property(lambda self: self.page_table.shape[0])
-    max_pages_per_seq = property(lambda self: self.page_table.shape[1])
-    dtype = property(lambda self: self.k_pages.dtype)
+    num_layers = property(lambda self: self._geometry()["num_layers"],
+                          doc="Decoder layers (static).")
+    num_kv_heads = property(lambda self: self._geometry()["num_kv_heads"],
+                            doc="KV heads per layer (static).")
+    num_pages = property(lambda self: self._geometry()["num_pages"],
+                         doc="Pages in the pool (static).")
+    page_size = property(lambda self: self._geometry()["page_size"],
+                         doc="Tokens per page (static).")
+    head_dim = property(lambda self: self._geometry()["head_dim"],
+                        doc="Elements per head (static).")
+    max_batch = property(lambda self: self.page_table.shape[0],
+                         doc="Rows of the page table (static).")
+    max_pages_per_seq = property(lambda self: self.page_table.shape[1],
+                                 doc="Page-table entries per row (static).")
+    dtype = property(lambda self: self.k_pages.dtype, doc="Element type of the pools.")
 
     # Read-side queries (the seed's).
     @property

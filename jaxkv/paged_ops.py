@@ -111,7 +111,8 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_len
     g = _check_pools(op, k_pages, v_pages, layout)
     batch = _check_table(op, page_table, lengths)
     all_layers = getattr(k, "ndim", None) == 5
-    layer_idx = jnp.zeros((), jnp.int32) if all_layers else validate.int_scalar(op, "layer_idx", layer_idx)
+    layer_idx = (jnp.zeros((), jnp.int32) if all_layers
+                 else validate.layer_index(op, layer_idx, g["num_layers"]))
     lead = (g["num_layers"],) if all_layers else ()
     for name, x in (("k", k), ("v", v)):
         validate.array(op, name, x)
@@ -156,13 +157,14 @@ def paged_gather(k_pages, v_pages, page_table, lengths, layer_idx, max_len: int,
     op = "paged_gather"
     g = _check_pools(op, k_pages, v_pages, layout)
     batch = _check_table(op, page_table, lengths)
-    layer_idx = validate.int_scalar(op, "layer_idx", layer_idx)
+    layer_idx = validate.layer_index(op, layer_idx, g["num_layers"])
     max_len = validate.static_int(op, "max_len", max_len, lo=1, hi=validate.INT32_MAX)
     validate.one_launch(op, "rows * heads", batch * g["num_kv_heads"])
     check(
         (layer_idx >= 0) & (layer_idx < g["num_layers"]), f"{op}: layer_idx out of range"
     )
     heads, head_dim, dtype = g["num_kv_heads"], g["head_dim"], k_pages.dtype
+    results: tuple[jax.ShapeDtypeStruct, ...]
     if split:
         results = (jax.ShapeDtypeStruct((batch, heads, max_len, head_dim), dtype),) * 2
     else:

@@ -37,8 +37,8 @@ class SavedKV:
     layers: tuple[jax.Array, ...]  # per layer [2, num_kv_heads_i, T, head_dim_i]
     length: jax.Array  # int32 []: tokens of the prompt, the reuse length to pass to reset (T)
 
-    num_layers = property(lambda self: len(self.layers))
-    tokens = property(lambda self: self.layers[0].shape[2])  # T, static
+    num_layers = property(lambda self: len(self.layers), doc="Layers saved (static).")
+    tokens = property(lambda self: self.layers[0].shape[2], doc="Tokens saved, T (static).")
 
 
 def _described(op: str, buffers: Sequence[jax.Array], names: Sequence[str]):

@@ -4,6 +4,9 @@ import os
 
 # Several emulated CPU devices for sharding tests; harmless on GPU.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Several workers on one GPU: each takes memory as it needs it, not 75% up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

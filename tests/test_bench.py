@@ -331,3 +331,13 @@ def test_kernel_time_is_none_without_a_gpu_trace():
     step = lambda i, c, m: jaxkv.compact_tensor_batch(c, m)
     _, t, seen, expected = T.kernel_seconds(step, x, jnp.arange(8, dtype=jnp.int32), n=2)
     assert (t, seen, expected) == (None, 0, 2)
+
+
+def test_an_op_of_several_launches_is_timed_as_their_sum():
+    """A split-KV attention launches a main kernel and a combine per op: the op's time is both,
+    not the median launch (which would halve it)."""
+    launches = [450e-6, 5e-6, 452e-6, 6e-6, 449e-6, 5e-6, 451e-6, 5e-6]
+    assert T.per_op_seconds(launches, 4) == pytest.approx(455.5e-6)  # sums 455, 458, 454, 456
+    assert T.per_op_seconds(launches[:4], 4) == pytest.approx(np.median(launches[:4]))
+    assert T.per_op_seconds(launches[:7], 4) is None  # a launch missing: no time, not a wrong one
+    assert T.per_op_seconds([], 4) is None

@@ -109,8 +109,9 @@ def test_append_traced_layer_in_scan_and_out_of_range():
         want_k, want_v = ref.paged_append(want_k, want_v, table, lengths, i, ks[i], -ks[i], counts)
     assert_bytes_equal(ok_k, want_k, "k_pages")
     assert_bytes_equal(ok_v, want_v, "v_pages")
-    for bad in (-1, L):
-        out = jaxkv.paged_append(kp, vp, table, lengths, bad, ks[0], ks[0], counts)
+    for bad in (-1, L):  # traced: the kernel writes nothing (a static one fails at trace time)
+        bad_layer = jnp.asarray(bad, jnp.int32)
+        out = jaxkv.paged_append(kp, vp, table, lengths, bad_layer, ks[0], ks[0], counts)
         assert_bytes_equal(out[0], kp, f"layer {bad} wrote")
 
 
@@ -140,7 +141,7 @@ def test_gather_every_dtype(dtype):
     kp, vp = (random_array(pool_shape(layout, pages, 4, 5), dtype) for _ in range(2))
     out = jaxkv.paged_gather(kp, vp, table, lengths, 0, 20, layout=layout)
     assert_bytes_equal(out, ref.paged_gather(kp, vp, table, lengths, 0, 20, layout), "gather")
-    out = jaxkv.paged_gather(kp, vp, table, lengths, L, 20, layout=layout)
+    out = jaxkv.paged_gather(kp, vp, table, lengths, jnp.asarray(L, jnp.int32), 20, layout=layout)
     assert not np.asarray(out).view(np.uint8).any(), "an out-of-range layer gathers zeros"
 
 

@@ -254,8 +254,10 @@ def jaxkv_kernel_durations(trace_dir: str) -> list[float]:
 
 
 def kernel_seconds(step: Step, carry, consts, per_step: int = 1, n: int = 4):
-    """(carry, median device time of one jaxkv kernel launch or None, launches seen, expected):
-    ``n`` iterations of ``step`` run once under the profiler (after a warm-up call)."""
+    """(carry, median device time of one op's jaxkv kernels or None, launches seen, expected):
+    ``n`` iterations of ``step`` run once under the profiler (after a warm-up call). An op of
+    several launches (a split-KV attention and its combine) counts all of them: its launches are
+    consecutive, so the trace is cut into ``expected`` groups of equal count and each summed."""
     compiled = loop(step, n).lower(carry, consts).compile()
     carry = compiled(carry, consts)
     block(carry)
@@ -264,7 +266,16 @@ def kernel_seconds(step: Step, carry, consts, per_step: int = 1, n: int = 4):
             carry = compiled(carry, consts)
             block(carry)
         seconds = jaxkv_kernel_durations(d)
-    return carry, (statistics.median(seconds) if seconds else None), len(seconds), n * per_step
+    return carry, per_op_seconds(seconds, n * per_step), len(seconds), n * per_step
+
+
+def per_op_seconds(launches: list[float], ops: int) -> float | None:
+    """Median over ops of the summed durations of each op's launches (in trace order); None when
+    the launches do not split evenly into ``ops`` ops (a kernel missing from the trace)."""
+    if not launches or len(launches) % ops:
+        return None
+    k = len(launches) // ops
+    return statistics.median(sum(launches[i:i + k]) for i in range(0, len(launches), k))
 
 
 def memory_stats() -> dict | None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
+import time
 
 import jax
 import numpy as np
@@ -36,7 +38,18 @@ def parse_args(argv):
     for name in ("requests", "max_batch", "system_len", "max_prompt_len", "max_new_tokens",
                  "page_size"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not 0 <= args.seed < 2**31:
+        p.error(f"--seed must be in [0, 2**31), got {args.seed}")
+    if args.show < 0:
+        p.error(f"--show must be at least 0, got {args.show}")
+    longest = args.system_len + args.max_prompt_len + args.max_new_tokens
+    if args.cache == "paged" and args.page_size > longest:
+        p.error(f"--page-size {args.page_size} is longer than the longest sequence ({longest} "
+                "tokens: --system-len + --max-prompt-len + --max-new-tokens)")
+    if args.model is not None and not (pathlib.Path(args.model) / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json there (expected a local Hugging Face "
+                "checkpoint directory)")
     return args
 
 
@@ -53,22 +66,30 @@ def load_model(args):
 
 
 class ProgressBar:
-    """One line, redrawn in place on a terminal and printed once at the end elsewhere."""
+    """One line redrawn in place on a terminal; elsewhere (a log, a pipe) a line at every tenth of
+    the requests and at least every ``every`` seconds, so a long run keeps talking."""
 
-    def __init__(self, total: int, label: str, width: int = 30):
-        self.total, self.label, self.width, self.done = total, label, width, 0
+    def __init__(self, total: int, label: str, width: int = 30, every: float = 10.0):
+        self.total, self.label, self.width, self.every, self.done = total, label, width, every, 0
         self.tty = sys.stdout.isatty()
+        self.last_line, self.last_tenth = time.monotonic(), 0
 
     def __call__(self, finished, stats: loop.Stats):
         self.done += len(finished)
-        if self.tty or self.done == self.total:
-            filled = self.width * self.done // self.total
-            rate = stats.generated / max(stats.serving_time, 1e-9)
-            line = (f"{self.label:>6} [{'#' * filled}{'.' * (self.width - filled)}] "
-                    f"{self.done}/{self.total} requests, {stats.generated} tokens, "
-                    f"{rate:.0f} tok/s")
-            end = "\n" if self.done == self.total else ""
-            print(("\r" if self.tty else "") + line, end=end, flush=True)
+        tenth = 10 * self.done // self.total
+        now = time.monotonic()
+        due = tenth > self.last_tenth or now - self.last_line >= self.every
+        if not (self.tty or due or self.done == self.total):
+            return
+        self.last_line, self.last_tenth = now, tenth
+        filled = self.width * self.done // self.total
+        rate = stats.generated / max(stats.serving_time, 1e-9)
+        line = (f"{self.label:>6} [{'#' * filled}{'.' * (self.width - filled)}] "
+                f"{self.done}/{self.total} requests, {stats.generated} tokens, {rate:.0f} tok/s")
+        if self.tty:
+            print("\r" + line, end="\n" if self.done == self.total else "", flush=True)
+        else:
+            print(line, flush=True)
 
 
 def mib(n: int) -> str:
@@ -96,11 +117,18 @@ def report(results: dict[str, loop.Stats]) -> list[str]:
 
 
 def main(argv=None) -> int:
+    args = parse_args(argv)
     # float32 matmuls in float32 on GPUs too (XLA would use TF32): the jaxkv and XLA loops compile
     # to different programs whose TF32 roundings can flip a near-tied greedy choice, and the
     # baseline comparison is token for token.
     with jax.default_matmul_precision("highest"):
-        return serve(parse_args(argv))
+        try:
+            return serve(args)
+        except (OSError, KeyError, ValueError) as e:  # an unreadable or unexpected checkpoint
+            if args.model is None:
+                raise
+            print(f"python -m jaxkv demo: error: --model {args.model}: {e}", file=sys.stderr)
+            return 2
 
 
 class Stream:
@@ -146,6 +174,8 @@ def serve(args) -> int:
     for ops in ["jaxkv"] + ([args.baseline] if args.baseline else []):
         engine = stream.engine(ops)
         requests = stream.requests()
+        print(f"{ops:>6}: compiling {len(engine.functions)} step functions "
+              f"({', '.join(engine.functions)})...", flush=True)
         results[ops] = engine.run(requests, ProgressBar(len(requests), ops))
         results[ops].cache_copies = engine.cache_copies()
         outputs[ops] = [r.output for r in requests]
@@ -154,15 +184,17 @@ def serve(args) -> int:
         shown = " ".join(map(str, out[:16])) + (" ..." if len(out) > 16 else "")
         print(f"request {i}: {len(out)} tokens: {shown}")
     stats = results["jaxkv"]
-    print(f"\ncache: {args.cache}, max_seq_len {engine.max_seq_len}; {stats.admissions} "
-          f"admissions, {stats.decode_steps} decode steps, {stats.evictions} evictions; "
+    print(f"\ncache: {args.cache}, max_seq_len {engine.max_seq_len}; {stats.admissions} requests "
+          f"admitted in {stats.admit_steps} admit steps, {stats.decode_steps} decode steps, "
+          f"{stats.evictions} requests evicted in {stats.evict_steps} evict steps; "
           f"{stats.prefilled} tokens prefilled ({args.system_len * (args.requests - 1)} more "
           f"without the reused system prompt)")
     print("\n".join(report(results)))
     if args.baseline:
         # Measured on the H200: 13-15 s for whichever loop runs first, 2.5-3.5 s for the second.
-        print("(compile + warm-up: the first column also pays the process's one-time start-up, "
-              "such as GPU autotuning, which the second reuses)")
+        if jax.default_backend() == "gpu":
+            print("(compile + warm-up: the first column also pays the process's one-time "
+                  "start-up, such as GPU autotuning, which the second reuses)")
         differ = sum(a != b for a, b in zip(outputs[args.baseline], outputs["jaxkv"]))
         if differ:
             print(f"\n{args.baseline} baseline generated DIFFERENT tokens for {differ} of "

@@ -49,6 +49,7 @@ def make_requests(num: int, vocab: int, seed: int, prompt_len: tuple[int, int],
     ]
 
 
+DECODE_CHUNK = 256  # most decode steps in one call of the jitted decode loop
 PHASES = ("compile + warm-up", "system prompt", "admit + prefill", "decode", "evict")
 
 
@@ -59,8 +60,10 @@ class Stats:
     prefilled: int = 0
     decode_steps: int = 0
     decode_tokens: int = 0
-    admissions: int = 0
-    evictions: int = 0
+    admissions: int = 0  # requests admitted
+    admit_steps: int = 0  # admit + prefill calls (each admits every request that fits)
+    evictions: int = 0  # requests evicted
+    evict_steps: int = 0  # evict calls
     peak_in_use: int = 0
     allocated: int = 0
     cache_copies: int = -1  # set by the caller (Engine.cache_copies)
@@ -175,7 +178,8 @@ class Engine:
     def run(self, requests: list[Request], progress: Callable | None = None) -> Stats:
         """Serves ``requests`` (more than ``max_batch`` is the point) and fills their outputs.
 
-        ``progress(finished_requests, stats)`` is called after every eviction.
+        ``progress(finished_requests, stats)`` is called after every eviction and after every
+        decode call that finished no request.
         """
         for r in requests:
             if not (1 <= len(r.prompt) <= self.max_prompt_len
@@ -221,12 +225,14 @@ class Engine:
                 first = np.asarray(next_tokens)
                 for row, r in enumerate(rows[n_old:], n_old):
                     r.output.append(int(first[row]))
-                stats.admissions += 1
+                stats.admissions += len(rows) - n_old
+                stats.admit_steps += 1
                 stats.prefilled += int(lengths.sum())
                 stats.generated += len(rows) - n_old
             stats.peak_in_use = max(stats.peak_in_use, kind.memory(cache)[0])
             # Decode until the first request is done.
-            steps = min(r.max_new_tokens - len(r.output) for r in rows)
+            # (at most DECODE_CHUNK steps per call, so progress is reported during long answers)
+            steps = min(DECODE_CHUNK, *(r.max_new_tokens - len(r.output) for r in rows))
             if steps > 0:
                 cache, next_tokens, out = timed("decode", "decode", params, cache,
                                                 next_tokens, jnp.int32(steps))
@@ -239,12 +245,17 @@ class Engine:
                 stats.peak_in_use = max(stats.peak_in_use, kind.memory(cache)[0])
             # Evict the finished requests; the others move to rows [0, survivors), in order.
             done = [len(r.output) >= r.max_new_tokens for r in rows]
+            if not any(done):
+                if progress is not None:
+                    progress([], stats)
+                continue
             survivors = [i for i, d in enumerate(done) if not d]
             mapping = np.full((batch,), -1, np.int32)
             mapping[survivors] = np.arange(len(survivors), dtype=np.int32)
             cache, next_tokens = timed("evict", "evict", cache, next_tokens, jnp.asarray(mapping))
-            stats.evictions += 1
             finished = [r for r, d in zip(rows, done) if d]
+            stats.evictions += len(finished)
+            stats.evict_steps += 1
             rows = [rows[i] for i in survivors]
             if progress is not None:
                 progress(finished, stats)

@@ -1,0 +1,7 @@
+# The compiled extension (ffi/module.cc).
+from typing import Any
+
+with_cuda: bool
+ffi_api_minor: int
+
+def registrations() -> dict[str, dict[str, Any]]: ...

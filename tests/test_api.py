@@ -1,0 +1,87 @@
+"""The package's face: what it exports, its docstrings and their examples, its metadata."""
+
+import doctest
+import importlib
+import importlib.metadata
+import inspect
+import pathlib
+
+import pytest
+
+import jaxkv
+
+PUBLIC_MODULES = ["jaxkv.linear", "jaxkv.manager", "jaxkv.paged", "jaxkv.ops", "jaxkv.paged_ops",
+                  "jaxkv.reuse", "jaxkv.reference"]
+
+
+def public_names():
+    return [name for name in jaxkv.__all__
+            if any(test(getattr(jaxkv, name))
+                   for test in (inspect.isclass, inspect.isfunction, inspect.ismodule))]
+
+
+def test_all_lists_every_export_and_dir_shows_no_private_module():
+    assert sorted(set(jaxkv.__all__)) == sorted(jaxkv.__all__)
+    for name in jaxkv.__all__:
+        assert hasattr(jaxkv, name), name
+    assert not [n for n in dir(jaxkv) if n.startswith("_") and n != "__version__"]
+
+
+def test_the_package_is_typed():
+    assert (pathlib.Path(jaxkv.__file__).parent / "py.typed").is_file()
+
+
+@pytest.mark.parametrize("name", public_names())
+def test_every_public_name_and_method_has_a_docstring(name):
+    obj = getattr(jaxkv, name)
+    assert inspect.getdoc(obj), name
+    if inspect.isclass(obj):
+        for attr, member in vars(obj).items():
+            if attr.startswith("_"):
+                continue
+            func = member.__func__ if isinstance(member, classmethod) else member
+            if inspect.isfunction(func) or isinstance(func, property):
+                assert inspect.getdoc(func), f"{name}.{attr} has no docstring"
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
+def test_docstring_examples_run(module):
+    """Every ``>>>`` example in the public modules runs and prints what it shows."""
+    mod = importlib.import_module(module)
+    result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0
+
+
+def test_package_metadata_is_complete():
+    meta = importlib.metadata.metadata("jaxkv")
+    assert meta["Summary"] and meta["Requires-Python"] and meta["Author"]
+    assert "Typing :: Typed" in meta.get_all("Classifier")
+    assert any(r.startswith("jax") for r in meta.get_all("Requires-Dist"))
+
+
+def test_a_static_layer_index_out_of_range_is_a_trace_time_error_everywhere():
+    import jax.numpy as jnp
+
+    linear = jaxkv.LinearKVCache.create(2, 2, 1, 8, 4, dtype=jnp.float32)
+    k = jnp.ones((2, 1, 1, 4), jnp.float32)
+    with pytest.raises(ValueError, match=r"LinearKVCache.append: layer_idx must be in \[0, 1\], got 5"):
+        linear.append(5, k, k)
+    manager = jaxkv.KVCacheManager.create([jaxkv.KVLayerConfig(1, 4)] * 2, 2, 8, jnp.float32)
+    with pytest.raises(ValueError, match=r"KVCacheManager.append: layer_idx must be in \[0, 1\]"):
+        manager.append(5, k, k)
+    paged = jaxkv.PagedKVCache.create(2, 4, 4, 1, 4, 2, 2, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"paged_append: layer_idx must be in \[0, 1\], got -1"):
+        paged.append(-1, k, k)
+    with pytest.raises(ValueError, match=r"paged_gather: layer_idx must be in \[0, 1\], got 2"):
+        paged.gather(2, 4)
+
+
+def test_commit_names_what_it_accepts():
+    import jax.numpy as jnp
+
+    linear = jaxkv.LinearKVCache.create(2, 2, 1, 8, 4, dtype=jnp.float32)
+    with pytest.raises(TypeError, match="new_lengths must be an int or an int32 array, got float"):
+        linear.commit(1.5)
+    paged = jaxkv.PagedKVCache.create(2, 4, 4, 1, 4, 2, 2, dtype=jnp.float32)
+    with pytest.raises(TypeError, match="num_new_tokens must be an int or an int32 array"):
+        paged.commit(1.5)
