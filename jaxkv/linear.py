@@ -56,8 +56,10 @@ class LinearKVCache:
         """An empty cache: ``buffer`` ``[num_layers, max_batch, 2, num_kv_heads, max_seq_len,
         head_dim]`` of ``dtype`` (zeros), ``lengths`` int32 ``[max_batch]`` zeros, no active row.
 
-        **Arguments:** Python ints >= 1 for the sizes; ``dtype`` one of float32, bfloat16,
-        float16, float8_e4m3fn, float8_e5m2, int8, uint8.
+        **Arguments:** Python ints >= 1 for the sizes, ``num_layers <= 256`` and
+        ``max_batch <= 8192`` (what one compaction launch takes: refused here, not in ``compact``
+        after the cache was donated); ``dtype`` one of float32, bfloat16, float16, float8_e4m3fn,
+        float8_e5m2, int8, uint8.
 
         **Raises:** ``TypeError`` for a size that is not an int or an unsupported dtype,
         ``ValueError`` for a size out of range (each names the argument).

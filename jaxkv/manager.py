@@ -68,7 +68,8 @@ class KVCacheManager:
         ``max_seq_len``); ``lengths`` int32 ``[max_batch]`` zeros, no active row.
 
         **Arguments:** ``layer_configs``: 1 to 256 ``KVLayerConfig``; ``max_batch``,
-        ``max_seq_len``: Python ints >= 1; ``dtype`` as for ``LinearKVCache.create``.
+        ``max_seq_len``: Python ints >= 1, ``max_batch <= 8192`` (one compaction launch);
+        ``dtype`` as for ``LinearKVCache.create``.
 
         **Raises:** ``TypeError`` / ``ValueError`` naming the argument (a layer's ``max_seq_len``
         above the cache's included).

@@ -2,8 +2,8 @@
 # The CPU handlers built with AddressSanitizer, then the test suite over them (issue 14).
 #
 # A separate venv (.venv-asan) and build dir (build/asan) so the normal build is not touched.
-# Python itself is not instrumented, so libasan (and libstdc++) are preloaded; leak detection is off (the
-# interpreter and XLA keep memory until exit). Any ASan report aborts the test process, so a
+# Python itself is not instrumented, so libasan (and libstdc++) are preloaded; leak detection is
+# off (the interpreter and XLA keep memory until exit). Any ASan report aborts the test process, so a
 # clean run is a pytest exit status of 0 with no "ERROR: AddressSanitizer" in the log.
 #   bash tools/asan_check.sh [pytest args...]      (default: the whole suite, 2 workers)
 set -euo pipefail
