@@ -76,6 +76,11 @@ class _Source:
     readable: jax.Array  # int32 [B]: positions of each row backed by memory (paged: pages held)
 
 
+def _is_sharded(cache) -> bool:
+    return isinstance(cache, (LinearKVCache, KVCacheManager, PagedKVCache)) and (
+        cache.sharding is not None)
+
+
 def _source(op: str, cache, layer_idx) -> _Source:
     no_table = jnp.zeros((0,), jnp.int32)
     if isinstance(cache, LinearKVCache):
@@ -196,7 +201,7 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     >>> out.shape, bool(jnp.all(out[1] == 0))       # row 1 holds no token: zeros
     ((2, 4, 64), True)
     """
-    if getattr(cache, "sharding", None) is not None:  # per shard: docs/sharding.md
+    if _is_sharded(cache):  # per shard: docs/sharding.md
         return _sharded.attention_decode(cache, q, layer_idx, kv_lengths, scale, k_scale, v_scale)
     op = "attention.decode"
     src = _source(op, cache, layer_idx)
@@ -231,7 +236,7 @@ def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale
     **Returns:** ``[max_batch, T, num_q_heads, head_dim]`` in ``q``'s dtype; queries at
     ``t >= q_lengths[b]`` give zeros.
     """
-    if getattr(cache, "sharding", None) is not None:  # per shard: docs/sharding.md
+    if _is_sharded(cache):  # per shard: docs/sharding.md
         return _sharded.attention_prefill(cache, q, layer_idx, q_lengths, scale, k_scale, v_scale)
     op = "attention.prefill"
     src = _source(op, cache, layer_idx)
