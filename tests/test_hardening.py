@@ -246,7 +246,7 @@ def test_fork_to_a_repeated_destination_forks_once_and_says_so():
 # --- every handler error is refused at trace time ---------------------------------------------
 #
 # Each case is an input that, if it reached the handler, would make it return the named
-# ffi::Error (docs/checks.md lists them all). Traced with eval_shape (abstract values, so huge
+# ffi::Error (docs/api/checks.md lists them all). Traced with eval_shape (abstract values, so huge
 # shapes cost nothing): the Python validation must refuse it before any FFI call is built.
 
 S = jax.ShapeDtypeStruct
