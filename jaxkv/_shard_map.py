@@ -18,11 +18,11 @@ def shard_map(f, *, mesh, in_specs, out_specs):
 
 def varying_axes(x) -> frozenset:
     """Mesh axes along which ``x`` differs between shards (empty outside ``shard_map``)."""
-    aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+    aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)  # type: ignore[attr-defined]
     vma = getattr(aval, "vma", None)
     if vma is None:
-        vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
-    return frozenset(vma)
+        vma = getattr(getattr(aval, "mat", None), "varying", None)
+    return frozenset(vma or ())
 
 
 def mark_varying(x, axes):

@@ -13,6 +13,7 @@ shard owns pages ``[s * P/k, (s + 1) * P/k)`` of the pools, addressed by local p
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +60,8 @@ def _global(result, s: CacheSharding):
     """Results of a local method, caches typed back as shards of the sharded cache."""
     if isinstance(result, tuple):
         return tuple(_global(r, s) for r in result)
-    if not dataclasses.is_dataclass(result) or not hasattr(result, "sharding"):
+    if not hasattr(result, "sharding") or not dataclasses.is_dataclass(result) or isinstance(
+            result, type):
         return result
     if hasattr(result, "active_batch_size") and s.batch:
         return dataclasses.replace(result, sharding=s,
@@ -203,7 +205,9 @@ def all_empty(cache):
 
 
 def _saved_specs(s: CacheSharding, num_layers: int):
-    return reuse.SavedKV(layers=tuple(s.spec(*SAVED) for _ in range(num_layers)), length=P())
+    """A ``SavedKV`` whose leaves are PartitionSpecs (a spec prefix for ``shard_map``)."""
+    specs: Any = tuple(s.spec(*SAVED) for _ in range(num_layers))
+    return reuse.SavedKV(layers=specs, length=cast(Any, P()))
 
 
 def _row_ids(op: str, batch_idx):
@@ -540,7 +544,8 @@ def paged_gather_op(k_pages, v_pages, page_table, lengths, layer_idx, max_len, l
     from . import paged_ops
 
     op = "paged_gather"
-    _eval_shape(lambda *a: paged_ops.paged_gather(*a, max_len, layout=layout, split=split),
+    _eval_shape(lambda k, v, t, n, i: paged_ops.paged_gather(k, v, t, n, i, max_len,
+                                                             layout=layout, split=split),
                 k_pages, v_pages, page_table, lengths, layer_idx)
     pool = _pool_specs(op, s, k_pages, page_table, layout)
     rows = s.spec(*ROWS)
