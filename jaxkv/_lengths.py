@@ -56,4 +56,6 @@ def reset(op: str, reuse_lengths: jax.Array, max_batch: int, capacity: int) -> j
         f"{op}: reuse_lengths outside [0, max_seq_len]",
     )
     clipped = jnp.clip(reuse_lengths, 0, capacity)
-    return jnp.zeros((max_batch,), jnp.int32).at[:n].set(clipped)
+    # A pad, not `zeros.at[:n].set`: under jax 0.11's shard_map that update, when it covers the
+    # whole array, crashes XLA's CPU compiler (a segfault, not an error).
+    return jnp.pad(clipped, (0, max_batch - n))
