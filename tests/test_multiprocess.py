@@ -27,12 +27,14 @@ def test_two_processes_equal_one(tmp_path):
     seed = int(np.random.default_rng().integers(0, 2**31 - 1))
     out = tmp_path / "result.npz"
     port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=HERE + os.pathsep +
-               os.environ.get("PYTHONPATH", ""))
+    # (No empty PYTHONPATH entry: it would mean the current folder.)
+    path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
     script = os.path.join(HERE, "multiprocess_loop.py")
+    # cwd: a folder without the source checkout, which would shadow the installed jaxkv.
     procs = [subprocess.Popen([sys.executable, script, str(port), str(i), str(seed), str(out)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+                              text=True, cwd=tmp_path)
              for i in range(2)]
     logs = []
     try:
