@@ -88,7 +88,11 @@ def cache_sharding(axes: dict[str, int] | None):
     count = int(np.prod(list(axes.values())))
     if count > jax.device_count():
         raise SystemExit(f"--mesh: {count} devices wanted, {jax.device_count()} visible")
-    mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), devices=jax.devices()[:count])
+    # Auto axes: the model's own arrays (weights, activations) are unsharded, and under Explicit
+    # axes (jax 0.11's default) their products with the head-sharded cache reads fail to type.
+    auto = (jax.sharding.AxisType.Auto,) * len(axes)
+    mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), devices=jax.devices()[:count],
+                         axis_types=auto)
     return jaxkv.CacheSharding(mesh, heads="tp" if "tp" in axes else None)
 
 
