@@ -328,17 +328,21 @@ def compact_tensor_batch(x, batch_mapping, s: CacheSharding):
                      row_spec)
 
 
-def save_kv_cache(layers, batch_idx, seq_len: int, s: CacheSharding):
-    op = "save_kv_cache"
-    _eval_shape(lambda l, i: reuse.save_kv_cache(l, i, seq_len), layers, batch_idx)
+def _prompt_layers(op: str, s: CacheSharding, layers):
+    """(rows, rows per batch shard, the layers' specs) of a save / instantiate, checked."""
     items, _ = reuse._layer_list(op, layers)
     rows = items[0].shape[0]
     _rows_spec(s, rows, op)
     for i, layer in enumerate(items):
         s.require_divides(op, f"num_kv_heads of layer {i}", layer.shape[2], "heads")
-    layer_specs = jax.tree.map(lambda _: s.spec(*LAYER), layers)
+    return rows, rows // s.batch_shards, jax.tree.map(lambda _: s.spec(*LAYER), layers)
+
+
+def save_kv_cache(layers, batch_idx, seq_len: int, s: CacheSharding):
+    op = "save_kv_cache"
+    _eval_shape(lambda l, i: reuse.save_kv_cache(l, i, seq_len), layers, batch_idx)
+    rows, local_rows, layer_specs = _prompt_layers(op, s, layers)
     saved_specs = jax.tree.map(lambda _: s.spec(*SAVED), layers)
-    local_rows = rows // s.batch_shards
 
     def body(layers, idx):
         local, owned = s.local_rows(idx, local_rows)
@@ -353,14 +357,8 @@ def save_kv_cache(layers, batch_idx, seq_len: int, s: CacheSharding):
 def instantiate_kv_cache(layers, saved, batch_idx, s: CacheSharding):
     op = "instantiate_kv_cache"
     _eval_shape(reuse.instantiate_kv_cache, layers, saved, batch_idx)
-    items, _ = reuse._layer_list(op, layers)
-    rows = items[0].shape[0]
-    _rows_spec(s, rows, op)
-    for i, layer in enumerate(items):
-        s.require_divides(op, f"num_kv_heads of layer {i}", layer.shape[2], "heads")
-    layer_specs = jax.tree.map(lambda _: s.spec(*LAYER), layers)
+    rows, local_rows, layer_specs = _prompt_layers(op, s, layers)
     saved_specs = jax.tree.map(lambda _: s.spec(*SAVED), saved)
-    local_rows = rows // s.batch_shards
 
     def body(layers, saved, idx):
         local, owned = s.local_rows(idx, local_rows)
