@@ -155,6 +155,13 @@ def _softmax_scale(op: str, scale, head_dim: int) -> float:
     return float(scale)
 
 
+def _scales(op: str, src: _Source, k_scale, v_scale, scale):
+    """(k dequantization scale, v dequantization scale, softmax scale), checked."""
+    return (_dequant_scale(op, "k_scale", k_scale, src.k.dtype),
+            _dequant_scale(op, "v_scale", v_scale, src.k.dtype),
+            _softmax_scale(op, scale, src.head_dim))
+
+
 def _splits(rows: int, src: _Source, q_heads: int) -> int:
     """Blocks each (query, KV head) pair's keys are split over on the GPU (1: no combine)."""
     per_block = math.ceil(q_heads // src.num_kv_heads / _MAX_HEADS_PER_BLOCK)
@@ -211,9 +218,7 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     validate.array(op, "kv_lengths", kv_lengths)
     validate.int32(op, "kv_lengths", kv_lengths)
     validate.shape(op, "kv_lengths", kv_lengths, (src.max_batch,), "[max_batch]")
-    k_scale = _dequant_scale(op, "k_scale", k_scale, src.k.dtype)
-    v_scale = _dequant_scale(op, "v_scale", v_scale, src.k.dtype)
-    scale = _softmax_scale(op, scale, src.head_dim)
+    k_scale, v_scale, scale = _scales(op, src, k_scale, v_scale, scale)
     check((src.layer >= 0) & (src.layer < src.num_layers), f"{op}: layer_idx out of range")
     check(jnp.all((kv_lengths >= 0) & (kv_lengths <= src.readable)),
           f"{op}: kv_lengths outside [0, capacity] (paged: past the pages a row holds)")
@@ -244,9 +249,7 @@ def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale
     validate.array(op, "q_lengths", q_lengths)
     validate.int32(op, "q_lengths", q_lengths)
     validate.shape(op, "q_lengths", q_lengths, (src.max_batch,), "[max_batch]")
-    k_scale = _dequant_scale(op, "k_scale", k_scale, src.k.dtype)
-    v_scale = _dequant_scale(op, "v_scale", v_scale, src.k.dtype)
-    scale = _softmax_scale(op, scale, src.head_dim)
+    k_scale, v_scale, scale = _scales(op, src, k_scale, v_scale, scale)
     lengths = cache.lengths
     check((src.layer >= 0) & (src.layer < src.num_layers), f"{op}: layer_idx out of range")
     check(jnp.all((q_lengths >= 0) & (q_lengths <= q.shape[1])),
