@@ -12,6 +12,11 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+if jax.default_backend() == "cpu":
+    # Most of a CPU run is XLA compiling small programs. JAX's switch for when compiling costs
+    # more than it saves: LLVM at -O0 for the code XLA:CPU generates. The compiled HLO (fusion,
+    # copies, donation, loops: what the tests inspect) is the same; the kernels are compiled C++.
+    jax.config.update("jax_disable_most_optimizations", True)
 
 
 def pytest_report_header(config):

@@ -1,6 +1,7 @@
 """The demo's serving loop: cached greedy generation equals recomputation, steps run in place."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,17 @@ def engine(kind_name, ops, max_batch=3, **options):
                        max_prompt_len=6, max_new_tokens=9)
 
 
+@functools.cache
+def _shared_engine(kind_name, ops, options):
+    return engine(kind_name, ops, **dict(options))
+
+
+def shared_engine(kind_name, ops, **options):
+    """One engine per configuration for the tests that only run or inspect it: an engine compiles
+    its four steps once (Engine.compile) and keeps no other state between runs."""
+    return _shared_engine(kind_name, ops, tuple(sorted(options.items())))
+
+
 def stream():
     return loop.make_requests(8, CFG.vocab_size, seed=11, prompt_len=(1, 6), new_tokens=(1, 9))
 
@@ -64,7 +76,7 @@ def recomputed():
 
 @pytest.mark.parametrize("kind_name,ops,options", KINDS)
 def test_cached_greedy_equals_recomputation_for_every_request(kind_name, ops, options, recomputed):
-    eng = engine(kind_name, ops, **options)
+    eng = shared_engine(kind_name, ops, **options)
     requests = stream()
     stats = eng.run(requests)
     # The stream really was continuous: more requests than slots, several admissions and evictions.
@@ -107,7 +119,7 @@ def big_buffers(cache):
 
 @pytest.mark.parametrize("kind_name", ["linear", "manager", "paged"])
 def test_step_functions_update_the_cache_in_place(kind_name):
-    eng = engine(kind_name, "jaxkv")
+    eng = shared_engine(kind_name, "jaxkv")
     compiled = eng.compile()
     cache = eng.kind.create(eng.max_batch, eng.max_seq_len)
     for name, fn in compiled.items():
@@ -176,21 +188,26 @@ def test_pallas_decode_attention_equals_dense():
     sequence and head) attends to exactly what the gathered cache holds, in every layer."""
     pallas = caches.make_kind("paged", CFG, page_size=16, attention="pallas")
     dense = dataclasses.replace(pallas, attention="dense")
+    # Jitted, as in the demo's steps (eagerly, every op of the allocator compiles on its own).
+    reserve, commit = jax.jit(pallas.reserve), jax.jit(pallas.commit)
+    append = jax.jit(pallas.append, static_argnums=1)  # layer
+    attend_dense = jax.jit(dense.attend, static_argnums=1)
+    attend_pallas = jax.jit(pallas.attend, static_argnums=1)
     cache = pallas.create(max_batch=3, max_seq_len=40)
     kv_shape = lambda t: (3, CFG.num_kv_heads, t, CFG.head_dim)
     for n in ([20, 5, 33], [1, 1, 1]):  # a ragged prefill, then one decode step
         n = jnp.asarray(n, jnp.int32)
         t = int(n.max())
-        cache = pallas.reserve(cache, n)
+        cache = reserve(cache, n)
         for layer in range(CFG.num_layers):
             k, v = random_array(kv_shape(t), jnp.float32), random_array(kv_shape(t), jnp.float32)
-            cache = pallas.append(cache, layer, k, v, n)
+            cache = append(cache, layer, k, v, n)
         if t > 1:
-            cache = pallas.commit(cache, n)
+            cache = commit(cache, n)
     positions = pallas.lengths(cache)[:, None]  # the decode token, appended, not committed
     tol = 2e-2 if on_gpu() else 1e-5
     for layer in range(CFG.num_layers):
         q = random_array((3, 1, CFG.num_heads, CFG.head_dim), jnp.float32) / 8
-        want = dense.attend(cache, layer, q, positions)
-        got = pallas.attend(cache, layer, q, positions)
+        want = attend_dense(cache, layer, q, positions)
+        got = attend_pallas(cache, layer, q, positions)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)

@@ -4,6 +4,7 @@ The pools are passed as they are (``cache.k_pages[layer]`` is ``[H, P, S, D]``, 
 kernel takes); on CPU the kernel runs with ``interpret=True``, on the GPU natively (Triton).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,20 +27,23 @@ def test_pallas_paged_attention_reads_a_jaxkv_cache(dtype):
     dense_k = np.zeros((2, B, S * MAX_PAGES, HKV, D), np.dtype(dtype))  # the reference cache
     dense_v = np.zeros_like(dense_k)
     lengths = np.zeros(B, np.int32)
+    # Jitted (eagerly, every op of the allocator would compile on its own).
+    reserve, commit = jax.jit(PagedKVCache.reserve), jax.jit(PagedKVCache.commit)
+    append = jax.jit(PagedKVCache.append, static_argnums=1)  # layer
     # A ragged prefill, then decode steps (one sequence idles in the second).
     for n in ([20, 5, 33], [1, 1, 1], [1, 0, 1], [1, 1, 1]):
         n = np.asarray(n, np.int32)
         t = int(n.max())
-        cache, served = cache.reserve(jnp.asarray(n))
+        cache, served = reserve(cache, jnp.asarray(n))
         assert np.all(served)
         for layer in range(2):
             k, v = random_array((B, HKV, t, D), dtype), random_array((B, HKV, t, D), dtype)
-            cache = cache.append(layer, k, v, jnp.asarray(n))
+            cache = append(cache, layer, k, v, jnp.asarray(n))
             for b in range(B):
                 span = slice(lengths[b], lengths[b] + n[b])
                 dense_k[layer, b, span] = np.asarray(k[b, :, : n[b]]).transpose(1, 0, 2)
                 dense_v[layer, b, span] = np.asarray(v[b, :, : n[b]]).transpose(1, 0, 2)
-        cache = cache.commit(jnp.asarray(n))
+        cache = commit(cache, jnp.asarray(n))
         lengths += n
     np.testing.assert_array_equal(cache.lengths, lengths)
 
