@@ -609,12 +609,12 @@ def _attend(call, cache, q, layer_idx, rows, q_roles, scales):
     return per_shard(s, body, (cache, q, rows, *extra), specs, q_spec)
 
 
-def attention_decode(cache, q, layer_idx, kv_lengths, scale, k_scale, v_scale):
+def attention_decode(cache, q, layer_idx, kv_lengths, scale, k_scale, v_scale, implementation):
     from . import attention
 
     def call(q, c, layer, rows, k_scale, v_scale):
         return attention.decode(q, c, layer, kv_lengths=rows, scale=scale, k_scale=k_scale,
-                                v_scale=v_scale)
+                                v_scale=v_scale, implementation=implementation)
 
     rows = cache.lengths if kv_lengths is None else kv_lengths
     return _attend(call, cache, q, layer_idx, rows, ("batch", "heads", None), (k_scale, v_scale))

@@ -18,14 +18,15 @@ A decode step appends, commits, then attends::
 or, inside the layer loop, before ``commit``: ``prefill(q, cache, layer, new_lengths)``, which is
 the same for one token per row.
 
-Why jaxkv's own kernels rather than what JAX ships (issue 11): JAX's Pallas ``paged_attention``
-is deprecated with its Triton backend, decode-only, and needs power-of-two blocks; jax 0.11's cuDNN
-paged attention is private and its wrapper refuses a pool whose page count differs from
-``batch x table width`` (jaxkv sizes pools independently of the batch); cuDNN's dense attention on
-a layer of a stacked buffer makes XLA slice the layer first. One kernel family therefore serves
-every cache kind through one addressing view (``ffi/include/jaxkv/attention.h``). On the GPU,
-decode is split-KV; prefill runs on tensor cores for bfloat16 / float16 caches with head_dim 64,
-128 or 256 and GQA groups dividing 64, else the decode kernel with one query row per new token.
+Which kernel (issue 11): JAX's Pallas ``paged_attention`` is deprecated with its Triton backend,
+decode-only, and needs power-of-two blocks; cuDNN's dense attention on a layer of a stacked buffer
+makes XLA slice the layer first. jaxkv's own kernels therefore serve every cache kind through one
+addressing view (``ffi/include/jaxkv/attention.h``): on the GPU, decode is split-KV; prefill runs
+on tensor cores for bfloat16 / float16 caches with head_dim 64, 128 or 256 and GQA groups dividing
+64, else the decode kernel with one query row per new token. The one exception is measured faster:
+decode over an NHD ``PagedKVCache`` in bfloat16 / float16 on a GPU goes to cuDNN's paged flash
+attention, reading the whole pool in place through jax's private binding (``jaxkv/_cudnn.py``,
+``implementation=`` chooses explicitly).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _cudnn
 from . import _ffi
 from . import _sharded
 from . import _validate as validate
@@ -182,7 +184,24 @@ def _call(target, q4, src: _Source, starts, counts, k_scale, v_scale, scale, spl
     return out
 
 
-def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_scale=None):
+IMPLEMENTATIONS = (None, "jaxkv", "cudnn")
+
+
+def _implementation(op: str, implementation, cache, q, k_scale, v_scale) -> str:
+    """Which kernel serves a decode call: ``implementation``, or the faster one that can."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, got "
+                         f"{implementation!r}")
+    if implementation == "jaxkv":
+        return "jaxkv"
+    why = _cudnn.unusable(cache, q.dtype, k_scale is not None or v_scale is not None)
+    if implementation == "cudnn" and why is not None:
+        raise ValueError(f"{op}: implementation='cudnn' cannot serve this call: {why}")
+    return "jaxkv" if why else "cudnn"
+
+
+def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_scale=None,
+           implementation=None):
     """One query token per sequence attends over its cached tokens, read in place.
 
     **Arguments:**
@@ -197,6 +216,11 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     - ``scale``: softmax scale (a Python float), default ``1/sqrt(head_dim)``.
     - ``k_scale``, ``v_scale``: dequantization scales (float or float32 scalar), required for an fp8
       cache: keys are read as ``k_scale * k``, values as ``v_scale * v``.
+    - ``implementation``: ``None`` (default: the fastest that can serve the call), ``"jaxkv"``
+      (jaxkv's own kernel, every cache kind) or ``"cudnn"`` (cuDNN's paged flash attention through
+      jax's private binding: on a GPU, for a ``PagedKVCache`` in the NHD layout, bfloat16 or
+      float16, head_dim 64 or 128; faster there, see ``docs/benchmarks.md``; a clear error where
+      it cannot serve the call).
 
     **Returns:** ``[max_batch, num_q_heads, head_dim]`` in ``q``'s dtype; rows of length 0 give
     zeros. Lengths past the capacity (or, paged, past the pages a row holds) are reported through
@@ -209,7 +233,8 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     ((2, 4, 64), True)
     """
     if _is_sharded(cache):  # per shard: docs/sharding.md
-        return _sharded.attention_decode(cache, q, layer_idx, kv_lengths, scale, k_scale, v_scale)
+        return _sharded.attention_decode(cache, q, layer_idx, kv_lengths, scale, k_scale, v_scale,
+                                         implementation)
     op = "attention.decode"
     src = _source(op, cache, layer_idx)
     q_heads = _check_query(op, q, src, 3, "[max_batch, num_q_heads, head_dim]", src.k.dtype)
@@ -218,10 +243,13 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     validate.array(op, "kv_lengths", kv_lengths)
     validate.int32(op, "kv_lengths", kv_lengths)
     validate.shape(op, "kv_lengths", kv_lengths, (src.max_batch,), "[max_batch]")
+    use = _implementation(op, implementation, cache, q, k_scale, v_scale)
     k_scale, v_scale, scale = _scales(op, src, k_scale, v_scale, scale)
     check((src.layer >= 0) & (src.layer < src.num_layers), f"{op}: layer_idx out of range")
     check(jnp.all((kv_lengths >= 0) & (kv_lengths <= src.readable)),
           f"{op}: kv_lengths outside [0, capacity] (paged: past the pages a row holds)")
+    if use == "cudnn":
+        return _cudnn.decode(q, cache, src.layer, kv_lengths, scale)
     starts = kv_lengths - 1
     counts = (kv_lengths > 0).astype(jnp.int32)
     out = _call("jaxkv_attention_decode", q[:, None], src, starts, counts, k_scale, v_scale, scale,

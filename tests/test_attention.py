@@ -22,6 +22,8 @@ from jax.experimental import checkify
 import jaxkv
 from jaxkv import reference
 
+from helpers import on_gpu
+
 _rng = np.random.default_rng()
 # Jitted once per shape: eager jnp would compile each of the reference's ops separately.
 ref_decode = jax.jit(reference.decode_attention)
@@ -285,9 +287,15 @@ def _hlo_cases():
     return [("linear", lin.cache, lin.cache.buffer), ("paged", nhd.cache, nhd.cache.k_pages)]
 
 
-@pytest.mark.parametrize("which", ["linear", "paged"])
-def test_donated_decode_step_slices_and_copies_nothing(which):
+_CUDNN = re.compile(r'custom_call_target="__cudnn\$fmha')
+
+
+@pytest.mark.parametrize("which,implementation", [("linear", None), ("paged", "jaxkv"),
+                                                  ("paged", None)])
+def test_donated_decode_step_slices_and_copies_nothing(which, implementation):
+    """The default paged decode is cuDNN's on a GPU (NHD, bfloat16): in place as well."""
     name, cache, pool = next(c for c in _hlo_cases() if c[0] == which)
+    cudnn = which == "paged" and implementation is None and on_gpu()
     q = normal((L, B, 2 * HKV, 64), jnp.bfloat16)
     kv = normal((L, B, HKV, 1, 64), jnp.bfloat16)
 
@@ -298,14 +306,18 @@ def test_donated_decode_step_slices_and_copies_nothing(which):
         def layer(cache, xs):
             i, q, k, v = xs
             cache = cache.append(i, k, v)
-            return cache, jaxkv.attention.decode(q, cache, i, kv_lengths=cache.lengths + 1)
+            return cache, jaxkv.attention.decode(q, cache, i, kv_lengths=cache.lengths + 1,
+                                                 implementation=implementation)
 
         cache, out = jax.lax.scan(layer, cache, (jnp.arange(L), q, k, v))
         return cache.commit(1), out
 
     hlo = jax.jit(step, donate_argnums=0).lower(cache, q, kv, kv).compile().as_text()
-    assert "jaxkv_attention_decode" in hlo
+    assert ("jaxkv_attention_decode" in hlo) != cudnn
+    assert bool(_CUDNN.search(hlo)) == cudnn
     assert slices_and_copies_of(hlo, pool) == []
+    # cuDNN is handed the pool as [L * P, S, H, D]: no copy of that either.
+    assert slices_and_copies_of(hlo, pool.reshape(-1, *pool.shape[2:])) == []
 
     # The detector is live: handing a slice of the stacked buffer to the kernel is a copy.
     def sliced(cache, q):
@@ -373,6 +385,49 @@ def test_bad_input_is_a_trace_time_error_naming_op_and_argument():
     for fn, exc, msg in bad:
         with pytest.raises(exc, match=re.escape(msg)):
             fn()
+
+
+def test_implementation_is_checked_and_cudnn_says_when_it_cannot_serve():
+    hnd = make_case("paged-HND", jnp.bfloat16, 64, 16, [1, 2, 3, 4]).cache
+    nhd = make_case("paged-NHD", jnp.float32, 64, 16, [1, 2, 3, 4]).cache
+    q = normal((B, 4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=re.escape("attention.decode: implementation must be one")):
+        jaxkv.attention.decode(q, hnd, 0, implementation="xla")
+    why = "cuDNN needs a CUDA GPU" if not on_gpu() else "NHD layout"
+    with pytest.raises(ValueError, match=f"implementation='cudnn' cannot serve this call: .*{why}"):
+        jaxkv.attention.decode(q, hnd, 0, implementation="cudnn")
+    if on_gpu():
+        with pytest.raises(ValueError, match="bfloat16 and float16 caches"):
+            jaxkv.attention.decode(q.astype(jnp.float32), nhd, 0, implementation="cudnn")
+    # "jaxkv" and the default serve every cache, and agree here (the default is jaxkv's kernel
+    # except for NHD bfloat16 / float16 pools on a GPU).
+    ours = jaxkv.attention.decode(q, hnd, 0, implementation="jaxkv")
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(jaxkv.attention.decode(q, hnd, 0)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["bf16", "f16"])
+def test_cudnn_and_jaxkv_decode_match_reference_on_nhd_pools(name):
+    """Both GPU implementations over one NHD pool: GQA 1, 4, 8; head_dim 64, 128; pages 1, 16,
+    128; ragged lengths with 0 and full capacity; a traced layer index."""
+    dtype = DTYPES[name]
+    for group, head_dim, page_size in [(1, 64, 1), (4, 128, 16), (8, 128, 128), (8, 64, 16)]:
+        probe = make_case("paged-NHD", dtype, head_dim, page_size, [0] * B)
+        case = make_case("paged-NHD", dtype, head_dim, page_size, ragged(probe.capacity))
+        q = normal((B, HKV * group, head_dim), dtype)
+        for layer in range(L):
+            k, v = case.dense(layer)
+            want = ref_decode(q, k, v, case.cache.lengths)
+            for implementation in ("cudnn", "jaxkv"):
+                out = _decode_with(q, case.cache, jnp.int32(layer), implementation)
+                assert out.shape == q.shape and out.dtype == q.dtype
+                assert np.all(np.asarray(out[0]) == 0)  # row 0 has length 0: zeros
+                assert_close(out, want, name)
+
+
+@functools.partial(jax.jit, static_argnames=("implementation",))
+def _decode_with(q, cache, layer, implementation):
+    return jaxkv.attention.decode(q, cache, layer, implementation=implementation)
 
 
 def test_readme_decode_step_runs():

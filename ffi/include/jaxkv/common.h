@@ -40,6 +40,25 @@ inline ffi::ErrorOr<int64_t> element_bytes(ffi::DataType dtype, const char* op) 
   }
 }
 
+// n / d by a multiply-high, an add and a shift, for a divisor fixed at launch (d >= 1, n < 2^31):
+// a runtime 32-bit division is a ~20-instruction sequence on a GPU, in loops that move 16 bytes.
+struct FastDiv {
+  uint32_t d = 1, mul = 1, shift = 0;
+  FastDiv() = default;
+  explicit FastDiv(uint32_t divisor) : d(divisor > 0 ? divisor : 1) {
+    while ((uint64_t{1} << shift) < d) ++shift;  // ceil(log2 d)
+    mul = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1);
+  }
+  JAXKV_HD uint32_t div(uint32_t n) const {
+#if defined(__CUDA_ARCH__)
+    const uint32_t hi = __umulhi(n, mul);
+#else
+    const uint32_t hi = static_cast<uint32_t>((uint64_t{n} * mul) >> 32);
+#endif
+    return (hi + n) >> shift;
+  }
+};
+
 inline ffi::Error invalid(const char* op, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
 }

@@ -25,6 +25,13 @@ struct PagedView {
   int32_t num_layers, heads, num_pages, page_size, batch, max_pages;
   int32_t token_bytes;        // D * element size
   bool nhd;
+  FastDiv page_div;           // / page_size
+
+  // Bytes between pages, and between the slots of a page, of one (layer, head).
+  JAXKV_HD int64_t page_stride() const {
+    return int64_t{page_size} * token_bytes * (nhd ? heads : 1);
+  }
+  JAXKV_HD int64_t slot_stride() const { return int64_t{token_bytes} * (nhd ? heads : 1); }
 
   // Physical page of (row, logical page), or -1: unassigned, out of range, never read.
   JAXKV_HD int32_t page(int64_t row, int64_t logical) const {
@@ -35,8 +42,12 @@ struct PagedView {
 
   // Byte offset of token `slot` of head `head` in page `page` of layer `layer`.
   JAXKV_HD int64_t offset(int64_t layer, int64_t head, int64_t page, int64_t slot) const {
-    const int64_t token = nhd ? ((layer * num_pages + page) * page_size + slot) * heads + head
-                              : ((layer * heads + head) * num_pages + page) * page_size + slot;
+    return base(layer, head) + page * page_stride() + slot * slot_stride();
+  }
+  // Byte offset of (layer, head) in page 0, slot 0.
+  JAXKV_HD int64_t base(int64_t layer, int64_t head) const {
+    const int64_t token = nhd ? layer * num_pages * page_size * heads + head
+                              : (layer * heads + head) * num_pages * page_size;
     return token * token_bytes;
   }
 
@@ -80,20 +91,30 @@ struct SpanRef {
   int64_t dense;   // byte offset of token 0 in the dense tensors
   int64_t length;  // lengths[b]
   int64_t count;   // tokens moved: append: min(counts[b], T); gather: min(lengths[b], T)
+  int64_t paged;   // byte offset of (layer, head) in the pools: PagedView::base
 };
 
 JAXKV_HD SpanRef span_ref(const TokenMove& m, int64_t span) {
   const PagedView& c = m.cache;
   SpanRef s;
-  s.h = span % c.heads;
-  s.b = (span / c.heads) % c.batch;
-  const int64_t l = span / (int64_t{c.heads} * c.batch);
+  int64_t l;
+  if (span <= 0x7fffffff) {  // always on the GPU (checked at launch): 32-bit divisions are cheaper
+    const uint32_t sp = static_cast<uint32_t>(span), heads = c.heads, rows = sp / heads;
+    s.h = sp % heads;
+    s.b = rows % static_cast<uint32_t>(c.batch);
+    l = rows / static_cast<uint32_t>(c.batch);
+  } else {
+    s.h = span % c.heads;
+    s.b = (span / c.heads) % c.batch;
+    l = span / (int64_t{c.heads} * c.batch);
+  }
   s.dense = l * m.dense_layer_stride + s.b * m.dense_row_stride + s.h * m.dense_head_stride;
   s.layer = int64_t{*m.layer} + l;
   s.length = m.lengths[s.b];
   s.count = m.gather ? s.length : (m.counts ? m.counts[s.b] : m.tokens);
   if (s.count > m.tokens) s.count = m.tokens;
   if (s.layer < 0 || s.layer >= c.num_layers) s.count = 0;  // a bad layer moves nothing
+  s.paged = c.base(s.layer, s.h);
   return s;
 }
 
@@ -102,12 +123,11 @@ JAXKV_HD int64_t paged_offset(const TokenMove& m, const SpanRef& s, int64_t t) {
   const PagedView& c = m.cache;
   const int64_t pos = m.gather ? t : s.length + t;
   if (pos < 0 || pos >= int64_t{c.max_pages} * c.page_size) return -1;
-  // A position in a row fits 32 bits, and a 32-bit division is several times cheaper than a
-  // 64-bit one on a GPU (this runs once per moved word).
-  const int32_t pos32 = static_cast<int32_t>(pos);
-  const int32_t page = c.page(s.b, pos32 / c.page_size);
+  // A position in a row fits 31 bits: a multiply-high divides it (this runs once per moved word).
+  const uint32_t pos32 = static_cast<uint32_t>(pos), logical = c.page_div.div(pos32);
+  const int32_t page = c.page(s.b, logical);
   if (page < 0) return -1;
-  return c.offset(s.layer, s.h, page, pos32 % c.page_size);
+  return s.paged + page * c.page_stride() + (pos32 - logical * c.page_size) * c.slot_stride();
 }
 
 // Token t of span s.
@@ -168,6 +188,7 @@ inline ffi::ErrorOr<PagedView> make_view(const char* op, ffi::AnyBuffer k_pages,
   c.max_pages = batch ? static_cast<int32_t>(table_elements / batch) : 0;
   c.token_bytes = static_cast<int32_t>(d[4] * *elem);
   c.nhd = nhd;
+  c.page_div = FastDiv(static_cast<uint32_t>(c.page_size));
   return c;
 }
 
