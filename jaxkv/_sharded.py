@@ -620,12 +620,12 @@ def attention_decode(cache, q, layer_idx, kv_lengths, scale, k_scale, v_scale, i
     return _attend(call, cache, q, layer_idx, rows, ("batch", "heads", None), (k_scale, v_scale))
 
 
-def attention_prefill(cache, q, layer_idx, q_lengths, scale, k_scale, v_scale):
+def attention_prefill(cache, q, layer_idx, q_lengths, scale, k_scale, v_scale, implementation):
     from . import attention
 
     def call(q, c, layer, rows, k_scale, v_scale):
         return attention.prefill(q, c, layer, rows, scale=scale, k_scale=k_scale,
-                                 v_scale=v_scale)
+                                 v_scale=v_scale, implementation=implementation)
 
     return _attend(call, cache, q, layer_idx, q_lengths, ("batch", None, "heads", None),
                    (k_scale, v_scale))

@@ -188,7 +188,7 @@ IMPLEMENTATIONS = (None, "jaxkv", "cudnn")
 
 
 def _implementation(op: str, implementation, cache, q, k_scale, v_scale) -> str:
-    """Which kernel serves a decode call: ``implementation``, or the faster one that can."""
+    """Which kernel serves a call: ``implementation``, or the faster one that can."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
@@ -257,26 +257,30 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     return out[:, 0]
 
 
-def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale=None):
+def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale=None,
+            implementation=None):
     """Ragged chunked prefill: new tokens attend causally to themselves and the cached prefix.
 
     Call after ``append`` and before ``commit``: ``q`` ``[max_batch, T, num_q_heads, head_dim]``
     holds the queries of the tokens just appended, at positions ``[lengths[b], lengths[b] +
     q_lengths[b])`` of row ``b`` (``lengths`` = ``cache.lengths``). Query ``t`` of row ``b`` attends
     to tokens ``[0, lengths[b] + t]``. ``q_lengths``: int32 ``[max_batch]`` (0 for rows taking no
-    part). Other arguments as in ``decode``.
+    part). Other arguments as in ``decode`` (cuDNN, where it serves the call, runs as two calls
+    merged by their log-sum-exps: the page-aligned prefix, then the rest causally).
 
     **Returns:** ``[max_batch, T, num_q_heads, head_dim]`` in ``q``'s dtype; queries at
     ``t >= q_lengths[b]`` give zeros.
     """
     if _is_sharded(cache):  # per shard: docs/sharding.md
-        return _sharded.attention_prefill(cache, q, layer_idx, q_lengths, scale, k_scale, v_scale)
+        return _sharded.attention_prefill(cache, q, layer_idx, q_lengths, scale, k_scale, v_scale,
+                                          implementation)
     op = "attention.prefill"
     src = _source(op, cache, layer_idx)
     q_heads = _check_query(op, q, src, 4, "[max_batch, T, num_q_heads, head_dim]", src.k.dtype)
     validate.array(op, "q_lengths", q_lengths)
     validate.int32(op, "q_lengths", q_lengths)
     validate.shape(op, "q_lengths", q_lengths, (src.max_batch,), "[max_batch]")
+    use = _implementation(op, implementation, cache, q, k_scale, v_scale)
     k_scale, v_scale, scale = _scales(op, src, k_scale, v_scale, scale)
     lengths = cache.lengths
     check((src.layer >= 0) & (src.layer < src.num_layers), f"{op}: layer_idx out of range")
@@ -284,5 +288,7 @@ def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale
           f"{op}: q_lengths outside [0, T]")
     check(jnp.all((q_lengths == 0) | ((lengths >= 0) & (lengths + q_lengths <= src.readable))),
           f"{op}: lengths + q_lengths past the capacity (paged: past the pages a row holds)")
+    if use == "cudnn":
+        return _cudnn.prefill(q, cache, src.layer, q_lengths, scale)
     return _call("jaxkv_attention_prefill", q, src, lengths, q_lengths, k_scale, v_scale, scale,
                  _splits(src.max_batch * q.shape[1], src, q_heads))

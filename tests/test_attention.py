@@ -425,6 +425,37 @@ def test_cudnn_and_jaxkv_decode_match_reference_on_nhd_pools(name):
                 assert_close(out, want, name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["bf16", "f16"])
+def test_cudnn_and_jaxkv_prefill_match_reference_on_nhd_pools(name):
+    """cuDNN's two calls (aligned prefix, causal rest) merged: prefixes on and off page
+    boundaries, none, and up to capacity; chunks of 0, 1 (a decode step) and t tokens."""
+    dtype = DTYPES[name]
+    for group, head_dim, page_size, t in [(1, 64, 1, 8), (4, 128, 16, 8), (8, 128, 16, 1),
+                                          (8, 64, 128, 24)]:
+        probe = make_case("paged-NHD", dtype, head_dim, page_size, [0] * B)
+        cap = probe.capacity
+        prefix = np.array([page_size, cap - t, 0, int(_rng.integers(1, cap - t))], np.int32)
+        q_lengths = np.array([0, t, min(3, t), int(_rng.integers(1, t + 1))], np.int32)
+        case = make_case("paged-NHD", dtype, head_dim, page_size, prefix + q_lengths)
+        case.cache = dataclasses.replace(case.cache, lengths=jnp.asarray(prefix))
+        q = normal((B, t, HKV * group, head_dim), dtype)
+        for layer in range(L):
+            k, v = case.dense(layer)
+            want = ref_prefill(q, k, v, jnp.asarray(prefix), jnp.asarray(q_lengths))
+            for implementation in ("cudnn", "jaxkv"):
+                out = _prefill_with(q, case.cache, jnp.int32(layer), jnp.asarray(q_lengths),
+                                    implementation)
+                assert out.shape == q.shape and out.dtype == q.dtype
+                assert np.all(np.asarray(out[0]) == 0)  # no new tokens: zeros
+                assert_close(out, want, name)
+
+
+@functools.partial(jax.jit, static_argnames=("implementation",))
+def _prefill_with(q, cache, layer, q_lengths, implementation):
+    return jaxkv.attention.prefill(q, cache, layer, q_lengths, implementation=implementation)
+
+
 @functools.partial(jax.jit, static_argnames=("implementation",))
 def _decode_with(q, cache, layer, implementation):
     return jaxkv.attention.decode(q, cache, layer, implementation=implementation)

@@ -513,6 +513,12 @@ def _paged_pools(L, B, pages_per_seq, page, H, D, lengths, layout, seed):
         new_tokens=i32(np.zeros(B)), layout=layout)
 
 
+def _own_kernel(layout, fn) -> dict:
+    """jaxkv's own attention kernel as an extra row where the default call goes to cuDNN (NHD
+    pools on a GPU, jaxkv/_cudnn.py)."""
+    return {"jaxkv kernel": fn} if layout == "NHD" and jax.default_backend() == "gpu" else {}
+
+
 def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None) -> Case:
     """One decode step of attention per op over a paged pool of 2 layers (layer i % 2), every
     row N tokens. The output is the next op's query, so nothing is loop-invariant."""
@@ -531,7 +537,10 @@ def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None) -> 
             k, v = c.gather(i % 2, N, split=True)
             return _dense_attention(q[:, None], k, v, c.lengths - 1)[:, 0]
 
-        return q, cache, kernel, {"gather+dense": gather_dense}
+        def own(i, q, c):
+            return jaxkv.attention.decode(q, c, i % 2, implementation="jaxkv")
+
+        return q, cache, kernel, {"gather+dense": gather_dense, **_own_kernel(layout, own)}
 
     token = 2 * H * D * BF16.itemsize
     return Case("attention_decode", f"paged {layout} B{B} N{N} {Hq}/{H} heads D{D} page {page}",
@@ -589,7 +598,10 @@ def attention_prefill_paged(B, prefix, T, Hq, H, D, page, iters, target=None) ->
                                       prefix + T, layout="NHD", split=True)
             return _dense_attention(q, k, v, c.lengths)
 
-        return q, cache, kernel, {"gather+dense": gather_dense}
+        def own(i, q, c):
+            return jaxkv.attention.prefill(q, c, i % 2, new, implementation="jaxkv")
+
+        return q, cache, kernel, {"gather+dense": gather_dense, **_own_kernel("NHD", own)}
 
     return Case("attention_prefill", f"paged NHD B{B} {T} new on {prefix} {Hq}/{H} heads D{D} "
                 f"page {page}", build, _kv_bytes(lengths + T, H, D) + 2 * B * T * Hq * D * 2,

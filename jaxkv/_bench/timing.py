@@ -240,8 +240,13 @@ def time_loop(step: Step, carry, consts, n: int, reps: int, per_step: int = 1,
     return carry, seconds, compiled.as_text(), (measured, static)
 
 
+# Kernels that do an op's work: jaxkv's own, and cuDNN's attention where jaxkv.attention hands a
+# call to it (its generated kernels' names carry "cudnn" or "sdpa").
+_OP_KERNELS = ("jaxkv", "cudnn", "sdpa")
+
+
 def jaxkv_kernel_durations(trace_dir: str) -> list[list[float]]:
-    """Seconds of every jaxkv kernel in a profiler trace, per GPU, in start order (CUPTI's
+    """Seconds of every kernel of a jaxkv op in a profiler trace, per GPU, in start order (CUPTI's
     timestamps: device time, no launch or loop cost in it)."""
     paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
     if not paths:
@@ -251,7 +256,8 @@ def jaxkv_kernel_durations(trace_dir: str) -> list[list[float]]:
     for plane in data.planes:
         if plane.name.startswith("/device:GPU"):
             events = [(e.start_ns, e.duration_ns * 1e-9)
-                      for line in plane.lines for e in line.events if "jaxkv" in e.name]
+                      for line in plane.lines for e in line.events
+                      if any(k in e.name.lower() for k in _OP_KERNELS)]
             if events:
                 devices.append([d for _, d in sorted(events)])
     return devices
