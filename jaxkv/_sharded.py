@@ -609,8 +609,16 @@ def _attend(call, cache, q, layer_idx, rows, q_roles, scales):
     return per_shard(s, body, (cache, q, rows, *extra), specs, q_spec)
 
 
+# Per shard the default attention is jaxkv's kernel: cuDNN's inside shard_map has not run on
+# several GPUs yet (an explicit implementation="cudnn" is passed through).
+def _per_shard(implementation):
+    return "jaxkv" if implementation is None else implementation
+
+
 def attention_decode(cache, q, layer_idx, kv_lengths, scale, k_scale, v_scale, implementation):
     from . import attention
+
+    implementation = _per_shard(implementation)
 
     def call(q, c, layer, rows, k_scale, v_scale):
         return attention.decode(q, c, layer, kv_lengths=rows, scale=scale, k_scale=k_scale,
@@ -622,6 +630,8 @@ def attention_decode(cache, q, layer_idx, kv_lengths, scale, k_scale, v_scale, i
 
 def attention_prefill(cache, q, layer_idx, q_lengths, scale, k_scale, v_scale, implementation):
     from . import attention
+
+    implementation = _per_shard(implementation)
 
     def call(q, c, layer, rows, k_scale, v_scale):
         return attention.prefill(q, c, layer, rows, scale=scale, k_scale=k_scale,
