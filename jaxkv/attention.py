@@ -220,7 +220,7 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
       (jaxkv's own kernel, every cache kind) or ``"cudnn"`` (cuDNN's paged flash attention through
       jax's private binding: on a GPU, for a ``PagedKVCache`` in the NHD layout, bfloat16 or
       float16, head_dim 64 or 128; faster there, see ``docs/benchmarks.md``; a clear error where
-      it cannot serve the call).
+      it cannot serve the call). A sharded cache defaults to jaxkv's kernel in every shard.
 
     **Returns:** ``[max_batch, num_q_heads, head_dim]`` in ``q``'s dtype; rows of length 0 give
     zeros. Lengths past the capacity (or, paged, past the pages a row holds) are reported through
