@@ -219,8 +219,9 @@ def markdown(report: dict, plot_name: str | None) -> str:
     if peers:
         md[-1] += (" peer: the fastest peer doing the same work on the same inputs (FlashInfer, "
                    "PyTorch-native), whose result equalled jaxkv's before it was timed; peer "
-                   "kernel: its device time per op from torch.profiler; vs peer: that over "
-                   "jaxkv's kernel time (above 1x: jaxkv is faster). Every peer: [Peers](#peers).")
+                   "kernel: its device time per op from the profiler (torch's, else JAX's); vs "
+                   "peer: that over jaxkv's kernel time (above 1x: jaxkv is faster). Every peer: "
+                   "[Peers](#peers).")
     md += ["", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     md += ["| " + " | ".join(x.replace("|", "/") for x in cells(r, peers)) + " |"
            for r in report["rows"]]
