@@ -3,12 +3,14 @@
     python -m jaxkv.bench                         # the GPU sizes on a GPU, tiny ones elsewhere
     python -m jaxkv.bench --op append --op compact_kv_cache --size cpu
     python -m jaxkv.bench --json out.json --markdown docs/benchmarks.md --plot docs/benchmarks.png
+    python -m jaxkv.bench --op paged_append --peers   # beside FlashInfer and PyTorch (GPU)
 
 For each case: the bytes the op must move at least, the device time per op (the op repeated inside
 one jitted loop, donated carry, median of several calls), the achieved bandwidth and its ratio to
 the copy bandwidth measured in the same run, the XLA formulations of the same op under the same
 loop and donation, the extra device memory of one op, and the issue's target. See
-docs/perf-notes.md for the method.
+docs/perf-notes.md for the method. ``--peers`` adds FlashInfer and PyTorch-native formulations
+of the same work on the same inputs (jaxkv/_bench/peers.py), cross-checked before they are timed.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ def parse(argv):
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--peers", action="store_true",
-                   help="also time FlashInfer on the attention cases (skipped with a note where it "
-                        "does not import)")
+                   help="also time the peers that do each case's work (FlashInfer, PyTorch-native "
+                        "formulations), cross-checked first; skipped with a note where they do not "
+                        "import or there is no GPU")
     p.add_argument("--devices", type=int, metavar="N",
                    help="instead: sharded compact / append / paged append per-device bandwidth "
                         "on N devices against 1 (jaxkv/_bench/sharded.py)")
@@ -78,7 +81,9 @@ def measure(step, carry, consts, case: C.Case, reps: int):
         time_s=median, times_s=seconds,
         # (max - min) / median: the noise to compare differences against.
         spread=(max(seconds) - min(seconds)) / median,
-        gbps=case.min_bytes / median / 1e9, launches=T.jaxkv_calls(hlo, case.iters) / case.per_step,
+        gbps=case.min_bytes / median / 1e9,
+        # Per op, or per group of the ops one launch should do (append_layers: every layer).
+        launches=T.jaxkv_calls(hlo, case.iters) * case.per_launch / case.per_step,
         big_copies=T.big_copies(hlo),
         mem_extra_bytes=extra, mem_static_bytes=static, mem_measured=extra is not None,
         mem_overhead_frac=None if mem is None else mem / case.cache_bytes,
@@ -89,9 +94,9 @@ def measure(step, carry, consts, case: C.Case, reps: int):
     return carry, result, hlo
 
 
-def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress,
-             peers: bool = False) -> dict:
-    row = dict(op=case.op, case=case.name, series=case.series, sweep=case.sweep, note=case.note,
+def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) -> dict:
+    row = dict(op=case.op, case=case.name, series=case.series, panel=case.panel or case.op,
+               sweep=case.sweep, note=case.note, per_launch=case.per_launch,
                status="ok", reason="", min_bytes=case.min_bytes, cache_bytes=case.cache_bytes,
                iters=case.iters, per_step=case.per_step,
                target=case.target.text if case.target else "", jaxkv=None, xla={},
@@ -108,16 +113,10 @@ def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress,
         carry, row["jaxkv"], hlo = measure(kernel, carry, consts, case, reps)
         if on_gpu:  # the kernel's own device time, from the profiler
             progress.label(f"{case.op} {case.name}: jaxkv under the profiler")
-            carry, t, seen, expected = T.kernel_seconds(kernel, carry, consts, case.per_step)
-            row["jaxkv"].update(kernel_time_s=t, kernel_launches=seen,
-                                kernel_launches_expected=expected)
-        if peers:
-            progress.label(f"{case.op} {case.name}: peers")
-            row["peers"] = P.run(case, carry, consts, case.iters, reps)
-            for impl in row["peers"].values():
-                if "gbps" in impl:
-                    impl["copy_frac"] = impl["gbps"] / copy_gbps
-                    impl["jaxkv_speedup"] = impl["time_s"] / row["jaxkv"]["time_s"]
+            carry, t, seen, expected = T.kernel_seconds(kernel, carry, consts,
+                                                        case.per_step // case.per_launch)
+            row["jaxkv"].update(kernel_time_s=None if t is None else t / case.per_launch,
+                                kernel_launches=seen, kernel_launches_expected=expected)
         if case.target and case.target.no_kv_bytes:
             big = max(jax.tree_util.tree_leaves(carry), key=lambda x: x.size)
             row["jaxkv"]["touches_kv"] = T.touches(hlo, big)
@@ -156,6 +155,20 @@ def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress,
     return row
 
 
+def add_peers(row: dict, case: C.Case, reps: int, copy_gbps: float, on_gpu: bool,
+              progress) -> None:
+    """The case's peers into its row (on fresh inputs), and the row's target evaluated again.
+    Run after every jaxkv and XLA measurement: their buffers are gone by then, and torch's
+    profiler (CUPTI) never runs between two of jaxkv's JAX-profiler sessions."""
+    progress.step(f"{case.op} {case.name}: peers")
+    if row["status"] != "ok":
+        return
+    row["peers"] = P.run(case, reps)
+    R.compare_peers(row, copy_gbps)
+    if case.target:
+        R.evaluate(row, case.target, on_gpu)
+
+
 def first_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200] if text else ''}"
@@ -187,7 +200,9 @@ def main(argv=None) -> dict:
         return {}
     cal = CALIBRATION[size]
     want_inc = not args.op or "increment_lengths" in args.op
-    progress = T.Progress(len(chosen) + 2 + want_inc, enabled=not args.no_progress)
+    measured = [c for c in chosen if c.op != "increment_lengths"]
+    progress = T.Progress(len(chosen) + 2 + want_inc + args.peers * len(measured),
+                          enabled=not args.no_progress)
 
     progress.step("copy bandwidth")
     copy = T.copy_bandwidth(cal["copy_bytes"], cal["copy_iters"], args.reps)
@@ -198,8 +213,10 @@ def main(argv=None) -> dict:
     if want_inc:
         progress.step("increment_lengths: fused add vs one launch")
         inc = C.increment_lengths_costs(cal["max_batch"], cal["loop_iters"], args.reps)
-    rows = [run_case(c, args.reps, calibration["copy_gbps"], on_gpu, progress, args.peers)
-            for c in chosen if c.op != "increment_lengths"]
+    rows = [run_case(c, args.reps, calibration["copy_gbps"], on_gpu, progress) for c in measured]
+    if args.peers:
+        for row, case in zip(rows, measured):
+            add_peers(row, case, args.reps, calibration["copy_gbps"], on_gpu, progress)
     progress.close()
     if args.explain:
         with open(args.explain) as f:
@@ -212,7 +229,8 @@ def main(argv=None) -> dict:
         meta=dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                   device=getattr(device, "device_kind", str(device)), backend=backend,
                   jax=jax.__version__, jaxkv=jaxkv.__version__, size=size, reps=args.reps,
-                  command=command(args, size)),
+                  command=command(args, size), peers=args.peers, peer_versions=(
+                      P.versions() if args.peers else {})),
         calibration=calibration, increment_lengths=inc, rows=rows,
     )
     print(R.text_table(report))

@@ -10,6 +10,7 @@ import pytest
 import jaxkv
 from jaxkv import bench
 from jaxkv._bench import cases as C
+from jaxkv._bench import peers as P
 from jaxkv._bench import report as R
 from jaxkv._bench import timing as T
 
@@ -20,7 +21,8 @@ from helpers import assert_bytes_equal, copies_of
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     paths = dict(json=out / "bench.json", markdown=out / "bench.md", plot=out / "bench.png")
-    argv = ["--size", "cpu", "--reps", "2", "--no-progress"]  # every op, tiny shapes
+    # Every op, tiny shapes, and the peers (which skip with a note where there is no GPU).
+    argv = ["--size", "cpu", "--reps", "2", "--no-progress", "--peers"]
     argv += [x for name, p in paths.items() for x in (f"--{name}", str(p))]
     report = bench.main(argv)
     return report, paths
@@ -65,12 +67,14 @@ def test_json_has_every_number(run):
 def test_markdown_table(run):
     report, paths = run
     md = paths["markdown"].read_text()
-    header = "| " + " | ".join(R.COLUMNS) + " |"
+    columns = R.columns(report)
+    assert columns == R.COLUMNS[:10] + R.PEER_COLUMNS + R.COLUMNS[10:]  # the run had --peers
+    header = "| " + " | ".join(columns) + " |"
     assert header in md
     lines = md.splitlines()
     start = lines.index(header) + 2
     body = [line for line in lines[start:start + len(report["rows"])]]
-    assert all(line.startswith("| ") and line.count(" | ") == len(R.COLUMNS) - 1 for line in body)
+    assert all(line.startswith("| ") and line.count(" | ") == len(columns) - 1 for line in body)
     assert [line.split(" | ")[1] for line in body] == [r["case"] for r in report["rows"]]
     assert jax.__version__ in md
     assert ("Not an H200 run" in md) == (jax.default_backend() != "gpu")
@@ -82,6 +86,122 @@ def test_markdown_table(run):
     else:
         assert paths["plot"].read_bytes()[:4] == b"\x89PNG"
         assert "](bench.png)" in md
+
+
+def test_peers_are_skipped_with_a_note_off_gpu(run):
+    """--peers at CPU size: every case whose work a peer does lists its peers, each skipped with
+    the reason (no GPU), none timed; the new paged decode and append_layers cases ran."""
+    report, paths = run
+    if jax.default_backend() == "gpu":
+        pytest.skip("on a GPU the peers run (where they import)")
+    cases = {(c.op, c.name): c for c in C.cases("cpu")}
+    # A peer for every op but paged_compact (whose page release no peer does).
+    assert {c.op for c in cases.values() if c.peer} == set(C.OPS) - {"increment_lengths",
+                                                                      "paged_compact"}
+    names = [r["case"] for r in report["rows"] if r["op"] == "paged_append"]
+    assert any(", one layer" in n for n in names) and any("layers in one launch" in n
+                                                           for n in names)
+    for r in report["rows"]:
+        if r["status"] != "ok":  # an op this build does not export
+            continue
+        case = cases[(r["op"], r["case"])]
+        expected = [s.name for s in P.specs(case)]
+        assert list(r["peers"]) == expected
+        assert bool(expected) == bool(case.peer), case.name
+        for peer in r["peers"].values():
+            assert peer == dict(status="skipped", library=peer["library"],
+                                note="needs a CUDA GPU")
+        assert r["peer_best"] is None
+        if expected:
+            assert R.peer_cells(r) == ["skipped: needs a CUDA GPU", "-", "-"]
+    md = paths["markdown"].read_text()
+    assert "## Peers" in md and "FlashInfer append_paged_kv_cache" in md
+    assert "skipped (needs a CUDA GPU)" in md
+
+
+def _fake_case():
+    """A tiny case whose 'kernel' is an add (what the cross-check sees is the output leaves)."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)), jnp.bfloat16)
+    y = jnp.asarray(np.random.default_rng(1).standard_normal((4, 8)), jnp.bfloat16)
+    build = lambda: (x, y, lambda i, c, k: c + k, {})
+    return C.Case("append", "fake", build, 64, 64, 3, per_step=1)
+
+
+def _fake_peer(flip: bool):
+    def make(case, carry, consts):
+        out = {}
+
+        def call(j):
+            z = np.asarray(carry + consts).copy()
+            if flip:  # one byte of one element
+                z.reshape(-1).view(np.uint8)[5] ^= 1
+            out["z"] = z
+
+        return P.Peer(call=call, outputs=lambda: [out["z"]])
+
+    return P.Spec("fake peer" + (" (wrong byte)" if flip else ""), "torch", make)
+
+
+def test_a_peer_that_differs_by_one_byte_is_failed_and_not_timed():
+    measured = []
+
+    def measure(peer, case, reps):
+        measured.append(case.name)
+        return dict(time_s=1e-6, kernel_time_s=1e-6, gbps=64e-3)
+
+    out = P.run(_fake_case(), 2, specs_=[_fake_peer(True), _fake_peer(False)],
+                available=lambda library: None, measure=measure)
+    bad, good = out["fake peer (wrong byte)"], out["fake peer"]
+    assert bad["status"] == "failed" and "cross-check failed" in bad["error"]
+    assert "1 of 32 elements differ, the first at (0, 2)" in bad["error"]
+    assert not {"time_s", "kernel_time_s", "gbps"} & set(bad)
+    assert good["status"] == "ok" and good["checked"] == "byte for byte"
+    assert measured == ["fake"]  # only the peer that agreed was timed
+
+    # In a row: the failure is in the peer cell and fails the target; the good one is compared.
+    row = dict(jaxkv=dict(time_s=2e-6, copy_frac=0.9, launches=1, mem_overhead_frac=0.0),
+               speedup=2.0, peers=out)
+    R.compare_peers(row, copy_gbps=1.0)
+    assert row["peer_best"] == "fake peer" and row["peers"]["fake peer"]["vs_jaxkv"] == 0.5
+    R.evaluate(row, C.Target("t", beats_peers=True), on_gpu=True)
+    assert row["met"] is False
+    assert any("cross-check failed" in f for f in row["failed"])
+    assert any("> fake peer" in f for f in row["failed"])  # the peer was faster
+    row["peers"]["fake peer"]["status"] = "failed"  # no peer timed: the cell says why
+    row["peers"]["fake peer"]["error"] = "cross-check failed: x"
+    R.compare_peers(row, copy_gbps=1.0)
+    assert R.peer_cells(row)[0].startswith("NOT TIMED: fake peer (wrong byte): cross-check")
+
+
+def test_cross_check_reads_only_the_specified_bytes():
+    """A compaction specifies only the survivors' live tokens: bytes past them may differ."""
+    case = C.compact_linear(2, 8, 2, 128, 64, 3)
+    lengths, mapping = case.params["lengths"], case.params["mapping"]
+    want = np.asarray(C.rand((2, 8, 2, 2, 128, 64), C.BF16, 3))
+    got = want.copy()
+    survivors = np.flatnonzero(mapping >= 0)
+    unused = sorted(set(range(8)) - set(mapping[survivors]))
+    got[:, unused[0]] = 0  # a row no survivor moves to
+    i = survivors[np.argmin(lengths[survivors])]
+    got[:, mapping[i], ..., lengths[i]:, :] = 0  # past a survivor's live tokens
+    pick = P.regions(case)
+    assert P.mismatch([got], [jnp.asarray(want)], pick) is None
+    got.view(np.uint16)[1, mapping[i], 1, 0, 0, 0] ^= 1  # a live token's byte
+    assert "1 of" in P.mismatch([got], [jnp.asarray(want)], pick)
+
+
+def test_xla_paged_append_of_every_layer():
+    """The XLA formulation of append_layers writes what jaxkv's one launch writes, in the NHD
+    layout (the harness's CPU cases cover one layer in both layouts, every layer in HND)."""
+    L, B, H, T, D, page = 3, 2, 2, 3, 8, 4
+    lengths, counts = np.array([1, 6]), np.array([3, 2])
+    cache = C._paged_pools(L, B, 3, page, H, D, lengths, "NHD", 5)
+    k, v = (C.rand((L, B, H, T, D), C.BF16, s) for s in (7, 8))
+    want = cache.append_layers(k, v, C.i32(counts))
+    for pool, x, w in ((cache.k_pages, k, want.k_pages), (cache.v_pages, v, want.v_pages)):
+        got = C._xla_paged_append(pool, None, cache.page_table, cache.lengths, x, C.i32(counts),
+                                  page, "NHD")
+        assert_bytes_equal(got, w, "NHD")
 
 
 def test_missing_op_is_not_an_error():
@@ -137,11 +257,12 @@ def test_minimum_bytes_count_only_moving_live_tokens():
 
 def test_gpu_sizes_trace(monkeypatch):
     """Every H200-size case traces (abstract inputs: nothing is allocated), so the device run
-    cannot stop on a shape or validation error. The paged cases build a real page table with
-    compiled allocator code, seconds each on CPU: they are traced at CPU size above."""
+    cannot stop on a shape or validation error. The paged gather and compaction cases build a
+    real page table with compiled allocator code, seconds each on CPU: they are traced at CPU
+    size above (the paged appends build theirs with numpy)."""
     monkeypatch.setattr(C, "rand", lambda shape, dtype, seed: jax.ShapeDtypeStruct(shape, dtype))
     for case in C.cases("gpu"):
-        if case.missing() or case.op.startswith("paged"):
+        if case.missing() or case.op in ("paged_gather", "paged_compact"):
             continue
         carry, consts, kernel, xla = case.build()
         for step in [kernel, *xla.values()]:
@@ -165,11 +286,13 @@ def _live(tree, consts):
                          ids=lambda c: f"{c.op}-{c.name}")
 def test_xla_formulations_compute_the_same(case):
     """A baseline that did less work than the op would make the speed-up a lie: every XLA
-    formulation must produce the op's specified bytes, from the same inputs."""
+    formulation must produce the op's specified bytes, from the same inputs. So must every
+    PyTorch-native peer where torch imports (CPU tensors through DLPack on a CPU backend): what
+    --peers checks on the GPU before it times them."""
     if case.missing():
         pytest.skip(f"jaxkv.{case.missing()[0]} is not in this build")
     carry, consts, kernel, xla = case.build()
-    run = lambda step: jax.jit(step)(jnp.int32(1), carry, consts)
+    run = lambda step, i=1: jax.jit(step)(jnp.int32(i), carry, consts)
     expected = run(kernel)
     pick = (lambda t: _live(t, consts)) if case.op == "compact_kv_cache" else (
         jax.tree_util.tree_leaves)
@@ -181,6 +304,18 @@ def test_xla_formulations_compute_the_same(case):
                                            rtol=2e-2, atol=2e-2, err_msg=f"{case.name}: {name}")
             else:
                 assert_bytes_equal(g, e, f"{case.name}: {name}")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return
+    expected = None
+    for n, spec in enumerate(s for s in P.specs(case) if s.library == "torch"):
+        # The first peer on the inputs built above (the XLA checks did not write them; jaxkv's
+        # step i = 0 then compiles no new program), the next on fresh ones.
+        inputs = (carry, consts, kernel) if n == 0 else None
+        peer, expected, problem = P.bind(case, spec, expected, inputs)
+        assert problem is None, f"{case.name}: {spec.name}: {problem}"
+        peer.call(1)  # the second call (another row or layer) runs too
 
 
 def test_memory_probe_pads_to_the_peak(monkeypatch):

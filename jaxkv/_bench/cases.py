@@ -38,6 +38,7 @@ class Target:
     one_launch: bool = False
     no_kv_bytes: bool = False  # nothing of the size of the KV data moves
     mem_frac: float = 0.01  # extra device memory of one op / cache bytes
+    beats_peers: bool = False  # device time <= the fastest peer's (where a peer was timed)
 
 
 @dataclasses.dataclass
@@ -56,6 +57,12 @@ class Case:
     sweep: bool = False  # a point for the plot, not a target row
     series: str = ""  # the plot's line within the op's panel
     note: str = ""
+    panel: str = ""  # the plot's panel (default: the op)
+    per_launch: int = 1  # ops one jaxkv launch performs (append_layers: every layer at once)
+    # The peers that do the same work (jaxkv/_bench/peers.py): a family name, and the static
+    # facts of the inputs they need beyond the carry and consts.
+    peer: str = ""
+    params: dict = dataclasses.field(default_factory=dict)
 
     def missing(self) -> list[str]:
         return [name for name in self.requires if not hasattr(jaxkv, name)]
@@ -152,7 +159,8 @@ def compact_linear(L, B, H, S, D, iters, target=None, sweep=False) -> Case:
     return Case("compact_kv_cache", f"LinearKVCache L{L} B{B} H{H} S{S} D{D}", build,
                 2 * token * moved_tokens, B * S * token, iters, target=target,
                 sweep=sweep, series="LinearKVCache",
-                note="random lengths in [1, S], random half evicted")
+                note="random lengths in [1, S], random half evicted", peer="compact_linear",
+                params=dict(lengths=lengths, mapping=mapping, src=src))
 
 
 def compact_layers(layer_shapes, B, S, iters, target=None) -> Case:
@@ -181,7 +189,8 @@ def compact_layers(layer_shapes, B, S, iters, target=None) -> Case:
     label = ",".join(f"H{h}xD{d}" for h, d in kinds)
     return Case("compact_kv_cache", f"mixed layers L{len(layer_shapes)} B{B} S{S} {label}", build,
                 2 * sum(tokens) * moved_tokens, sum(tokens) * B * S, iters, target=target,
-                series="mixed layers", note="heterogeneous layers")
+                series="mixed layers", note="heterogeneous layers", peer="compact_layers",
+                params=dict(lengths=lengths, mapping=mapping, src=src))
 
 
 # --- save / instantiate (jaxkv.save_kv_cache, jaxkv.instantiate_kv_cache) ------------------------
@@ -207,7 +216,8 @@ def save(L, B, H, S, D, T, iters, target=None, sweep=False) -> Case:
     return Case("save_kv_cache", f"L{L} H{H} D{D} T{T} ({mib(saved)})", build, 2 * saved,
                 L * B * 2 * H * S * D * BF16.itemsize, iters,
                 target=target, requires=("save_kv_cache",), sweep=sweep, series="one row",
-                note="the batch row changes every iteration")
+                note="the batch row changes every iteration", peer="save",
+                params=dict(B=B, T=T))
 
 
 def instantiate(L, B, H, S, D, T, iters, target=None, sweep=False) -> Case:
@@ -230,7 +240,8 @@ def instantiate(L, B, H, S, D, T, iters, target=None, sweep=False) -> Case:
 
     return Case("instantiate_kv_cache", f"L{L} H{H} D{D} T{T} ({mib(saved)})", build, 2 * saved,
                 L * B * 2 * H * S * D * BF16.itemsize, iters, target=target,
-                requires=("instantiate_kv_cache",), sweep=sweep, series="one row")
+                requires=("instantiate_kv_cache",), sweep=sweep, series="one row",
+                peer="instantiate", params=dict(B=B, T=T))
 
 
 def instantiate_slots(L, B, H, S, D, T, slots, iters, target=None) -> Case:
@@ -263,7 +274,8 @@ def instantiate_slots(L, B, H, S, D, T, slots, iters, target=None) -> Case:
     return Case("instantiate_kv_cache", f"{slots} slots L{L} H{H} D{D} T{T}", build,
                 (1 + slots) * saved, L * B * 2 * H * S * D * BF16.itemsize, iters,
                 target=target, requires=("instantiate_kv_cache",), series=f"{slots} slots",
-                note="min bytes: the prefix read once, written once per slot")
+                note="min bytes: the prefix read once, written once per slot",
+                peer="instantiate_slots", params=dict(T=T))
 
 
 # --- append (LinearKVCache.append) ----------------------------------------------------------------
@@ -340,7 +352,8 @@ def append(B, H, S, D, T, rounds, iters, ragged, target=None, sweep=False) -> Ca
     return Case("append", f"{kind} B{B} T{T} H{H} D{D}" + (" ragged" if ragged else ""), build,
                 2 * token * tokens, rounds * B * S * token, iters, per_step=rounds,
                 target=target, sweep=sweep, series=kind,
-                note="" if ragged else "launch-bound: includes 1/rounds of the loop's cost")
+                note="" if ragged else "launch-bound: includes 1/rounds of the loop's cost",
+                peer="linear_append", params=dict(lengths=lengths, counts=new_lengths))
 
 
 # --- paged (jaxkv.PagedKVCache, HND pools [L, H, num_pages, page_size, D]) -----------------------
@@ -376,53 +389,100 @@ def _cache(pools, rest):
     return jaxkv.PagedKVCache(k_pages=pools[0], v_pages=pools[1], **rest)
 
 
-def paged_append(B, T, tokens, H, D, page, rounds, iters, target=None) -> Case:
-    """Ragged prefill of ``tokens`` tokens (at most T per sequence) after random lengths."""
-    new_lengths = split(tokens, B, T, seed=8)
-    start = np.random.default_rng(7).integers(0, T, B)
+def _paged_append(label, B, H, D, T, page, layout, lengths, counts, num_layers, rounds,
+                  all_layers, pages_per_seq, iters, target, series, panel, note) -> Case:
+    """A paged-append case on pools of ``num_layers`` layers with shuffled pages: per loop step
+    ``rounds`` appends of one layer each (round r into layer r % num_layers), each from its own
+    k/v set [B, H, T, D]; or, ``all_layers``, one ``append_layers`` of every layer at once
+    (k/v [L, B, H, T, D]), counted as ``num_layers`` ops (one per layer) of one launch.
+    Row b writes its first ``counts[b]`` tokens (None: all T) at positions lengths[b] ..."""
     token = 2 * H * D * BF16.itemsize
-    pages_per_seq = -(-(2 * T) // page)
-    num_pages = B * pages_per_seq
+    tokens = int(np.sum(counts)) if counts is not None else B * T
+    ops = num_layers if all_layers else rounds
 
     def build():
-        pools, rest = _paged(num_pages, page, H, D, B, pages_per_seq, start, 70)
-        cache, served = _cache(pools, rest).reserve(i32(new_lengths))
-        assert bool(jnp.all(served)), "benchmark cache: out of pages"
-        rest = {n: getattr(cache, n) for n in rest}
-        consts = dict(rest=rest, new=i32(new_lengths),
-                      k=[rand((B, H, T, D), BF16, 71 + r) for r in range(rounds)],
-                      v=[rand((B, H, T, D), BF16, 81 + r) for r in range(rounds)])
+        cache = _paged_pools(num_layers, B, pages_per_seq, page, H, D, lengths, layout, 60)
+        rest = {f: getattr(cache, f) for f in ("page_table", "lengths", "ref_counts", "new_tokens")}
+        shape = (num_layers, B, H, T, D) if all_layers else (B, H, T, D)
+        sets = 1 if all_layers else rounds
+        consts = dict(rest=rest, new=None if counts is None else i32(counts),
+                      k=[rand(shape, BF16, 71 + r) for r in range(sets)],
+                      v=[rand(shape, BF16, 81 + r) for r in range(sets)])
 
         def kernel(i, pools, c):
-            cache = _cache(pools, c["rest"])
-            for r in range(rounds):
-                cache = cache.append(0, c["k"][r], c["v"][r], c["new"])
+            cache = jaxkv.PagedKVCache(k_pages=pools[0], v_pages=pools[1], layout=layout,
+                                       **c["rest"])
+            if all_layers:
+                cache = cache.append_layers(c["k"][0], c["v"][0], c["new"])
+            for r in range(0 if all_layers else rounds):
+                cache = cache.append(r % num_layers, c["k"][r], c["v"][r], c["new"])
             return cache.k_pages, cache.v_pages
 
         def scatter(i, pools, c):
-            rest = c["rest"]
-            for r in range(rounds):
-                pools = tuple(_xla_paged_append(x, rest["page_table"], rest["lengths"], new,
-                                                c["new"], page)
+            table, start = c["rest"]["page_table"], c["rest"]["lengths"]
+            for r in range(len(c["k"])):
+                layer = None if all_layers else r % num_layers
+                pools = tuple(_xla_paged_append(x, layer, table, start, new, c["new"], page, layout)
                               for x, new in zip(pools, (c["k"][r], c["v"][r])))
             return pools
 
-        return pools, consts, kernel, {"scatter": scatter}
+        return (cache.k_pages, cache.v_pages), consts, kernel, {"scatter": scatter}
 
-    return Case("paged_append", f"{tokens} tokens H{H} D{D} page {page}", build,
-                2 * token * tokens, num_pages * page * token, iters, per_step=rounds,
-                target=target, requires=("PagedKVCache",), series=f"page {page}",
-                note=f"B{B}, at most {T} new tokens each, after random lengths")
+    return Case("paged_append", label, build, 2 * token * tokens,
+                num_layers * B * pages_per_seq * page * token, iters, per_step=ops,
+                target=target, requires=("PagedKVCache",), series=series, panel=panel,
+                note=note, per_launch=ops if all_layers else 1, peer="paged_append",
+                params=dict(layout=layout, page=page, lengths=lengths, counts=counts,
+                            layers=[r % num_layers for r in range(rounds)], all_layers=all_layers))
 
 
-def _xla_paged_append(pool, table, lengths, x, counts, page):
-    """Scatter of x[b, :, t] to page table[b, p // page], slot p % page, p = lengths[b] + t."""
-    B, H, T, D = x.shape
+def paged_append(B, T, tokens, H, D, page, rounds, iters, target=None, layout="HND") -> Case:
+    """Ragged prefill of ``tokens`` tokens (at most T per sequence) after random lengths,
+    ``rounds`` appends per loop step into layer 0."""
+    new_lengths = split(tokens, B, T, seed=8)
+    start = np.random.default_rng(7).integers(0, T, B)
+    return _paged_append(f"prefill {tokens} tokens H{H} D{D} page {page} {layout}", B, H, D, T,
+                         page, layout, start, new_lengths, 1, rounds, False, -(-(2 * T) // page),
+                         iters, target, f"page {page} {layout}", "paged_append (prefill)",
+                         f"B{B}, at most {T} new tokens each, after random lengths")
+
+
+def paged_decode_append(B, H, D, page, layout, rounds, iters, target=None, layers=0) -> Case:
+    """One decode step's append: one token per row after random lengths in [0, 2 * page).
+
+    ``layers`` 0: ``rounds`` single-layer appends per loop step into layers 0..rounds-1, as a
+    decode step does (each from its own k/v set). ``layers`` L: ``append_layers``, every one of
+    L layers in one launch, reported per layer (the step's time / L), beside the single-layer
+    rows."""
+    lengths = np.random.default_rng(12).integers(0, 2 * page, B)
+    kind = f"{layers} layers in one launch, per layer" if layers else "one layer"
+    return _paged_append(
+        f"decode B{B} H{H} D{D} page {page} {layout}, {kind}", B, H, D, 1, page, layout, lengths,
+        None, layers or rounds, 1 if layers else rounds, bool(layers), 2, iters, target,
+        f"{'append_layers' if layers else 'one layer'} page {page} {layout}",
+        "paged_append (decode)", "latency-bound: the loop time includes 1/" +
+        (f"{layers} of a step's loop cost" if layers else f"{rounds} of the loop's cost"))
+
+
+def _xla_paged_append(pool, layer, table, lengths, x, counts, page, layout):
+    """``.at[].set``: x[(l,) b, :, t] to page table[b, p // page], slot p % page, of layer
+    ``layer`` (None: x [L, B, H, T, D] has every layer), p = lengths[b] + t; tokens at or past
+    counts[b] are dropped (counts None: none)."""
+    T = x.shape[-2]
     t = jnp.arange(T)[None, :]
     pos = lengths[:, None] + t
-    phys = jnp.take_along_axis(table, pos // page, axis=1, mode="clip")
-    phys = jnp.where(t < counts[:, None], phys, pool.shape[2])  # dropped
-    return pool.at[0, :, phys, pos % page].set(jnp.swapaxes(x, 1, 2), mode="drop")
+    phys = jnp.take_along_axis(table, pos // page, axis=1, mode="clip")  # [B, T]
+    if counts is not None:
+        phys = jnp.where(t < counts[:, None], phys, pool.shape[2 if layout == "HND" else 1])
+    slot = pos % page
+    if layer is None:
+        if layout == "HND":  # pool[:, :, phys, slot]: [L, H, B, T, D]
+            return pool.at[:, :, phys, slot].set(jnp.transpose(x, (0, 2, 1, 3, 4)), mode="drop")
+        return pool.at[:, phys, slot].set(jnp.transpose(x, (0, 1, 3, 2, 4)), mode="drop")
+    xt = jnp.swapaxes(x, 1, 2)  # [B, T, H, D]: what pool[layer, (:,) phys, slot] is, either layout
+    if layout == "HND":
+        return pool.at[layer, :, phys, slot].set(xt, mode="drop")
+    return pool.at[layer, phys, slot].set(xt, mode="drop")
 
 
 def paged_gather(B, N, H, D, page, iters, target=None, sweep=False) -> Case:
@@ -458,7 +518,8 @@ def paged_gather(B, N, H, D, page, iters, target=None, sweep=False) -> Case:
 
     return Case("paged_gather", f"B{B} N{N} H{H} D{D} page {page}", build, 2 * dense,
                 2 * num_pages * page * token, iters,
-                target=target, requires=("PagedKVCache",), sweep=sweep, series=f"page {page}")
+                target=target, requires=("PagedKVCache",), sweep=sweep, series=f"page {page}",
+                peer="paged_gather", params=dict(N=N, page=page))
 
 
 def paged_compact(B, N, H, D, page, iters, target=None) -> Case:
@@ -547,7 +608,8 @@ def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None) -> 
                 build, _kv_bytes(lengths, H, D) + 2 * B * Hq * D * BF16.itemsize,
                 2 * num_pages * page * token, iters, target=target,
                 requires=("attention",), series=f"paged {layout}",
-                note="min bytes: the live K/V tokens read once, plus q and the output")
+                note="min bytes: the live K/V tokens read once, plus q and the output",
+                peer="attention", params=dict(layout=layout))
 
 
 def attention_decode_linear(B, S, Hq, H, D, ragged, iters, target=None) -> Case:
@@ -607,7 +669,8 @@ def attention_prefill_paged(B, prefix, T, Hq, H, D, page, iters, target=None) ->
                 f"page {page}", build, _kv_bytes(lengths + T, H, D) + 2 * B * T * Hq * D * 2,
                 2 * num_pages * page * 2 * H * D * BF16.itemsize, iters, target=target,
                 requires=("attention",), series="paged prefill",
-                note="compute-bound: the bandwidth column is only the bytes read once")
+                note="compute-bound: the bandwidth column is only the bytes read once",
+                peer="attention", params=dict(layout="NHD", T=T))
 
 
 # --- the sizes ------------------------------------------------------------------------------------
@@ -619,7 +682,8 @@ T_SAVE = Target(">= 85% of copy BW at >= 64 MB; >= 5x XLA", copy_frac=0.85, spee
 T_SLOTS = Target(">= 85% of copy BW on bytes written", copy_frac=0.85)
 T_DECODE = Target("<= 5 us; beats .at[].set", max_us=5.0, beats_xla=True)
 T_PREFILL = Target(">= 80% of copy BW", copy_frac=0.80)
-T_PAGED = Target(">= 80% of copy BW", copy_frac=0.80)
+T_PAGED = Target(">= 85% of copy BW; <= the fastest peer", copy_frac=0.85, beats_peers=True)
+T_PAGED_DECODE = Target("<= the fastest peer", beats_peers=True)
 T_PAGED_COMPACT = Target("O(batch) bytes: no KV data moved", no_kv_bytes=True)
 T_ATTN_DECODE = Target(">= 90% of copy BW on the KV bytes read", copy_frac=0.90)
 T_ATTN_LIVE = Target("reads live tokens only: >= 90% of copy BW on live bytes", copy_frac=0.90)
@@ -637,6 +701,8 @@ def cases(size: str) -> list[Case]:
             append(16, 2, 128, 64, 1, 2, 20, ragged=False, target=T_DECODE),
             append(4, 2, 256, 64, 64, 2, 3, ragged=True, target=T_PREFILL),
             paged_append(4, 64, 160, 2, 64, 16, 2, 3, T_PAGED),
+            paged_decode_append(16, 2, 64, 16, "NHD", 2, 20, T_PAGED_DECODE),
+            paged_decode_append(16, 2, 64, 16, "HND", 1, 10, T_PAGED_DECODE, layers=4),
             paged_gather(4, 128, 2, 64, 16, 3, Target(">= 80% of copy BW", copy_frac=0.80)),
             paged_compact(8, 128, 2, 64, 16, 10, T_PAGED_COMPACT),
             attention_decode_paged(4, 128, 8, 2, 64, 16, "HND", 3, T_ATTN_DECODE),
@@ -669,8 +735,14 @@ def gpu_cases() -> list[Case]:
         append(256, 8, 1024, 128, 1, 8, 250, ragged=False, target=T_DECODE),
         append(8, 8, 8192, 128, 2048, 4, 5, ragged=True, target=T_PREFILL),
         append(8, 8, 8192, 128, 512, 4, 10, ragged=True, sweep=True),
-        paged_append(8, 1024, 5000, 8, 128, 16, 4, 10, T_PAGED),
-        paged_append(8, 1024, 5000, 8, 128, 128, 4, 10, T_PAGED),
+        *[paged_append(8, 1024, 5000, 8, 128, page, 4, 10, T_PAGED, layout)
+          for page in (16, 128) for layout in ("NHD", "HND")],
+        # One decode step: one layer per launch (8 layers per loop step), and all 32 layers in
+        # one launch (page 16 only: 32 layers of page-128 pools would be 17 GB each).
+        *[paged_decode_append(b, 8, 128, page, layout, 8, 250, T_PAGED_DECODE)
+          for b in (256, 1024) for page in (16, 128) for layout in ("NHD", "HND")],
+        *[paged_decode_append(b, 8, 128, 16, layout, 1, 10, T_PAGED_DECODE, layers=32)
+          for b in (256, 1024) for layout in ("NHD", "HND")],
         paged_gather(64, 4096, 8, 128, 16, 5, Target(">= 80% of copy BW", copy_frac=0.80)),
         paged_gather(64, 1024, 8, 128, 16, 10, sweep=True),
         paged_compact(64, 4096, 8, 128, 16, 100, T_PAGED_COMPACT),

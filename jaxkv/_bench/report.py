@@ -6,6 +6,15 @@ import json
 
 COLUMNS = ["op", "case", "min bytes", "kernel", "loop", "GB/s", "% copy", "XLA", "XLA time",
            "speed-up", "mem", "target", "met"]
+PEER_COLUMNS = ["peer", "peer kernel", "vs peer"]  # after "speed-up", with --peers
+
+
+def columns(report: dict) -> list[str]:
+    """The table's columns: with the peers' where the run had ``--peers``."""
+    if not report["meta"].get("peers"):
+        return COLUMNS
+    at = COLUMNS.index("speed-up") + 1
+    return COLUMNS[:at] + PEER_COLUMNS + COLUMNS[at:]
 
 
 def device_time(k: dict) -> float:
@@ -35,11 +44,46 @@ def evaluate(row: dict, target, on_gpu: bool) -> None:
         failed.append(f"{k['launches']:.3g} launches")
     if target.no_kv_bytes and k.get("touches_kv"):
         failed.append("the KV pages are read or written")
+    for name, peer in (row.get("peers") or {}).items():
+        if peer["status"] == "failed":
+            failed.append(f"{name}: {peer['error']}")
+    best = row.get("peer_best")
+    if target.beats_peers and best:
+        peer = row["peers"][best]
+        if device_time(k) > peer_time(peer):
+            failed.append(f"{fmt_time(device_time(k))} > {best} {fmt_time(peer_time(peer))}")
     mem = k.get("mem_overhead_frac")
     if mem is not None and mem > target.mem_frac:
         failed.append(f"memory +{mem:.1%} of the cache")
     row["failed"] = failed
     row["met"] = (not failed) if on_gpu else None
+
+
+def peer_time(peer: dict) -> float:
+    """A peer's device time per op (profiler), else its wall time."""
+    return peer.get("kernel_time_s") or peer["time_s"]
+
+
+def compare_peers(row: dict, copy_gbps: float) -> None:
+    """Each timed peer's share of the copy bandwidth and its time over jaxkv's (device times
+    where both have one; > 1: jaxkv is faster), and the fastest peer: row["peer_best"]."""
+    timed = {n: p for n, p in row["peers"].items() if p["status"] == "ok"}
+    for peer in timed.values():
+        peer["copy_frac"] = peer["gbps"] / copy_gbps if peer.get("gbps") else None
+        peer["vs_jaxkv"] = peer_time(peer) / device_time(row["jaxkv"])
+    row["peer_best"] = min(timed, key=lambda n: peer_time(timed[n])) if timed else None
+
+
+def peer_summary(row: dict) -> str:
+    """What the peer cell says where no peer was timed."""
+    peers = row.get("peers") or {}
+    if not peers:
+        return "-"
+    bad = [f"{n}: {p['error']}" for n, p in peers.items() if p["status"] in ("failed", "error")]
+    if bad:
+        return "NOT TIMED: " + "; ".join(bad)
+    notes = sorted({p.get("note", "") for p in peers.values()})
+    return "skipped: " + "; ".join(notes)
 
 
 def fmt_bytes(n) -> str:
@@ -75,10 +119,10 @@ def fmt_extra(impl: dict) -> str:
     return "n/a" if static is None else f"{fmt_bytes(static)} (static)"
 
 
-def cells(row: dict) -> list[str]:
+def cells(row: dict, peers: bool = False) -> list[str]:
     if row["status"] != "ok":
         return [row["op"], row["case"], fmt_bytes(row["min_bytes"]), row["status"], "", "", "",
-                "", "", "", "", row["target"], row["reason"]]
+                "", "", "", *(["", "", ""] if peers else []), "", row["target"], row["reason"]]
     k = row["jaxkv"]
     best = row["xla"].get(row["xla_best"]) if row["xla_best"] else None
     met = {True: "yes", False: "NO: " + "; ".join(row["failed"]), None: "n/a (cpu)"}[row["met"]]
@@ -92,30 +136,48 @@ def cells(row: dict) -> list[str]:
         f"{row['min_bytes'] / device_time(k) / 1e9:.0f}" if row["min_bytes"] else "-",
         f"{device_copy_frac(k):.0%}" if row["min_bytes"] else "-",
         row["xla_best"] or "-", fmt_time(best["time_s"]) if best else "-",
-        fmt_x(row["speedup"]), fmt_mem(k), row["target"], met,
+        fmt_x(row["speedup"]), *(peer_cells(row) if peers else []), fmt_mem(k), row["target"],
+        met,
     ]
 
 
+def peer_cells(row: dict) -> list[str]:
+    best = row.get("peer_best")
+    if not best:
+        return [peer_summary(row), "-", "-"]
+    peer = row["peers"][best]
+    return [best, fmt_time(peer_time(peer)), fmt_x(peer["vs_jaxkv"])]
+
+
 def text_table(report: dict) -> str:
-    rows = [COLUMNS] + [cells(r) for r in report["rows"]]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    cols = columns(report)
+    peers = cols is not COLUMNS
+    rows = [cols] + [cells(r, peers) for r in report["rows"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
     out = [header_line(report), line(rows[0]), line(["-" * w for w in widths])]
     return "\n".join(out + [line(r) for r in rows[1:]] + peer_lines(report))
 
 
 def peer_lines(report: dict) -> list[str]:
-    """One line per peer measurement (``--peers``): its time beside jaxkv's, same inputs."""
+    """One line per peer (``--peers``): its device time beside jaxkv's on the same inputs, or why
+    it was not timed."""
     out = []
     for r in report["rows"]:
         for name, impl in (r.get("peers") or {}).items():
             head = f"{r['op']} {r['case']}: {name}"
-            if "error" in impl:
-                out.append(f"{head}: not timed ({impl['error']})")
+            if impl["status"] == "skipped":
+                out.append(f"{head}: skipped ({impl['note']})")
+            elif impl["status"] != "ok":
+                out.append(f"{head}: {impl['status'].upper()}, not timed ({impl['error']})")
             else:
-                out.append(f"{head} {fmt_time(impl['time_s'])}, {impl['gbps']:.0f} GB/s "
-                           f"({impl['copy_frac']:.0%} of copy); jaxkv {fmt_time(r['jaxkv']['time_s'])}"
-                           f" ({impl['jaxkv_speedup']:.2f}x); max |diff| {impl['max_abs_diff']:.2g}")
+                bw = (f", {impl['gbps']:.0f} GB/s ({impl['copy_frac']:.0%} of copy)"
+                      if impl.get("gbps") and r["min_bytes"] else "")
+                out.append(f"{head}: {fmt_time(peer_time(impl))} on the device "
+                           f"({impl.get('profiler', 'profiler')}){bw}, "
+                           f"{fmt_time(impl['time_s'])} per op wall ({impl['timing']}); jaxkv "
+                           f"{fmt_time(device_time(r['jaxkv']))}: peer / jaxkv "
+                           f"{fmt_x(impl['vs_jaxkv'])}; checked {impl['checked']}")
     return ["", "peers (same inputs, cross-checked first):"] + out if out else []
 
 
@@ -151,9 +213,18 @@ def markdown(report: dict, plot_name: str | None) -> str:
            "bandwidth above; the targets are checked on these. XLA: the fastest XLA-native "
            "formulation, same loop, same donation; speed-up: its loop time over jaxkv's. mem: "
            "device memory one op allocates beyond its inputs and required outputs, as a share "
-           "of the cache.", "",
-           "| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
-    md += ["| " + " | ".join(x.replace("|", "/") for x in cells(r)) + " |" for r in report["rows"]]
+           "of the cache."]
+    cols = columns(report)
+    peers = cols is not COLUMNS
+    if peers:
+        md[-1] += (" peer: the fastest peer doing the same work on the same inputs (FlashInfer, "
+                   "PyTorch-native), whose result equalled jaxkv's before it was timed; peer "
+                   "kernel: its device time per op from the profiler (torch's, else JAX's); vs "
+                   "peer: that over jaxkv's kernel time (above 1x: jaxkv is faster). Every peer: "
+                   "[Peers](#peers).")
+    md += ["", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    md += ["| " + " | ".join(x.replace("|", "/") for x in cells(r, peers)) + " |"
+           for r in report["rows"]]
     inc = report.get("increment_lengths")
     if inc:
         md += ["", "## increment_lengths: kernel or fused XLA op", "",
@@ -167,23 +238,52 @@ def markdown(report: dict, plot_name: str | None) -> str:
                f"of the repetitions: up to {inc['spread_us']:.2f} us).", ""]
     detail = [r for r in report["rows"] if r["status"] == "ok"]
     md += ["", "## Every implementation", "",
-           "| op | case | implementation | time | spread | GB/s | jaxkv launches | big copies "
-           "| extra memory |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "device time: from the profiler (jaxkv: its kernels in the JAX profiler's trace; "
+           "peers: torch.profiler); time: the loop's time per op (jaxkv, XLA) or the peer's wall "
+           "time per op (a CUDA graph of its calls, replayed); GB/s: minimum bytes over that time; "
+           "launches: jaxkv custom calls per op (per launch of several ops: append_layers), or a "
+           "peer's device kernels (and copies) per op.", "",
+           "| op | case | implementation | device time | time | spread | GB/s | launches "
+           "| big copies | extra memory |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in detail:
         for name, impl in [("jaxkv", r["jaxkv"])] + list(r["xla"].items()):
             if "error" in impl:
                 md.append(f"| {r['op']} | {r['case']} | {name} | error: {impl['error']} |"
-                          " | | | | |")
+                          " | | | | | |")
                 continue
-            md.append(f"| {r['op']} | {r['case']} | {name} | {fmt_time(impl['time_s'])} | "
+            md.append(f"| {r['op']} | {r['case']} | {name} | "
+                      f"{fmt_time(impl['kernel_time_s']) if impl.get('kernel_time_s') else '-'} | "
+                      f"{fmt_time(impl['time_s'])} | "
                       f"{impl['spread']:.0%} | {impl['gbps']:.0f} | {impl['launches']:.3g} | "
                       f"{impl['big_copies']} | {fmt_extra(impl)} |"
                       + (" **hoisted out of the loop: not valid**" if impl["hoisted"] else ""))
+        for name, impl in (r.get("peers") or {}).items():
+            if impl["status"] != "ok":
+                why = (impl.get("error") or impl.get("note", "")).replace("|", "/")
+                md.append(f"| {r['op']} | {r['case']} | {name} | {impl['status']}: {why} |"
+                          " | | | | | |")
+                continue
+            md.append(f"| {r['op']} | {r['case']} | {name} | "
+                      f"{fmt_time(impl.get('kernel_time_s'))} | {fmt_time(impl['time_s'])} | "
+                      f"{impl['spread']:.0%} | {r['min_bytes'] / impl['time_s'] / 1e9:.0f} | "
+                      f"{impl['kernel_launches']:.3g} | - | - |")
     peers = peer_lines(report)
     if peers:
-        md += ["", "## Peers", "", "FlashInfer (`--peers`) on the inputs of the attention rows, its "
-               "output checked against jaxkv's before timing; time per call (CUDA events), jaxkv's "
-               "loop time beside it.", ""] + [f"- {x}" for x in peers[2:]]
+        versions = ", ".join(f"{k} {v}" for k, v in m.get("peer_versions", {}).items())
+        md += ["", "## Peers", "",
+               f"`--peers` ({versions or 'no peer library imported'}): for every case where "
+               "another library does the same work, FlashInfer's kernels and the PyTorch-native "
+               "formulation a torch user would write (named in each line), on the same inputs "
+               "(DLPack views of jaxkv's arrays). Each peer's result is compared with jaxkv's "
+               "first, byte for byte (attention: within a tolerance); one that differs is marked "
+               "and not timed. Device time: torch.profiler (CUPTI; the JAX profiler where torch's "
+               "records nothing, as each line says), every kernel, memcpy and memset of a call "
+               "summed, the same measure as jaxkv's kernel time; wall time: the "
+               "calls captured in a CUDA graph and replayed (CUDA events). Index metadata (slot "
+               "numbers, FlashInfer's batch indices and positions) is made once, outside the "
+               "timing, as a serving loop passes it in. jaxkv/_bench/peers.py has the method.",
+               ""] + [f"- {x}" for x in peers[2:]]
     if plot_name:
         md += ["", f"![achieved bandwidth per op]({plot_name})"]
     return "\n".join(md) + "\n"

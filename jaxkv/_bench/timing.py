@@ -263,6 +263,23 @@ def jaxkv_kernel_durations(trace_dir: str) -> list[list[float]]:
     return devices
 
 
+def stream_durations(trace_dir: str) -> list[tuple[int, float]]:
+    """(start ns, seconds) of every device activity on the first GPU's stream lines of a
+    profiler trace: kernels and copies, whoever launched them (torch's too: CUPTI records the
+    whole process), without the lines the profiler derives from them."""
+    paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not paths:
+        return []
+    data = jax.profiler.ProfileData.from_file(paths[0])
+    for plane in data.planes:
+        if plane.name.startswith("/device:GPU"):
+            events = [(e.start_ns, e.duration_ns * 1e-9) for line in plane.lines
+                      if line.name.startswith("Stream") for e in line.events]
+            if events:
+                return sorted(events)
+    return []
+
+
 def kernel_seconds(step: Step, carry, consts, per_step: int = 1, n: int = 4):
     """(carry, median device time of one op's jaxkv kernels or None, launches seen, expected):
     ``n`` iterations of ``step`` run once under the profiler (after a warm-up call). An op of

@@ -1,0 +1,163 @@
+"""FlashInfer peers (0.7.2; ``/work/shared/peer-wheels/README.md`` for the device machine's
+install): ``append_paged_kv_cache`` on the append cases, the batch decode / prefill wrappers on
+the attention cases, on DLPack views of the case's JAX arrays (see peers.py for the checks and
+the timing).
+
+FlashInfer addresses pages through strides, so jaxkv's pools are handed over without a copy:
+layer l of an NHD pool [L, P, S, H, D] is FlashInfer's NHD [P, S, H, D]; of an HND pool
+[L, H, P, S, D] it is FlashInfer's HND [P, H, S, D] after a permutation of the view. A
+LinearKVCache layer [B, 2, H, S, D] is a paged HND cache of one S-token page per row.
+The append's inputs are FlashInfer's: ragged [tokens, H, D] K/V and the (batch index, position)
+of each token, made once from the case's padded inputs, as a serving loop hands them over.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jaxkv
+
+from .peers_torch import ragged, ragged_tokens, view
+
+TOLERANCE = 3e-2  # attention: bf16 outputs of two float32-accumulating kernels
+
+
+def specs(case) -> list:
+    from .peers import Spec
+
+    if case.peer == "paged_append":
+        name = "FlashInfer append_paged_kv_cache" + (
+            ", one call per layer" if case.params["all_layers"] else "")
+        return [Spec(name, "flashinfer", paged_append)]
+    if case.peer == "linear_append":
+        return [Spec("FlashInfer append_paged_kv_cache (a row = one page of S tokens)",
+                     "flashinfer", linear_append)]
+    if case.peer == "attention":
+        name = ("FlashInfer BatchDecodeWithPagedKVCacheWrapper" if case.op == "attention_decode"
+                else "FlashInfer BatchPrefillWithPagedKVCacheWrapper (fa2)")
+        return [Spec(name, "flashinfer", attention)]
+    return []
+
+
+def _i32(a, device):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a, np.int32)).to(device)
+
+
+def _csr(tables, lengths, page: int, device):
+    """FlashInfer's page list of every row: (indptr [B + 1], indices, last_page_len [B]) for rows
+    of ``lengths`` tokens on the pages ``tables[b]`` names, in order (the order of the wrappers'
+    ``plan``; ``append_paged_kv_cache`` takes indices before indptr)."""
+    lengths = np.asarray(lengths)
+    pages = -(-lengths // page)
+    indptr = np.concatenate([[0], np.cumsum(pages)])
+    indices = np.concatenate([np.asarray(tables[b])[: pages[b]] for b in range(len(lengths))])
+    last = np.where(pages > 0, lengths - (pages - 1) * page, 0)
+    return _i32(indptr, device), _i32(indices, device), _i32(last, device)
+
+
+def _layer(pool, layer: int, layout: str):
+    """Layer ``layer`` of a jaxkv pool as FlashInfer's 4-D cache of the same layout (a view)."""
+    return pool[layer] if layout == "NHD" else pool[layer].permute(1, 0, 2, 3)
+
+
+def paged_append(case, carry, consts):
+    import flashinfer
+
+    p = case.params
+    page, layout = p["page"], p["layout"]
+    pools = [view(x) for x in carry]
+    T = consts["k"][0].shape[-2]
+    rows, ts, pos = ragged(p["lengths"], p["counts"], T)
+    device = pools[0].device
+    indptr, indices, last = _csr(np.asarray(consts["rest"]["page_table"]), p["lengths"] +
+                                 np.bincount(rows, minlength=len(p["lengths"])), page, device)
+    batch, positions = _i32(rows, device), _i32(pos, device)
+    sets = [[view(ragged_tokens(x, rows, ts)) for x in (k, v)]
+            for k, v in zip(consts["k"], consts["v"])]
+    if p["all_layers"]:  # one call per layer: [L, tokens, H, D] -> L sets of [tokens, H, D]
+        layers = list(range(pools[0].shape[0]))
+        sets = [[x[layer] for x in sets[0]] for layer in layers]
+    else:
+        layers = p["layers"]
+    caches = {layer: tuple(_layer(x, layer, layout) for x in pools) for layer in set(layers)}
+
+    def call(j):
+        for layer, (k, v) in zip(layers, sets):
+            flashinfer.append_paged_kv_cache(k, v, batch, positions, caches[layer], indices,
+                                              indptr, last, kv_layout=layout)
+
+    from .peers import Peer
+
+    return Peer(call=call, outputs=lambda: pools)
+
+
+def linear_append(case, carry, consts):
+    import flashinfer
+
+    p = case.params
+    buf = view(carry)  # [rounds, B, 2, H, S, D]
+    B = buf.shape[1]
+    T = consts["k"][0].shape[-2]
+    rows, ts, pos = ragged(p["lengths"], p["counts"], T)
+    device = buf.device
+    totals = np.asarray(p["lengths"]) + np.bincount(rows, minlength=B)
+    # One page of S tokens per row, row b's page being b.
+    indptr, indices, last = (_i32(np.arange(B + 1), device), _i32(np.arange(B), device),
+                             _i32(totals, device))
+    batch, positions = _i32(rows, device), _i32(pos, device)
+    sets = [[view(ragged_tokens(x, rows, ts)) for x in (k, v)]
+            for k, v in zip(consts["k"], consts["v"])]
+
+    def call(j):
+        for layer, (k, v) in enumerate(sets):
+            cache = (buf[layer][:, 0], buf[layer][:, 1])  # [B, H, S, D] each: HND, page = S
+            flashinfer.append_paged_kv_cache(k, v, batch, positions, cache, indices, indptr,
+                                              last, kv_layout="HND")
+
+    from .peers import Peer
+
+    return Peer(call=call, outputs=lambda: [buf])
+
+
+def attention(case, carry, consts):
+    """The wrapper planned once on the case's page table (layer 0, as jaxkv's step i = 0 reads),
+    then ``run`` per call; its output is compared with jaxkv's within ``TOLERANCE``."""
+    import flashinfer
+    import torch
+
+    q, cache = carry, consts
+    if not isinstance(cache, jaxkv.PagedKVCache):
+        raise ValueError("FlashInfer peer: paged caches only (this case reads a LinearKVCache)")
+    layout = cache.layout
+    H, D, page = cache.num_kv_heads, cache.head_dim, cache.page_size
+    Hq = q.shape[-2]
+    pools = (_layer(view(cache.k_pages), 0, layout), _layer(view(cache.v_pages), 0, layout))
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    table = np.asarray(cache.page_table)
+    lengths = np.asarray(cache.lengths)
+    if case.op == "attention_decode":
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, layout)
+        wrapper.plan(*_csr(table, lengths, page, "cuda"), Hq, H, D, page,
+                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        tq = view(q)
+    else:
+        B, T = q.shape[0], q.shape[1]
+        qo_indptr = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device="cuda")
+        tq = view(q).reshape(B * T, Hq, D)
+        # "fa2": the "auto" default picks FA3 on Hopper, whose sources the trimmed wheel lacks.
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, layout, backend="fa2")
+        wrapper.plan(qo_indptr, *_csr(table, lengths + T, page, "cuda"), Hq, H, D, page,
+                     causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    out = {}
+
+    def call(j):
+        out["o"] = wrapper.run(tq, pools)
+
+    from .peers import Peer
+
+    shape = tuple(q.shape)
+    return Peer(call=call, outputs=lambda: [out["o"].reshape(shape)], graph=False,
+                tolerance=TOLERANCE)
+
