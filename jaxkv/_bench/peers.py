@@ -378,7 +378,10 @@ def capture(call, n: int):
             call(j)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: under the default ("global") a capture that fails (an op that synchronizes)
+    # also fails the CUDA calls of JAX's runtime threads, which leaves JAX's stream broken for
+    # the rest of the run (seen on the H200: "Callback registry is closed").
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for j in range(n):
             call(j)
     return graph
