@@ -14,7 +14,7 @@ from jaxkv._bench import peers as P
 from jaxkv._bench import report as R
 from jaxkv._bench import timing as T
 
-from helpers import assert_bytes_equal, copies_of
+from helpers import assert_bytes_equal, copies_of, on_gpu
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,10 @@ def test_json_has_every_number(run):
         assert r["min_bytes"] > 0 and k["time_s"] > 0 and len(k["times_s"]) == 2
         assert k["gbps"] == pytest.approx(r["min_bytes"] / k["time_s"] / 1e9)
         assert k["copy_frac"] == pytest.approx(k["gbps"] / cal["copy_gbps"])
-        assert k["launches"] == 1  # every layer in one launch
+        # Every layer in one launch; none of jaxkv's where jaxkv.attention hands the call to
+        # cuDNN (NHD pools on a GPU).
+        cudnn = r["op"].startswith("attention") and "NHD" in r["case"] and on_gpu()
+        assert k["launches"] == (0 if cudnn else 1)
         # The op's work happens inside the timed loop, not once before it (loop-invariant code
         # motion), on both sides.
         assert not k["hoisted"] and not any(x["hoisted"] for x in r["xla"].values())

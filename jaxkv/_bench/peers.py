@@ -12,11 +12,11 @@ For each peer, on fresh inputs (``case.build()`` again: deterministic, so the sa
 2. the peer's call ``j = 0`` runs on the inputs, and its result must equal jaxkv's byte for byte
    (the specified bytes: a compaction's live tokens), or within ``tolerance`` for attention. A
    failed check marks the peer failed with the reason and no time is taken;
-3. device time: ``torch.profiler`` (CUPTI, ``ProfilerActivity.CUDA``) over a few eager calls, the
-   duration of every kernel, memcpy and memset summed per call: the same quantity as jaxkv's
-   profiler time (its kernels' CUPTI durations), launch gaps excluded on both sides. Where
-   torch's profiler records nothing (one CUPTI per process, and JAX's profiler had it), the JAX
-   profiler's trace of the same calls, which holds every kernel of the process. The peers run
+3. device time: the JAX profiler's trace over a few eager calls (CUPTI records every kernel of
+   the process, torch's too), the duration of every kernel, memcpy and memset summed per call:
+   the same quantity as jaxkv's profiler time, launch gaps excluded on both sides; torch.profiler
+   only where that trace holds nothing (it keeps CUPTI after it ends, and later JAX traces in the
+   process then fail). The peers run
    after every jaxkv measurement (``bench.add_peers``), so torch's profiler never runs between
    two of jaxkv's;
 4. wall time, secondary: ``iters`` calls captured in one CUDA graph and replayed (CUDA events,
@@ -285,31 +285,34 @@ def timed(peer: Peer, case, reps: int) -> dict:
 
 def device_seconds(call, n: int) -> tuple[float | None, float, str]:
     """(median device seconds of one call, device activities per call, the profiler): ``n``
-    calls under torch.profiler, the second of two sessions (the first one starts CUPTI up).
-    Where it records no device activity (CUPTI taken by the JAX profiler of the same process),
-    the JAX profiler's trace of the same calls: it records every kernel of the process."""
+    calls under the JAX profiler, whose trace records every kernel of the process (torch's
+    too), the same measure as jaxkv's rows. Only where it records nothing, torch.profiler (the
+    second of two sessions: the first starts CUPTI up). Not the other way round: torch's
+    profiler keeps CUPTI subscribed after it ends, and every later JAX trace in the process then
+    fails (CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED, seen on the H200)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    events, profiler = [], "torch.profiler"
-    try:
-        for _ in range(2):
+    profiler = "jax.profiler"
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for j in range(n):
+                call(j)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for j in range(n):
-                    call(j)
-                torch.cuda.synchronize()
-        events = device_events(prof)
-    except Exception:  # a profiler that cannot start here: the JAX one below
-        pass
+        events = T.stream_durations(d)
     if not events:
-        profiler = "jax.profiler"
-        with tempfile.TemporaryDirectory() as d:
-            with jax.profiler.trace(d):
-                for j in range(n):
-                    call(j)
+        from torch.profiler import ProfilerActivity, profile
+
+        profiler = "torch.profiler"
+        try:
+            for _ in range(2):
                 torch.cuda.synchronize()
-            events = T.stream_durations(d)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for j in range(n):
+                        call(j)
+                    torch.cuda.synchronize()
+            events = device_events(prof)
+        except Exception:  # a profiler that cannot start here: no device time
+            pass
     durations = [d for _, d in sorted(events)]
     if not durations:
         return None, 0.0, "none (no device activity recorded)"

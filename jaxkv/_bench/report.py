@@ -239,7 +239,7 @@ def markdown(report: dict, plot_name: str | None) -> str:
     detail = [r for r in report["rows"] if r["status"] == "ok"]
     md += ["", "## Every implementation", "",
            "device time: from the profiler (jaxkv: its kernels in the JAX profiler's trace; "
-           "peers: torch.profiler); time: the loop's time per op (jaxkv, XLA) or the peer's wall "
+           "peers: the same trace, torch.profiler where it records nothing); time: the loop's time per op (jaxkv, XLA) or the peer's wall "
            "time per op (a CUDA graph of its calls, replayed); GB/s: minimum bytes over that time; "
            "launches: jaxkv custom calls per op (per launch of several ops: append_layers), or a "
            "peer's device kernels (and copies) per op.", "",
@@ -277,8 +277,8 @@ def markdown(report: dict, plot_name: str | None) -> str:
                "formulation a torch user would write (named in each line), on the same inputs "
                "(DLPack views of jaxkv's arrays). Each peer's result is compared with jaxkv's "
                "first, byte for byte (attention: within a tolerance); one that differs is marked "
-               "and not timed. Device time: torch.profiler (CUPTI; the JAX profiler where torch's "
-               "records nothing, as each line says), every kernel, memcpy and memset of a call "
+               "and not timed. Device time: the JAX profiler's trace (CUPTI; torch.profiler where "
+               "it records nothing, as each line says), every kernel, memcpy and memset of a call "
                "summed, the same measure as jaxkv's kernel time; wall time: the "
                "calls captured in a CUDA graph and replayed (CUDA events). Index metadata (slot "
                "numbers, FlashInfer's batch indices and positions) is made once, outside the "
