@@ -112,6 +112,31 @@ def test_poisson_arrivals_wait_for_their_time():
     assert m["wall"] >= stream[-1].arrival
 
 
+def test_every_engine_lowers_at_the_8b_preset():
+    """The GPU run's shapes (32 layers, head_dim 128, bf16, a 16 GiB budget), traced and lowered
+    without weights or memory: shape errors show here, not on the device."""
+    cfg = M.PRESETS["8b"]
+    params = jax.eval_shape(lambda: M.init_stacked_params(cfg, 0, "bfloat16"))
+    per_token = S.kv_bytes_per_token(cfg, "bfloat16")
+    for name in ("paged", "linear", "fixed", "linear-xla"):
+        p = S.plan(name, 16 * 2**30, per_token, 4096, 16, 256)
+        e = S.ServeEngine(cfg, params, S.make_kind(name, cfg, "bfloat16", p), batch=p.batch,
+                          max_seq_len=4096, system_prompt=np.ones(64, np.int32),
+                          prefill_rows=(2, 8), prefill_chunk=256, decode_steps=16)
+        for key, args in e.example_args().items():
+            e.functions[key.rstrip("0123456789")].lower(*args)
+        assert p.batch == (256 if name == "paged" else 32)
+
+
+def test_kernel_summary_takes_the_union_of_kernel_intervals():
+    events = [("_ZN5jaxkv12append_kernelEv", 0, 10), ("loop_fusion", 5, 10),  # overlapping
+              ("_ZN5jaxkv16attention_kernelEv", 30, 10), ("input_scatter_fusion", 50, 20)]
+    s = S.kernel_summary(events, wall=100e-9)
+    assert s["gpu_busy_share"] == pytest.approx(0.45)  # [0, 15) + [30, 40) + [50, 70)
+    assert s["cache_share"] == pytest.approx(30 / 50)
+    assert s["attention_share"] == pytest.approx(10 / 50)
+
+
 def _imports(path: pathlib.Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):

@@ -587,26 +587,29 @@ def profile_summary(trace_dir: str, window) -> dict | None:
     except Exception as e:  # a profiler without the reader: say so, keep the run's results
         print(f"profile: cannot read {paths[0]}: {e}")
         return None
-    intervals, by_kind = [], collections.Counter()
+    events = []
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
         lines = [ln for ln in plane.lines if ln.name.startswith("Stream")] or [
             ln for ln in plane.lines if "XLA" not in ln.name]
-        for line in lines:
-            for e in line.events:
-                intervals.append((e.start_ns, e.start_ns + e.duration_ns))
-                by_kind[classify(e.name)] += e.duration_ns
-    if not intervals:
-        return None
-    intervals.sort()
+        events += [(e.name, e.start_ns, e.duration_ns) for line in lines for e in line.events]
+    return kernel_summary(events, window[1] - window[0]) if events else None
+
+
+def kernel_summary(events, wall: float) -> dict:
+    """``events``: (kernel name, start ns, duration ns). GPU busy = the union of the intervals
+    (kernels of several streams may overlap), shares of the summed kernel time by ``classify``."""
+    by_kind, by_name = collections.Counter(), collections.Counter()
     busy, end = 0, -1
-    for s, e in intervals:
-        if e > end:
-            busy += e - max(s, end)
-            end = e
-    kernels = sum(by_kind.values())
-    wall = window[1] - window[0]
+    for name, start, duration in sorted(events, key=lambda e: e[1]):
+        by_kind[classify(name)] += duration
+        by_name[name] += duration
+        if start + duration > end:
+            busy += start + duration - max(start, end)
+            end = start + duration
+    kernels = sum(by_kind.values()) or 1
     return dict(window_s=wall, gpu_busy_s=busy * 1e-9, gpu_busy_share=busy * 1e-9 / wall,
-                kernels=len(intervals),
-                **{f"{k}_share": by_kind[k] / kernels for k in ("cache", "attention", "other")})
+                kernels=len(events),
+                **{f"{k}_share": by_kind[k] / kernels for k in ("cache", "attention", "other")},
+                top=[(name[:120], t / kernels) for name, t in by_name.most_common(10)])

@@ -127,8 +127,11 @@ def ms(x) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
 
 
-def gib(x) -> str:
-    return f"{x / 2**30:.3g}"
+def size(x) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.0f} B"
 
 
 def table(results: dict[str, dict], profiled: bool) -> list[str]:
@@ -145,9 +148,10 @@ def table(results: dict[str, dict], profiled: bool) -> list[str]:
                                       for r in runs)),
             ("peak concurrent sequences", *(str(r["peak_concurrent"]) for r in runs)),
             ("peak decoding together", *(str(r["peak_decoding"]) for r in runs)),
-            ("KV allocated (GiB)", *(gib(r["kv_allocated_bytes"]) for r in runs)),
-            ("KV reserved, mean (GiB)", *(gib(r["kv_reserved_mean_bytes"]) for r in runs)),
-            ("KV holding live tokens, mean", *(gib(r["kv_live_mean_bytes"]) for r in runs)),
+            ("KV allocated", *(size(r["kv_allocated_bytes"]) for r in runs)),
+            ("KV reserved by live sequences, mean", *(size(r["kv_reserved_mean_bytes"])
+                                                      for r in runs)),
+            ("KV holding live tokens, mean", *(size(r["kv_live_mean_bytes"]) for r in runs)),
             ("preemptions", *(str(r["preemptions"]) for r in runs)),
             ("dispatches (prefill+decode+evict)",
              *(f"{r['prefill_calls']}+{r['decode_calls']}+{r['evict_calls']}" for r in runs)),
@@ -263,6 +267,10 @@ def serve(args, on_gpu: bool) -> int:
     print("\n".join(table(results, args.profile)))
     if args.profile and not on_gpu:
         print("(GPU busy and kernel shares: n/a on CPU, measured from the profiler's GPU planes)")
+    for name, r in results.items():
+        if r["profile"]:
+            print(f"{name}: largest shares of kernel time in the profiled window: " + ", ".join(
+                f"{k} {t * 100:.1f}%" for k, t in r["profile"]["top"][:6]))
 
     rc = 0
     ref_name = args.engines[0]
@@ -276,7 +284,7 @@ def serve(args, on_gpu: bool) -> int:
         checked = {k: sum(a == b for a, b in zip(outs, want)) for k, outs in outputs.items()}
         print(f"recomputation without a cache, first {len(want)} requests: " + ", ".join(
             f"{k} {v}/{len(want)} identical" for k, v in checked.items()))
-        if any(v != len(want) for v in checked.values()):
+        if args.dtype == "float32" and any(v != len(want) for v in checked.values()):
             rc = 1
     if args.dtype == "float32" and any(v["identical"] != v["of"] for v in agree.values()):
         rc = 1
