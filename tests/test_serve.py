@@ -40,12 +40,17 @@ def exact_matmuls():
         yield
 
 
+def engine(name, unroll=False):
+    """One engine per configuration (each compiles its functions once)."""
+    return _engine(name, unroll)
+
+
 @functools.cache
-def engine(name):
+def _engine(name, unroll):
     kind = S.make_kind(name, CFG, "float32", PLANS[name])
     return S.ServeEngine(CFG, PARAMS, kind, batch=PLANS[name].batch, max_seq_len=40,
                          system_prompt=SYSTEM, prefill_rows=2, prefill_chunk=4, decode_steps=4,
-                         mixed_steps=2)
+                         mixed_steps=2, unroll=unroll)
 
 
 @functools.cache
@@ -53,9 +58,9 @@ def recomputed(eos=None):
     return serve_cli.recompute(CFG, PARAMS, SYSTEM, REQUESTS, len(REQUESTS), 40, eos)
 
 
-def serve(name, **options):
+def serve(name, unroll=False, **options):
     requests = S.fresh(REQUESTS)
-    m = engine(name).run(requests, **options)
+    m = engine(name, unroll).run(requests, **options)
     return [r.output for r in requests], m
 
 
@@ -74,6 +79,11 @@ def test_every_engine_generates_what_recomputation_does(name):
     assert outputs == recomputed()
     assert m["peak_live"] <= PLANS[name].batch
     assert engine(name).cache_copies() == 0  # every call updates the cache in place
+
+
+def test_unrolled_layers_equal_the_scan():
+    outputs, _ = serve("fixed", unroll=True)
+    assert outputs == recomputed()
 
 
 def test_multi_step_loop_equals_one_step_per_dispatch():

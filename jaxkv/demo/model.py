@@ -197,6 +197,15 @@ def _layer(cfg: LlamaConfig, layer, i, x, positions, inv_freq, attend, state):
     return x, state
 
 
+def unstack_layers(params: Params) -> Params:
+    """The inverse of ``stack_layers``: a list of layers, which ``decoder`` unrolls."""
+    if not isinstance(params["layers"], dict):
+        return params
+    layers = params["layers"]
+    count = layers["wq"].shape[0]
+    return dict(params, layers=[{k: w[i] for k, w in layers.items()} for i in range(count)])
+
+
 def stack_layers(params: Params) -> Params:
     """The same model with its layers stacked (each weight ``[num_layers, ...]``): ``decoder``
     then scans over the layers."""

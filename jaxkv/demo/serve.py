@@ -24,7 +24,8 @@ for their prompts, with a 1% watermark), picks the prefill chunks, reads the tok
 shortage of pages preempts the youngest request, which later starts again from its prompt and the
 tokens it had generated (recomputation, vLLM's default policy; greedy decoding makes the result the
 same); no request is admitted then until one finishes, so that the pool does not thrash.
-All layers run in a ``lax.scan`` over stacked weights with a traced layer index.
+All layers run in a ``lax.scan`` over stacked weights with a traced layer index (``unroll``: a
+Python loop over them, for comparison).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ ENGINES = {
     "linear-xla": "the linear engine's loop with XLA-formulated cache ops (the demo's ops=xla)",
     "paged-xla": "the paged engine's loop with XLA-formulated cache ops (gathers whole rows)",
 }
-DEFAULT_ENGINES = ("paged", "linear", "fixed", "linear-xla")
+DEFAULT_ENGINES = ("paged", "fixed", "linear", "linear-xla")  # the issue's targets first
 
 
 # --- the request stream ---
@@ -195,8 +196,10 @@ class ServeEngine(loop.Engine):
 
     def __init__(self, cfg: M.LlamaConfig, params, kind, *, batch: int, max_seq_len: int,
                  system_prompt, prefill_rows: int | tuple[int, ...], prefill_chunk: int,
-                 decode_steps: int, mixed_steps: int | None = None):
-        self.cfg, self.params, self.kind = cfg, M.stack_layers(params), kind
+                 decode_steps: int, mixed_steps: int | None = None, unroll: bool = False):
+        # unroll: the layers as a Python loop (static layer indices) instead of a scan
+        layers = M.unstack_layers if unroll else M.stack_layers
+        self.cfg, self.params, self.kind = cfg, layers(params), kind
         self.batch = self.max_batch = batch
         self.max_seq_len = max_seq_len
         self.system_prompt = np.asarray(system_prompt, np.int32)

@@ -60,6 +60,8 @@ def parse_args(argv):
     add("--prefill-chunk", type=int, help="prompt tokens per row per prefill chunk")
     add("--decode-steps", type=int, help="decode steps per dispatch")
     add("--mixed-steps", type=int, help="decode steps per dispatch while prompts are prefilled")
+    add("--layers", choices=["scan", "unroll"], default="scan",
+        help="the decoder's layers in a lax.scan (one layer compiled) or unrolled (scan)")
     add("--eos", type=int, help="end token: a request stops when it generates it")
     add("--check", type=int,
         help="requests checked against recomputation without a cache (all on tiny, else 0)")
@@ -205,7 +207,7 @@ def run_engine(name, args, cfg, params, system, requests, kv_gib, per_token, mea
     engine = S.ServeEngine(cfg, params, kind, batch=p.batch, max_seq_len=args.max_seq_len,
                            system_prompt=system, prefill_rows=args.prefill_rows,
                            prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
-                           mixed_steps=args.mixed_steps)
+                           mixed_steps=args.mixed_steps, unroll=args.layers == "unroll")
     reqs = S.fresh(requests)
     window = (8, 4) if args.profile else None
     m = engine.run(reqs, eos=args.eos, profile=window)
@@ -255,7 +257,10 @@ def serve(args, on_gpu: bool) -> int:
           f"{args.decode_steps} decode steps per dispatch ({args.mixed_steps} while prompts are "
           "prefilled)"
           + (f"; end token {args.eos}" if args.eos is not None else ""))
-    results, outputs = {}, {}
+    results, outputs, sweep = {}, {}, []
+    doc = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+               jax=jax.__version__, model=source, preset=args.preset, dtype=args.dtype,
+               args=dict(vars(args)), mean_total=mean_total, engines=results, sweep=sweep)
     for name in args.engines:
         print(f"{name:>10}: {S.ENGINES[name]} ...", flush=True)
         results[name], outputs[name] = run_engine(name, args, cfg, params, system, requests,
@@ -263,6 +268,7 @@ def serve(args, on_gpu: bool) -> int:
         r = results[name]
         print(f"{'':>10}  {r['tokens_per_s']:.0f} tokens/s, {r['wall_s']:.2f} s, rows "
               f"{r['batch']}" + (f", {r['num_pages']} pages" if r["num_pages"] else ""), flush=True)
+        write_json(args.json, doc)  # after every run: a run cut short keeps what it measured
     print()
     print("\n".join(table(results, args.profile)))
     if args.profile and not on_gpu:
@@ -289,7 +295,8 @@ def serve(args, on_gpu: bool) -> int:
     if args.dtype == "float32" and any(v["identical"] != v["of"] for v in agree.values()):
         rc = 1
 
-    sweep = []
+    doc.update(agreement=agree, recomputed=checked)
+    write_json(args.json, doc)
     for kv_gib in args.sweep:
         for name in [e for e in ("paged", "fixed") if e in args.engines]:
             summary, _ = run_engine(name, args, cfg, params, system, requests, kv_gib, per_token,
@@ -297,18 +304,19 @@ def serve(args, on_gpu: bool) -> int:
             sweep.append(summary)
             print(f"sweep: {name} at {kv_gib:g} GiB: {summary['tokens_per_s']:.0f} tokens/s, "
                   f"peak {summary['peak_concurrent']} sequences", flush=True)
+            write_json(args.json, doc)
     if args.json:
-        doc = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind,
-                   jax=jax.__version__, model=source, preset=args.preset, dtype=args.dtype,
-                   args={k: v for k, v in vars(args).items()}, mean_total=mean_total,
-                   engines=results, agreement=agree, recomputed=checked, sweep=sweep)
-        path = pathlib.Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1, default=_plain))
-        print(f"wrote {path}")
+        print(f"wrote {args.json}")
     if args.plot:
         plot([*results.values(), *sweep], args.plot, f"{source}, {args.dtype}")
     return rc
+
+
+def write_json(path, doc) -> None:
+    if path:
+        path = pathlib.Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1, default=_plain))
 
 
 def _plain(x):
