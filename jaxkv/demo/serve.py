@@ -428,6 +428,11 @@ class ServeEngine(loop.Engine):
             assert len(admitted) == len(chosen)
             live_rows = slots.rows()
             m["peak_live"] = max(m["peak_live"], len(live_rows))
+            # The drain: the queue is empty and fewer than half the peak rows are left.
+            if (m.get("drained_at") is None and not (future or waiting)
+                    and 2 * len(live_rows) < m["peak_live"]):
+                m["drained_at"] = now()
+                m["drained_tokens"] = sum(len(r.output) for r in requests)
             # One prefill chunk for the oldest rows still prefilling.
             lanes = sorted(((r.order, row, r) for row, r in live_rows if r.phase == "prefill"),
                            key=lambda x: x[0])[: self.prefill_rows]
@@ -550,6 +555,11 @@ def summarize(requests: list[ServeRequest], m: dict, per_token: int, allocated: 
     return dict(
         requests=len(requests), output_tokens=out_tokens, wall_s=wall,
         tokens_per_s=out_tokens / wall, requests_per_s=len(requests) / wall,
+        # Until the drain, where only the longest requests are left (its length is set by the
+        # stream's longest outputs, whatever the engine): the loaded phase.
+        loaded_tokens_per_s=(m["drained_tokens"] / m["drained_at"]
+                             if m.get("drained_at") else None),
+        loaded_s=m.get("drained_at"),
         ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
         tpot_p50_s=percentile(tpot, 50), tpot_p99_s=percentile(tpot, 99),
         peak_concurrent=m["peak_live"], peak_decoding=m["peak_decoding"],

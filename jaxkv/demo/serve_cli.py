@@ -143,6 +143,9 @@ def table(results: dict[str, dict], profiled: bool) -> list[str]:
 
     rows = [("", *results),
             ("output tokens/s", *(f"{r['tokens_per_s']:.0f}" for r in runs)),
+            ("  before the drain", *("-" if r["loaded_tokens_per_s"] is None else
+                                            f"{r['loaded_tokens_per_s']:.0f} in "
+                                            f"{r['loaded_s']:.2f} s" for r in runs)),
             ("requests/s", *(f"{r['requests_per_s']:.2f}" for r in runs)),
             ("TTFT p50 / p99 (ms)", *(f"{ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])}"
                                       for r in runs)),
@@ -341,6 +344,7 @@ def plot(points: list[dict], path: str, title: str) -> None:
                       if r.get("engine", "") == name})
         if pts:
             ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("KV memory budget (GiB)")
     ax.set_ylabel("output tokens/s")
     ax.set_title(title, fontsize=9)
