@@ -112,6 +112,16 @@ def test_end_token_stops_requests_on_the_device():
     assert sum(map(len, outputs)) < sum(map(len, recomputed()))
 
 
+def test_a_duration_stops_a_saturated_server_with_right_prefixes():
+    requests = S.fresh(REQUESTS)
+    m = engine("paged").run(requests, duration=1e-3)  # stops after the first iteration
+    assert m["iterations"] == 1
+    assert any(r.output for r in requests) and not all(r.finish_time for r in requests)
+    assert all(r.output == want[:len(r.output)] for r, want in zip(requests, recomputed()))
+    cache = engine("paged").final_cache
+    assert np.all(np.asarray(cache.lengths)[:-1] == 0)  # the requests cut short left too
+
+
 def test_poisson_arrivals_wait_for_their_time():
     stream = S.make_stream(dataclasses.replace(STREAM, rate=400.0), CFG.vocab_size)[1]
     assert all(0 < a.arrival < b.arrival for a, b in zip(stream, stream[1:]))
@@ -199,6 +209,7 @@ def test_serve_command_reports_and_writes_json(tmp_path, capsys, monkeypatch):
     (["--max-seq-len", "8", "--system-len", "8"], "leaves no room"),
     (["--sweep", "4,x"], "--sweep: expected GiB"),
     (["--rate", "-1"], "--rate must be positive"),
+    (["--duration", "-1"], "--duration must be at least 0"),
 ])
 def test_serve_bad_arguments_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

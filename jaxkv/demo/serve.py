@@ -349,13 +349,16 @@ class ServeEngine(loop.Engine):
         return cache, tok, remaining, saved
 
     def run(self, requests: list[ServeRequest], *, steps: int | None = None,
-            eos: int | None = None, profile: tuple[int, int] | None = None,
-            progress: Callable | None = None) -> dict:
+            eos: int | None = None, duration: float | None = None,
+            profile: tuple[int, int] | None = None, progress: Callable | None = None) -> dict:
         """Serves ``requests`` (their outputs filled in) and returns the run's measurements.
 
         ``steps``: decode steps per call (default ``decode_steps``, and ``mixed_steps`` while
         prompts are being prefilled; 1: one step per dispatch).
         ``eos``: the end token (a request stops after generating it), or None.
+        ``duration``: stop after this many seconds of serving (a saturated server measured over a
+        fixed window: give more requests than it can serve); the requests still running keep the
+        tokens they have. None: serve every request.
         ``profile``: (first iteration, iterations) to run under the JAX profiler.
         """
         for r in requests:
@@ -388,7 +391,7 @@ class ServeEngine(loop.Engine):
         start = time.perf_counter()
         now = lambda: time.perf_counter() - start  # noqa: E731
         done_count = 0
-        while done_count < len(requests):
+        while done_count < len(requests) and (duration is None or now() < duration):
             it = m["iterations"]
             if profile and it == profile[0]:
                 trace_dir = tempfile.mkdtemp(prefix="jaxkv-serve-")
@@ -470,6 +473,7 @@ class ServeEngine(loop.Engine):
                 m["iterations"] += 1
                 continue
             # The host reads the results (the only synchronization of an iteration).
+            jax.block_until_ready(out)
             host = time.perf_counter()
             short = False
             if admitted or lanes:
@@ -524,6 +528,8 @@ class ServeEngine(loop.Engine):
         if window is not None and window[1] is None:
             window[1] = time.perf_counter()
             jax.profiler.stop_trace()
+        for _, r in slots.rows():  # stopped by the duration: still running, now leaving
+            leaving.add(id(r))
         if leaving:  # the last evictions, so that the cache ends empty
             mapping, _ = slots.evict(lambda r: id(r) in leaving)
             cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, jnp.asarray(mapping))
@@ -547,14 +553,15 @@ def percentile(values, q) -> float | None:
 def summarize(requests: list[ServeRequest], m: dict, per_token: int, allocated: int) -> dict:
     """The report of one engine's run (times in seconds, memory in bytes)."""
     wall = m["wall"]
-    out_tokens = sum(len(r.output) for r in requests)
-    ttft = [r.first_time - r.arrival for r in requests]
+    out_tokens = sum(len(r.output) for r in requests)  # also of requests cut by a duration
+    done = [r for r in requests if r.finish_time is not None]
+    ttft = [r.first_time - r.arrival for r in requests if r.first_time is not None]
     tpot = [(r.finish_time - r.first_time) / (len(r.output) - 1)
-            for r in requests if len(r.output) > 1]
+            for r in done if len(r.output) > 1]
     usage = m["usage"]
     return dict(
-        requests=len(requests), output_tokens=out_tokens, wall_s=wall,
-        tokens_per_s=out_tokens / wall, requests_per_s=len(requests) / wall,
+        requests=len(done), output_tokens=out_tokens, wall_s=wall,
+        tokens_per_s=out_tokens / wall, requests_per_s=len(done) / wall,
         # Until the drain, where only the longest requests are left (its length is set by the
         # stream's longest outputs, whatever the engine): the loaded phase.
         loaded_tokens_per_s=(m["drained_tokens"] / m["drained_at"]

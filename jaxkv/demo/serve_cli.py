@@ -17,12 +17,15 @@ from . import serve as S
 # Per preset: the stream (max_seq_len 8x its mean total length), the KV budget, the prefill chunk
 # (rows: the row counts compiled; tokens per row) and decode steps per call (while prompts wait
 # for prefill: mixed_steps).
-_BIG = dict(requests=256, max_seq_len=4096, system_len=64, mean_prompt=256, mean_output=192,
-            prefill_rows="2,8", prefill_chunk=256, decode_steps=16, mixed_steps=2)
+# The big presets measure a saturated server over a fixed window (--duration): with a long tail,
+# serving a stream to its end is timed by its longest output, decoded alone at the end.
+_BIG = dict(requests=8192, duration=15.0, max_seq_len=4096, system_len=64, mean_prompt=256,
+            mean_output=192, prefill_rows="2,8", prefill_chunk=256, decode_steps=16,
+            mixed_steps=2)
 DEFAULTS = {
-    "tiny": dict(kv_gib=1 / 1024, requests=48, max_seq_len=256, system_len=8, mean_prompt=12,
-                 mean_output=12, prefill_rows="2", prefill_chunk=16, decode_steps=8,
-                 mixed_steps=2),
+    "tiny": dict(kv_gib=1 / 1024, requests=48, duration=None, max_seq_len=256, system_len=8,
+                 mean_prompt=12, mean_output=12, prefill_rows="2", prefill_chunk=16,
+                 decode_steps=8, mixed_steps=2),
     "1b": dict(kv_gib=8, **_BIG),
     "8b": dict(kv_gib=16, **_BIG),
 }
@@ -51,6 +54,9 @@ def parse_args(argv):
     add("--mean-output", type=float, help="mean output length (lognormal)")
     add("--sigma", type=float, default=1.0, help="sigma of log(length) (1.0)")
     add("--rate", type=float, help="Poisson arrivals, requests/s (default: all queued at start)")
+    add("--duration", type=float,
+        help="serve for this many seconds, then stop (a saturated server: give more requests "
+             "than it can serve); 0: serve them all (default on tiny; 15 s on 1b and 8b)")
     add("--seed", type=int, default=0, help="seed of the weights and the stream (0)")
     add("--page-size", type=int, default=16, help="tokens per page (16)")
     add("--max-batch", type=int,
@@ -96,6 +102,9 @@ def parse_args(argv):
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.rate is not None and not args.rate > 0:
         p.error(f"--rate must be positive, got {args.rate}")
+    if args.duration is not None and not args.duration >= 0:
+        p.error(f"--duration must be at least 0 (0: serve every request), got {args.duration}")
+    args.duration = args.duration or None
     if args.max_batch is not None and args.max_batch < 1:
         p.error(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.system_len + 2 > args.max_seq_len:
@@ -146,6 +155,7 @@ def table(results: dict[str, dict], profiled: bool) -> list[str]:
             ("  before the drain", *("-" if r["loaded_tokens_per_s"] is None else
                                             f"{r['loaded_tokens_per_s']:.0f} in "
                                             f"{r['loaded_s']:.2f} s" for r in runs)),
+            ("requests finished", *(str(r["requests"]) for r in runs)),
             ("requests/s", *(f"{r['requests_per_s']:.2f}" for r in runs)),
             ("TTFT p50 / p99 (ms)", *(f"{ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])}"
                                       for r in runs)),
@@ -172,17 +182,22 @@ def table(results: dict[str, dict], profiled: bool) -> list[str]:
 
 
 def agreement(outputs: dict[str, list], reference: str) -> dict[str, dict]:
-    """Per engine against ``reference``: requests with identical tokens, and the share of tokens
-    before each request's first difference."""
+    """Per engine against ``reference``, over the requests both started (a ``--duration`` run
+    cuts requests short: their common tokens are compared): how many agree on every common token,
+    and the mean share of common tokens before the first difference."""
     ref = outputs[reference]
     out = {}
     for name, outs in outputs.items():
-        same = sum(a == b for a, b in zip(outs, ref))
-        prefix = []
+        same, prefix = 0, []
         for a, b in zip(outs, ref):
-            k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            prefix.append(k / max(len(b), 1))
-        out[name] = dict(identical=same, of=len(ref), token_agreement=float(np.mean(prefix)))
+            n = min(len(a), len(b))
+            if n == 0:
+                continue
+            k = next((i for i, (x, y) in enumerate(zip(a[:n], b[:n])) if x != y), n)
+            same += k == n
+            prefix.append(k / n)
+        out[name] = dict(identical=same, of=len(prefix),
+                         token_agreement=float(np.mean(prefix)) if prefix else 1.0)
     return out
 
 
@@ -213,7 +228,7 @@ def run_engine(name, args, cfg, params, system, requests, kv_gib, per_token, mea
                            mixed_steps=args.mixed_steps, unroll=args.layers == "unroll")
     reqs = S.fresh(requests)
     window = (8, 4) if args.profile else None
-    m = engine.run(reqs, eos=args.eos, profile=window)
+    m = engine.run(reqs, eos=args.eos, duration=args.duration, profile=window)
     allocated = (p.num_pages * args.page_size if p.num_pages else p.batch * args.max_seq_len)
     summary = S.summarize(reqs, m, per_token, allocated * per_token)
     summary.update(engine=name, kv_gib=kv_gib, batch=p.batch, num_pages=p.num_pages)
@@ -247,6 +262,8 @@ def serve(args, on_gpu: bool) -> int:
           f"{cfg.num_kv_heads} heads x {cfg.head_dim}, FFN {cfg.intermediate_size}, vocab "
           f"{cfg.vocab_size}, {args.dtype}; KV {per_token / 1024:.1f} KiB per token")
     arrivals = f"Poisson arrivals at {args.rate}/s" if args.rate else "all queued at the start"
+    if args.duration:
+        arrivals += f"; each engine serves for {args.duration:g} s, then stops"
     print(f"stream (seed {sc.seed}): {args.requests} requests, {arrivals}; a "
           f"{args.system_len}-token system prompt shared by all; prompt and output lengths "
           f"lognormal (sigma {args.sigma}, "
