@@ -142,7 +142,7 @@ def test_every_engine_lowers_at_the_8b_preset():
         p = S.plan(name, 16 * 2**30, per_token, 4096, 16, 256)
         e = S.ServeEngine(cfg, params, S.make_kind(name, cfg, "bfloat16", p), batch=p.batch,
                           max_seq_len=4096, system_prompt=np.ones(64, np.int32),
-                          prefill_rows=(2, 8), prefill_chunk=256, decode_steps=16)
+                          prefill_rows=(2, 4, 8), prefill_chunk=256, decode_steps=16)
         for key, args in e.example_args().items():
             e.functions[key.rstrip("0123456789")].lower(*args)
         assert p.batch == (256 if name == "paged" else 32)

@@ -350,7 +350,7 @@ class ServeEngine(loop.Engine):
 
     def run(self, requests: list[ServeRequest], *, steps: int | None = None,
             eos: int | None = None, duration: float | None = None,
-            profile: tuple[int, int] | None = None, progress: Callable | None = None) -> dict:
+            profile: tuple[float, int] | None = None, progress: Callable | None = None) -> dict:
         """Serves ``requests`` (their outputs filled in) and returns the run's measurements.
 
         ``steps``: decode steps per call (default ``decode_steps``, and ``mixed_steps`` while
@@ -359,7 +359,8 @@ class ServeEngine(loop.Engine):
         ``duration``: stop after this many seconds of serving (a saturated server measured over a
         fixed window: give more requests than it can serve); the requests still running keep the
         tokens they have. None: serve every request.
-        ``profile``: (first iteration, iterations) to run under the JAX profiler.
+        ``profile``: (seconds, iterations): the iterations that start once this many seconds of
+        serving have passed run under the JAX profiler.
         """
         for r in requests:
             total = len(self.system_prompt) + len(r.prompt) + r.max_new_tokens
@@ -392,11 +393,11 @@ class ServeEngine(loop.Engine):
         now = lambda: time.perf_counter() - start  # noqa: E731
         done_count = 0
         while done_count < len(requests) and (duration is None or now() < duration):
-            it = m["iterations"]
-            if profile and it == profile[0]:
+            if profile and trace_dir is None and now() >= profile[0]:
                 trace_dir = tempfile.mkdtemp(prefix="jaxkv-serve-")
                 jax.profiler.start_trace(trace_dir)
                 window = [time.perf_counter(), None]
+                profile_end = m["iterations"] + profile[1]
             while future and future[0].arrival <= now():
                 waiting.append(future.popleft())
             # Evict what finished or was preempted.
@@ -519,7 +520,7 @@ class ServeEngine(loop.Engine):
                     hold = True
             m["busy_host"] += time.perf_counter() - host
             m["iterations"] += 1
-            if window is not None and window[1] is None and it + 1 == profile[0] + profile[1]:
+            if window is not None and window[1] is None and m["iterations"] == profile_end:
                 window[1] = time.perf_counter()
                 jax.profiler.stop_trace()
             if progress is not None:

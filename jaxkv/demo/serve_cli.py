@@ -20,7 +20,7 @@ from . import serve as S
 # The big presets measure a saturated server over a fixed window (--duration): with a long tail,
 # serving a stream to its end is timed by its longest output, decoded alone at the end.
 _BIG = dict(requests=8192, duration=15.0, max_seq_len=4096, system_len=64, mean_prompt=256,
-            mean_output=192, prefill_rows="2,8", prefill_chunk=256, decode_steps=16,
+            mean_output=192, prefill_rows="2,4,8", prefill_chunk=256, decode_steps=16,
             mixed_steps=2)
 DEFAULTS = {
     "tiny": dict(kv_gib=1 / 1024, requests=48, duration=None, max_seq_len=256, system_len=8,
@@ -227,7 +227,7 @@ def run_engine(name, args, cfg, params, system, requests, kv_gib, per_token, mea
                            prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
                            mixed_steps=args.mixed_steps, unroll=args.layers == "unroll")
     reqs = S.fresh(requests)
-    window = (8, 4) if args.profile else None
+    window = ((args.duration or 0) / 2, 4) if args.profile else None  # mid-run, 4 iterations
     m = engine.run(reqs, eos=args.eos, duration=args.duration, profile=window)
     allocated = (p.num_pages * args.page_size if p.num_pages else p.batch * args.max_seq_len)
     summary = S.summarize(reqs, m, per_token, allocated * per_token)
