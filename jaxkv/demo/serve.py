@@ -369,175 +369,234 @@ class ServeEngine(loop.Engine):
         t = time.perf_counter()
         fns = self.compile()
         compile_s = time.perf_counter() - t
-        kind, b = self.kind, self.batch
         mixed = jnp.int32(self.mixed_steps if steps is None else steps)
         steps = jnp.int32(self.decode_steps if steps is None else steps)
         eos = jnp.int32(-1 if eos is None else eos)
         cache, tok, remaining, saved = self._start(fns)
         jax.block_until_ready(cache)
-        paged = getattr(kind, "page_size", None)
-        num_pages = cache.num_pages if paged else None
-        sys_pages = len(self.system_prompt) // paged if paged else 0
-
-        future = collections.deque(sorted(requests, key=lambda r: r.arrival))
-        waiting: collections.deque[ServeRequest] = collections.deque()
-        slots = loop.Slots(b) if getattr(kind, "compacts", True) else FreeSlots(b)
-        leaving: set[int] = set()
-        hold = False  # after a preemption, no admission until a request finishes (no thrashing)
-        order = 0
-        free_pages = num_pages
-        usage_log, trace_dir, window = [], None, None
-        m = dict(iterations=0, prefill_calls=0, decode_calls=0, evict_calls=0, decode_steps=0,
-                 preemptions=0, peak_live=0, peak_decoding=0, busy_host=0.0)
+        sched = Schedule(self, requests, cache.num_pages if hasattr(cache, "ref_counts") else 0)
+        m, usage_log, trace_dir, window = sched.m, [], None, None
         start = time.perf_counter()
         now = lambda: time.perf_counter() - start  # noqa: E731
-        done_count = 0
-        while done_count < len(requests) and (duration is None or now() < duration):
+        while sched.done < len(requests) and (duration is None or now() < duration):
             if profile and trace_dir is None and now() >= profile[0]:
                 trace_dir = tempfile.mkdtemp(prefix="jaxkv-serve-")
                 jax.profiler.start_trace(trace_dir)
                 window = [time.perf_counter(), None]
                 profile_end = m["iterations"] + profile[1]
-            while future and future[0].arrival <= now():
-                waiting.append(future.popleft())
-            # Evict what finished or was preempted.
-            if leaving:
-                mapping, _ = slots.evict(lambda r: id(r) in leaving)
-                leaving.clear()
-                cache, tok, remaining, reserved = fns["evict"](cache, tok, remaining,
-                                                               jnp.asarray(mapping))
-                m["evict_calls"] += 1
-                if paged:  # a small synchronization: admission needs the pages just freed
-                    free_pages = num_pages - int(reserved) // paged
-            # Admit, first come first served (paged: while the pool has room for the prompts).
-            free_rows = b - len(slots)
-            chosen = []
-            if paged:  # pages the rows still prefilling will take, and a 1% watermark
-                syslen = len(self.system_prompt)
-                pending = sum(_pages(syslen + len(r.ext), paged) - _pages(syslen + r.offset, paged)
-                              for _, r in slots.rows() if r.phase == "prefill")
-                room = free_pages - pending - max(1, num_pages // 100)
-            while waiting and len(chosen) < free_rows and not (hold and len(slots)):
-                r = waiting[0]
-                ext = r.prompt if not r.output else np.concatenate([r.prompt, r.output])
-                if paged:
-                    need = _pages(len(self.system_prompt) + len(ext) + 1, paged) - sys_pages
-                    if need > room and (chosen or len(slots)):
-                        break
-                    room -= need
-                r.ext, r.offset, r.phase, r.order = np.asarray(ext, np.int32), 0, "prefill", order
-                order += 1
-                chosen.append(waiting.popleft())
-            admitted = slots.admit(list(reversed(chosen)))
-            assert len(admitted) == len(chosen)
-            live_rows = slots.rows()
-            m["peak_live"] = max(m["peak_live"], len(live_rows))
-            # The drain: the queue is empty and fewer than half the peak rows are left.
-            if (m.get("drained_at") is None and not (future or waiting)
-                    and 2 * len(live_rows) < m["peak_live"]):
-                m["drained_at"] = now()
-                m["drained_tokens"] = sum(len(r.output) for r in requests)
-            # One prefill chunk for the oldest rows still prefilling.
-            lanes = sorted(((r.order, row, r) for row, r in live_rows if r.phase == "prefill"),
-                           key=lambda x: x[0])[: self.prefill_rows]
-            dispatched = False
-            prefilling = sum(r.phase == "prefill" for _, r in live_rows)
-            if admitted or lanes:
-                new = np.zeros((b,), bool)
-                new[[row for row, _ in admitted]] = True
-                width = min(w for w in self.lane_sizes if w >= len(lanes))
-                rows = np.full((width,), b, np.int32)
-                tokens = np.zeros((width, self.prefill_chunk), np.int32)
-                n = np.zeros((width,), np.int32)
-                last = np.zeros((width,), bool)
-                budget = np.ones((width,), np.int32)
-                for i, (_, row, r) in enumerate(lanes):
-                    part = r.ext[r.offset:r.offset + self.prefill_chunk]
-                    rows[i], n[i], tokens[i, :len(part)] = row, len(part), part
-                    last[i] = r.offset + len(part) == len(r.ext)
-                    budget[i] = r.max_new_tokens - len(r.output)
-                prefilling -= int(last.sum())
-                cache, tok, remaining, first, ok = fns[f"prefill{width}"](
-                    self.params, cache, tok, remaining, saved, jnp.asarray(new),
-                    jnp.asarray(rows), jnp.asarray(tokens), jnp.asarray(n), jnp.asarray(last),
-                    jnp.asarray(budget), eos)
+            sched.arrive(now())
+            mapping = sched.leave()
+            if mapping is not None:
+                cache, tok, remaining, reserved = fns["evict"](cache, tok, remaining, mapping)
+                sched.pages_in_use(reserved)  # a small synchronization: admission needs them
+            admitted = sched.admit()
+            sched.note_drain(now())
+            chunk = sched.prefill_chunk(admitted)
+            if chunk is not None:
+                cache, tok, remaining, first, ok = fns[f"prefill{chunk.width}"](
+                    self.params, cache, tok, remaining, saved, *chunk.arrays(), eos)
                 m["prefill_calls"] += 1
-                dispatched = True
-            if live_rows:
-                cache, tok, remaining, out, stalled, usage = fns["decode"](
-                    self.params, cache, tok, remaining, mixed if prefilling else steps, eos)
-                m["decode_calls"] += 1
-                dispatched = True
-            if not dispatched:  # nothing to do until the next arrival
-                if future:
-                    time.sleep(max(0.0, future[0].arrival - now()))
+            if not sched.live:  # nothing to do until the next arrival
+                sched.wait(now())
                 m["iterations"] += 1
                 continue
+            cache, tok, remaining, out, stalled, usage = fns["decode"](
+                self.params, cache, tok, remaining, mixed if sched.prefilling else steps, eos)
+            m["decode_calls"] += 1
             # The host reads the results (the only synchronization of an iteration).
             jax.block_until_ready(out)
             host = time.perf_counter()
-            short = False
-            if admitted or lanes:
-                first, ok = np.asarray(first), np.asarray(ok)
-                for i, (_, row, r) in enumerate(lanes):
-                    if not ok[i]:
-                        short = True
-                        continue
-                    r.offset += int(n[i])
-                    if last[i]:
-                        r.output.append(int(first[i]))
-                        r.phase = "decode"
-            out, remaining_h = np.asarray(out), np.asarray(remaining)
-            stalled_h, usage = np.asarray(stalled), np.asarray(usage)
-            t_now = now()
-            decoding = 0
-            for row, r in live_rows:
-                if r.phase != "decode":
-                    continue
-                decoding += 1
-                r.output.extend(int(x) for x in out[:, row] if x >= 0)
-                if r.first_time is None:
-                    r.first_time = t_now
-                short |= bool(stalled_h[row])
-                if remaining_h[row] == 0:
-                    r.phase, r.finish_time = "done", t_now
-                    leaving.add(id(r))
-                    done_count += 1
-                    hold = False
-            m["decode_steps"] += int(np.max(np.sum(out >= 0, axis=0), initial=0))
-            m["peak_decoding"] = max(m["peak_decoding"], decoding)
+            if chunk is not None:
+                sched.prefilled(chunk, np.asarray(first), np.asarray(ok))
+            usage = np.asarray(usage)
+            sched.decoded(np.asarray(out), np.asarray(remaining), np.asarray(stalled), now())
+            sched.pages_in_use(usage[2])
             usage_log.append(usage)
-            if paged:
-                free_pages = num_pages - int(usage[2]) // paged
-            if short:  # out of pages: the youngest request leaves and comes back later
-                victims = [r for _, r in live_rows if r.phase != "done" and id(r) not in leaving]
-                if victims:
-                    v = max(victims, key=lambda r: r.order)
-                    v.phase, v.preemptions = "waiting", v.preemptions + 1
-                    leaving.add(id(v))
-                    waiting.appendleft(v)
-                    m["preemptions"] += 1
-                    hold = True
+            sched.preempt_if_short()
             m["busy_host"] += time.perf_counter() - host
             m["iterations"] += 1
             if window is not None and window[1] is None and m["iterations"] == profile_end:
                 window[1] = time.perf_counter()
                 jax.profiler.stop_trace()
             if progress is not None:
-                progress(done_count, len(requests))
+                progress(sched.done, len(requests))
         wall = now()
         if window is not None and window[1] is None:
             window[1] = time.perf_counter()
             jax.profiler.stop_trace()
-        for _, r in slots.rows():  # stopped by the duration: still running, now leaving
-            leaving.add(id(r))
-        if leaving:  # the last evictions, so that the cache ends empty
-            mapping, _ = slots.evict(lambda r: id(r) in leaving)
-            cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, jnp.asarray(mapping))
+        mapping = sched.leave(everyone=True)  # so that the cache ends empty
+        if mapping is not None:
+            cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, mapping)
         self.final_cache = cache
         m.update(wall=wall, compile_s=compile_s, usage=np.array(usage_log).reshape(-1, 3),
                  profile=profile_summary(trace_dir, window) if trace_dir else None)
         return m
+
+
+@dataclasses.dataclass
+class Chunk:
+    """One prefill call: ``width`` rows (lanes), each up to ``prefill_chunk`` prompt tokens."""
+
+    lanes: list  # (row, request) of the lanes in use
+    new: np.ndarray  # bool [B]: rows admitted now (they start from the system prompt)
+    rows: np.ndarray  # int32 [width]: the lanes' rows; B for an unused lane
+    tokens: np.ndarray  # int32 [width, chunk]
+    n: np.ndarray  # int32 [width]: tokens of each lane
+    last: np.ndarray  # bool [width]: the chunk ends the lane's prompt
+    budget: np.ndarray  # int32 [width]: tokens the request may still generate
+
+    @property
+    def width(self) -> int:
+        return len(self.rows)
+
+    def arrays(self):
+        return tuple(jnp.asarray(x) for x in (self.new, self.rows, self.tokens, self.n,
+                                              self.last, self.budget))
+
+
+class Schedule:
+    """The host's side of a run: the queue, the rows (``loop.Slots``, or ``FreeSlots`` for a kind
+    that does not compact), admission, the prefill chunks, reading results, preemption."""
+
+    def __init__(self, engine: ServeEngine, requests: list[ServeRequest], num_pages: int):
+        self.engine, self.requests = engine, requests
+        kind, b = engine.kind, engine.batch
+        self.page_size = getattr(kind, "page_size", None) if num_pages else None
+        self.num_pages = self.free_pages = num_pages
+        self.syslen = len(engine.system_prompt)
+        self.future = collections.deque(sorted(requests, key=lambda r: r.arrival))
+        self.waiting: collections.deque[ServeRequest] = collections.deque()
+        self.slots = loop.Slots(b) if getattr(kind, "compacts", True) else FreeSlots(b)
+        self.leaving: set[int] = set()
+        self.hold = False  # after a preemption, no admission until a request finishes
+        self.short = False  # a row got no page in the last iteration
+        self.order = self.done = 0
+        self.live: list = []
+        self.prefilling = 0  # rows still prefilling after the current chunk
+        self.m = dict(iterations=0, prefill_calls=0, decode_calls=0, evict_calls=0,
+                      decode_steps=0, preemptions=0, peak_live=0, peak_decoding=0, busy_host=0.0)
+
+    def arrive(self, t: float) -> None:
+        while self.future and self.future[0].arrival <= t:
+            self.waiting.append(self.future.popleft())
+
+    def wait(self, t: float) -> None:
+        if self.future:
+            time.sleep(max(0.0, self.future[0].arrival - t))
+
+    def leave(self, everyone: bool = False):
+        """The ``batch_mapping`` that evicts the finished and preempted rows, or None."""
+        if everyone:
+            self.leaving |= {id(r) for _, r in self.slots.rows()}
+        if not self.leaving:
+            return None
+        mapping, _ = self.slots.evict(lambda r: id(r) in self.leaving)
+        self.leaving.clear()
+        self.m["evict_calls"] += 1
+        return jnp.asarray(mapping)
+
+    def pages_in_use(self, reserved_tokens) -> None:
+        if self.page_size:
+            self.free_pages = self.num_pages - int(reserved_tokens) // self.page_size
+
+    def admit(self) -> list:
+        """Moves waiting requests into free rows, first come first served; paged: while the pool
+        has pages for their prompts (beyond what the rows still prefilling will take, and a 1%
+        watermark). A request preempted before is prefilled with the tokens it had made."""
+        chosen, size = [], self.page_size
+        if size:
+            pending = sum(_pages(self.syslen + len(r.ext), size)
+                          - _pages(self.syslen + r.offset, size)
+                          for _, r in self.slots.rows() if r.phase == "prefill")
+            room = self.free_pages - pending - max(1, self.num_pages // 100)
+        free_rows = self.engine.batch - len(self.slots)
+        while self.waiting and len(chosen) < free_rows and not (self.hold and len(self.slots)):
+            r = self.waiting[0]
+            ext = np.concatenate([r.prompt, np.asarray(r.output, np.int32)])
+            if size:
+                need = _pages(self.syslen + len(ext) + 1, size) - self.syslen // size
+                if need > room and (chosen or len(self.slots)):
+                    break
+                room -= need
+            r.ext, r.offset, r.phase, r.order = ext, 0, "prefill", self.order
+            self.order += 1
+            chosen.append(self.waiting.popleft())
+        admitted = self.slots.admit(list(reversed(chosen)))
+        self.live = self.slots.rows()
+        self.m["peak_live"] = max(self.m["peak_live"], len(self.live))
+        return admitted
+
+    def note_drain(self, t: float) -> None:
+        """The drain begins when the queue is empty and fewer than half the peak rows are left."""
+        if (self.m.get("drained_at") is None and not (self.future or self.waiting)
+                and 2 * len(self.live) < self.m["peak_live"]):
+            self.m["drained_at"] = t
+            self.m["drained_tokens"] = sum(len(r.output) for r in self.requests)
+
+    def prefill_chunk(self, admitted) -> Chunk | None:
+        """The next chunk of the oldest rows still prefilling, on the fewest lanes that hold
+        them; None when there is nothing to admit or prefill."""
+        e = self.engine
+        waiting = sorted(((r.order, row, r) for row, r in self.live if r.phase == "prefill"),
+                         key=lambda x: x[0])
+        lanes = [(row, r) for _, row, r in waiting[: e.prefill_rows]]
+        self.prefilling = len(waiting)
+        if not (admitted or lanes):
+            return None
+        width = min(w for w in e.lane_sizes if w >= len(lanes))
+        new = np.zeros((e.batch,), bool)
+        new[[row for row, _ in admitted]] = True
+        c = Chunk(lanes, new, np.full((width,), e.batch, np.int32),
+                  np.zeros((width, e.prefill_chunk), np.int32), np.zeros((width,), np.int32),
+                  np.zeros((width,), bool), np.ones((width,), np.int32))
+        for i, (row, r) in enumerate(lanes):
+            part = r.ext[r.offset:r.offset + e.prefill_chunk]
+            c.rows[i], c.n[i], c.tokens[i, :len(part)] = row, len(part), part
+            c.last[i] = r.offset + len(part) == len(r.ext)
+            c.budget[i] = r.max_new_tokens - len(r.output)
+        self.prefilling -= int(c.last.sum())
+        return c
+
+    def prefilled(self, c: Chunk, first: np.ndarray, ok: np.ndarray) -> None:
+        for i, (row, r) in enumerate(c.lanes):
+            if not ok[i]:  # no pages for the chunk
+                self.short = True
+                continue
+            r.offset += int(c.n[i])
+            if c.last[i]:
+                r.output.append(int(first[i]))
+                r.phase = "decode"
+
+    def decoded(self, out: np.ndarray, remaining: np.ndarray, stalled: np.ndarray,
+                t: float) -> None:
+        decoding = 0
+        for row, r in self.live:
+            if r.phase != "decode":
+                continue
+            decoding += 1
+            r.output.extend(int(x) for x in out[:, row] if x >= 0)
+            if r.first_time is None:
+                r.first_time = t
+            self.short |= bool(stalled[row])
+            if remaining[row] == 0:
+                r.phase, r.finish_time = "done", t
+                self.leaving.add(id(r))
+                self.done += 1
+                self.hold = False
+        self.m["decode_steps"] += int(np.max(np.sum(out >= 0, axis=0), initial=0))
+        self.m["peak_decoding"] = max(self.m["peak_decoding"], decoding)
+
+    def preempt_if_short(self) -> None:
+        """Out of pages: the youngest request leaves, back to the front of the queue."""
+        short, self.short = self.short, False
+        victims = [r for _, r in self.live if r.phase != "done" and id(r) not in self.leaving]
+        if short and victims:
+            v = max(victims, key=lambda r: r.order)
+            v.phase, v.preemptions = "waiting", v.preemptions + 1
+            self.leaving.add(id(v))
+            self.waiting.appendleft(v)
+            self.m["preemptions"] += 1
+            self.hold = True
 
 
 def _pages(tokens: int, page_size: int) -> int:
