@@ -7,6 +7,8 @@ import sys
 
 COMMANDS = {
     "demo": "serve a stream of requests with continuous batching from a jaxkv cache",
+    "serve": "the serving benchmark: jaxkv paged and linear, fixed slots in pure JAX and jaxkv's "
+             "loop with XLA cache ops on one request stream, at one KV memory budget",
 }
 
 
@@ -21,7 +23,12 @@ def main(argv=None) -> int:
         # The command parses its own options (and its own --help).
         commands.add_parser(name, help=text, add_help=False)
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    from .demo import cli  # imports jax: only once a command was chosen
+    # Imports jax: only once a command was chosen.
+    if args.command == "serve":
+        from .demo import serve_cli
+
+        return serve_cli.main(rest)
+    from .demo import cli
 
     return cli.main(rest)
 

@@ -27,6 +27,16 @@ With a ``sharding`` whose batch axis has ``k`` devices (``--mesh dp=k``), the ``
 - ``admit(cache, saved, new)``: the rows where ``new`` (bool [B]) holds, the first free ones of
   their shards, start from ``saved`` and become live
 - ``memory(cache) -> (bytes in use, bytes allocated)`` (host side)
+
+and for the serving benchmark (``serve.py``; unsharded caches):
+
+- ``reserve_served(cache, new_lengths) -> (cache, served)``: ``reserve`` that also says which rows
+  got room (bool [B]; paged: a row whose pages do not fit takes none and is not served)
+- ``attend_rows(cache, layer, rows, q, k, v, new_lengths, positions) -> (out, cache)``: a chunk
+  of prefill for a few rows only: ``rows`` int32 [R] (B for an unused entry), q [R, T, Hq, D],
+  k and v [R, Hkv, T, D], ``new_lengths`` [R], ``positions`` [R, T] -> out [R, T, Hq, D]
+- ``reserved_tokens(cache)``: int32, the tokens of memory the live sequences hold (linear: whole
+  rows of ``max_seq_len``; paged: the pages in use)
 """
 
 from __future__ import annotations
@@ -75,6 +85,20 @@ def _for_new_rows(new, body, cache):
     rows = jnp.nonzero(new, size=new.shape[0], fill_value=0)[0].astype(jnp.int32)
     count = jnp.sum(new, dtype=jnp.int32)
     return jax.lax.fori_loop(0, count, lambda i, c: body(rows[i], c), cache)
+
+
+def _attend_rows_full(kind, cache, layer, rows, q, k, v, new_lengths, positions):
+    """``attend_rows`` through the full-batch ``append`` and ``attend``: the chunk's rows are
+    scattered into otherwise empty ``[B, ...]`` arrays (rows taking no part add no token)."""
+    batch = kind.lengths(cache).shape[0]
+    full = lambda x: jnp.zeros((batch, *x.shape[1:]), x.dtype).at[rows].set(x, mode="drop")  # noqa
+    n = full(new_lengths)
+    cache = kind.append(cache, layer, full(k), full(v), n)
+    at = jnp.clip(rows, 0, batch - 1)
+    if kind.ops == "xla" and hasattr(kind, "kv"):  # dense attention over the chunk's rows only
+        keys, values = kind.kv(cache, layer)
+        return dense_attention(q, keys[at], values[at], positions), cache
+    return kind.attend(cache, layer, full(q), full(positions), n)[at], cache
 
 
 # --- plain-XLA data movement, on layers [..., B, 2, H, S, D] (a leading layer axis or not) ---
@@ -141,6 +165,12 @@ class _RowKind:
     def reserve(self, cache, new_lengths):
         return cache  # rows are preallocated to max_seq_len
 
+    def reserve_served(self, cache, new_lengths):
+        return cache, jnp.ones(new_lengths.shape, bool)
+
+    def attend_rows(self, cache, layer, rows, q, k, v, new_lengths, positions):
+        return _attend_rows_full(self, cache, layer, rows, q, k, v, new_lengths, positions)
+
     def commit(self, cache, new_lengths):
         return cache.commit(new_lengths)
 
@@ -192,6 +222,9 @@ class LinearKind(_RowKind):
 
     def kv(self, cache, layer):
         return cache.keys(layer), cache.values(layer)
+
+    def reserved_tokens(self, cache):
+        return jnp.sum(self.live(cache), dtype=jnp.int32) * cache.max_seq_len
 
     def append(self, cache, layer, k, v, new_lengths):
         if self.ops == "jaxkv":
@@ -271,6 +304,7 @@ class PagedKind:
     page_size: int = 16
     attention: str = "auto"  # "auto" (jaxkv.attention with ops="jaxkv"), "dense" or "pallas"
     sharding: jaxkv.CacheSharding | None = None  # --mesh: KV heads over tp, the batch over dp
+    num_pages: int | None = None  # the pool's pages; default: every row at full length
 
     @property
     def batch_shards(self) -> int:
@@ -281,7 +315,7 @@ class PagedKind:
         pages_per_seq = -(-max_seq_len // self.page_size)
         rows = max_batch + self.batch_shards  # and a prompt row per shard
         return jaxkv.PagedKVCache.create(
-            num_layers=c.num_layers, num_pages=rows * pages_per_seq,
+            num_layers=c.num_layers, num_pages=self.num_pages or rows * pages_per_seq,
             page_size=self.page_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             max_batch=rows, max_pages_per_seq=pages_per_seq, dtype=jnp.dtype(self.dtype),
             layout="HND", sharding=self.sharding)
@@ -316,8 +350,27 @@ class PagedKind:
         return cache.release(~self._prompt_rows(cache))
 
     def reserve(self, cache, new_lengths):
-        cache, _ = cache.reserve(self._pad(new_lengths))  # the pool fits every row at full length
-        return cache
+        return self.reserve_served(cache, new_lengths)[0]
+
+    def reserve_served(self, cache, new_lengths):
+        cache, served = cache.reserve(self._pad(new_lengths))
+        return cache, self._unpad(served)
+
+    def reserved_tokens(self, cache):
+        return jnp.sum(cache.ref_counts > 0, dtype=jnp.int32) * cache.page_size
+
+    def attend_rows(self, cache, layer, rows, q, k, v, new_lengths, positions):
+        """With jaxkv's ops, a view of the cache with the chunk's rows only (their page-table
+        rows and lengths; the same pools) takes the append and the attention: no full-batch
+        arrays. Unsharded only (a row past the batch names the prompt row, with no tokens)."""
+        if not (self.ops == "jaxkv" and self.attention == "auto" and _kernel_attends(self.cfg)
+                and self.sharding is None):
+            return _attend_rows_full(self, cache, layer, rows, q, k, v, new_lengths, positions)
+        sub = dataclasses.replace(cache, page_table=cache.page_table[rows],
+                                  lengths=cache.lengths[rows], new_tokens=cache.new_tokens[rows])
+        sub = sub.append(layer, k, v, new_lengths)
+        out = _jaxkv_attend(sub, layer, q, new_lengths)
+        return out, dataclasses.replace(cache, k_pages=sub.k_pages, v_pages=sub.v_pages)
 
     def append(self, cache, layer, k, v, new_lengths):
         k, v, n = self._pad(k), self._pad(v), self._pad(new_lengths)

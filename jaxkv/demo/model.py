@@ -72,6 +72,42 @@ def init_params(cfg: LlamaConfig, seed: int = 0, dtype=jnp.float32) -> Params:
     return dict(embed=embed, layers=layers, norm=norm(d), lm_head=lm_head)
 
 
+# Model shapes for ``python -m jaxkv serve --preset``: the demo's small model, and the shapes of
+# Llama 3.2 1B (but not tied) and Llama 3.1 8B, with random weights (init_stacked_params).
+PRESETS = {
+    "tiny": LlamaConfig(),
+    "1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                      num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0),
+    "8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                      num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0),
+}
+
+
+def init_stacked_params(cfg: LlamaConfig, seed: int = 0, dtype=jnp.float32) -> Params:
+    """Random weights with stacked layers (``stack_layers``' layout), drawn on the device by one
+    jitted function: an 8B model in seconds, with no host copy. The scales are ``init_params``'
+    (the same distribution, not the same numbers)."""
+    dtype = jnp.dtype(dtype)
+    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    f, n = cfg.intermediate_size, cfg.num_layers
+    shapes = dict(wq=(d, q), wk=(d, kv), wv=(d, kv), wo=(q, d), w_gate=(d, f), w_up=(d, f),
+                  w_down=(f, d))
+
+    def make(key):
+        keys = iter(jax.random.split(key, len(shapes) + 5))
+        dense = lambda shape, lead=(): (jax.random.normal(next(keys), lead + shape, dtype)  # noqa
+                                        * jnp.asarray(1 / np.sqrt(shape[0]), dtype))
+        norm = lambda shape: (1 + 0.1 * jax.random.normal(next(keys), shape, jnp.float32)  # noqa
+                              ).astype(dtype)
+        layers = {name: dense(shape, (n,)) for name, shape in shapes.items()}
+        layers.update(attn_norm=norm((n, d)), mlp_norm=norm((n, d)))
+        embed = jax.random.normal(next(keys), (cfg.vocab_size, d), dtype)
+        lm_head = embed.T if cfg.tie_word_embeddings else dense((d, cfg.vocab_size)) * 4
+        return dict(embed=embed, layers=layers, norm=norm((d,)), lm_head=lm_head)
+
+    return jax.jit(make)(jax.random.key(seed))
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -126,28 +162,64 @@ def decoder(cfg: LlamaConfig, params: Params, tokens, positions, attend, state):
 
     ``attend(state, layer_idx, q, k, v) -> (out, state)`` is attention with whatever memory
     ``state`` keeps (a KV cache, or nothing): q [B, T, Hq, D], k and v [B, T, Hkv, D] after RoPE.
+    With stacked layers (``stack_layers``: one array per weight, a leading layer axis) the layers
+    run in a ``lax.scan`` and ``layer_idx`` is traced (a 32-layer model compiles one layer);
+    with a list of layers they are unrolled and ``layer_idx`` is a Python int.
     """
-    batch, steps = tokens.shape
     inv_freq = rope_frequencies(cfg)
     x = params["embed"][tokens]
+    if isinstance(params["layers"], dict):
+        def body(carry, xs):
+            layer, i = xs
+            return _layer(cfg, layer, i, carry[0], positions, inv_freq, attend, carry[1]), None
+
+        num_layers = params["layers"]["wq"].shape[0]
+        (x, state), _ = jax.lax.scan(body, (x, state),
+                                     (params["layers"], jnp.arange(num_layers, dtype=jnp.int32)))
+        return x, state
     for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        q = (h @ layer["wq"]).reshape(batch, steps, cfg.num_heads, cfg.head_dim)
-        k = (h @ layer["wk"]).reshape(batch, steps, cfg.num_kv_heads, cfg.head_dim)
-        v = (h @ layer["wv"]).reshape(batch, steps, cfg.num_kv_heads, cfg.head_dim)
-        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
-        attn, state = attend(state, i, q, k, v)
-        x = x + attn.reshape(batch, steps, -1) @ layer["wo"]
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
+        x, state = _layer(cfg, layer, i, x, positions, inv_freq, attend, state)
     return x, state
+
+
+def _layer(cfg: LlamaConfig, layer, i, x, positions, inv_freq, attend, state):
+    """One decoder layer: attention (through ``attend``) and the SwiGLU MLP, both residual."""
+    batch, steps = x.shape[:2]
+    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    q = (h @ layer["wq"]).reshape(batch, steps, cfg.num_heads, cfg.head_dim)
+    k = (h @ layer["wk"]).reshape(batch, steps, cfg.num_kv_heads, cfg.head_dim)
+    v = (h @ layer["wv"]).reshape(batch, steps, cfg.num_kv_heads, cfg.head_dim)
+    q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+    attn, state = attend(state, i, q, k, v)
+    x = x + attn.reshape(batch, steps, -1) @ layer["wo"]
+    h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    x = x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
+    return x, state
+
+
+def unstack_layers(params: Params) -> Params:
+    """The inverse of ``stack_layers``: a list of layers, which ``decoder`` unrolls."""
+    if not isinstance(params["layers"], dict):
+        return params
+    layers = params["layers"]
+    count = layers["wq"].shape[0]
+    return dict(params, layers=[{k: w[i] for k, w in layers.items()} for i in range(count)])
+
+
+def stack_layers(params: Params) -> Params:
+    """The same model with its layers stacked (each weight ``[num_layers, ...]``): ``decoder``
+    then scans over the layers."""
+    if isinstance(params["layers"], dict):
+        return params
+    layers = {k: jnp.stack([layer[k] for layer in params["layers"]]) for k in params["layers"][0]}
+    return dict(params, layers=layers)
 
 
 def logits(cfg: LlamaConfig, params: Params, x: jax.Array) -> jax.Array:
     return (rms_norm(x, params["norm"], cfg.rms_norm_eps) @ params["lm_head"]).astype(jnp.float32)
 
 
-def forward(cfg: LlamaConfig, params: Params, kind, cache, tokens, new_lengths):
+def forward(cfg: LlamaConfig, params: Params, kind, cache, tokens, new_lengths, reserve=True):
     """Runs ``tokens`` [B, T] through the decoder, writing their K/V into ``cache``.
 
     Row ``b`` contributes ``new_lengths[b]`` tokens (a ragged prefill; 1 per step in decode; 0 for
@@ -156,7 +228,8 @@ def forward(cfg: LlamaConfig, params: Params, kind, cache, tokens, new_lengths):
     Returns (logits [B, vocab] of each row's last new token, the cache with lengths committed).
     """
     steps = tokens.shape[1]
-    cache = kind.reserve(cache, new_lengths)
+    if reserve:  # (False: the caller reserved already)
+        cache = kind.reserve(cache, new_lengths)
     positions = kind.lengths(cache)[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
 
     def attend(cache, i, q, k, v):

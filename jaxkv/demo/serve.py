@@ -1,0 +1,695 @@
+"""The serving benchmark behind ``python -m jaxkv serve``: one request stream, several engines.
+
+An engine is the serving loop below with one cache kind (``caches.py``, or ``fixed_slot.py``, the
+pure-JAX bar). The device does the work in four jitted functions, the cache and the per-row state
+donated (updated in place):
+
+- ``prefill``: starts newly admitted rows from the saved system prompt (``kind.admit``: a fork of
+  its pages, or a copy), then runs one chunk of at most ``prefill_chunk`` prompt tokens for each
+  of at most ``prefill_rows`` rows (``kind.attend_rows``; compiled for a few row counts, the
+  smallest that holds the chunk is called); a row whose prompt ends in the chunk gets its first
+  token and starts decoding. A long prompt thus takes several iterations, each of which also
+  decodes: it never stalls the others.
+- ``decode``: up to ``decode_steps`` greedy steps in one ``while_loop`` (``mixed_steps`` while
+  prompts are still being prefilled, so that prefill keeps pace), every decoding row one
+  token per step. Stops are decided on the device: a row stops at its token budget or at the end
+  token, and the loop ends early when no row is left. Paged: each step reserves its pages on the
+  device; a row that gets none stalls for the rest of the call (and the host preempts).
+- ``evict``: rows that finished (or were preempted) leave; ``kind.evict`` compacts the survivors
+  to the front (jaxkv's linear and paged kinds) or frees the slots in place (fixed slots).
+- ``save``: the shared system prompt, prefilled once into row 0, kept for every admission.
+
+The host, between calls: admits arrived requests into free rows (paged: while the pool has pages
+for their prompts, with a 1% watermark), picks the prefill chunks, reads the tokens, and on a
+shortage of pages preempts the youngest request, which later starts again from its prompt and the
+tokens it had generated (recomputation, vLLM's default policy; greedy decoding makes the result the
+same); no request is admitted then until one finishes, so that the pool does not thrash.
+All layers run in a ``lax.scan`` over stacked weights with a traced layer index (``unroll``: a
+Python loop over them, for comparison).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import math
+import tempfile
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import caches, loop
+from . import model as M
+from .fixed_slot import FixedSlotKind
+
+ENGINES = {
+    "paged": "jaxkv PagedKVCache: reserve / append / release, the system prompt shared by fork",
+    "linear": "jaxkv LinearKVCache: rows of max_seq_len, finished rows evicted by compaction",
+    "fixed": "fixed slots in pure JAX (no jaxkv): slots of max_seq_len, masked dense attention",
+    "linear-xla": "the linear engine's loop with XLA-formulated cache ops (the demo's ops=xla)",
+    "paged-xla": "the paged engine's loop with XLA-formulated cache ops (gathers whole rows)",
+}
+DEFAULT_ENGINES = ("paged", "fixed", "linear", "linear-xla")  # the issue's targets first
+
+
+# --- the request stream ---
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamConfig:
+    """A synthetic stream: lognormal prompt and output lengths (long-tailed: most requests are far
+    shorter than the longest), clipped so that system prompt + prompt + output <= max_seq_len."""
+
+    requests: int = 48
+    seed: int = 0
+    system_len: int = 8  # the shared system prompt (a prefix of every request)
+    mean_prompt: float = 12.0  # mean of the lognormal before clipping
+    mean_output: float = 12.0
+    sigma: float = 1.0  # of log(length), for both
+    max_seq_len: int = 256
+    rate: float | None = None  # Poisson arrivals, requests/s; None: all queued at the start
+
+
+@dataclasses.dataclass
+class ServeRequest:
+    id: int
+    prompt: np.ndarray  # int32 [P], after the system prompt
+    max_new_tokens: int
+    arrival: float  # seconds after the start
+    output: list = dataclasses.field(default_factory=list)
+    # The schedule's state.
+    ext: np.ndarray | None = None  # tokens to prefill: the prompt (+ the output, once preempted)
+    offset: int = 0  # tokens of ext prefilled
+    phase: str = "waiting"  # waiting, prefill, decode, done
+    order: int = -1  # admission order (the youngest is preempted first)
+    first_time: float | None = None
+    finish_time: float | None = None
+    preemptions: int = 0
+
+
+def lognormal_lengths(rng, n: int, mean: float, sigma: float) -> np.ndarray:
+    mu = math.log(mean) - sigma * sigma / 2  # so that the mean is `mean`
+    return np.maximum(1, np.rint(rng.lognormal(mu, sigma, n))).astype(np.int64)
+
+
+def make_stream(sc: StreamConfig, vocab: int) -> tuple[np.ndarray, list[ServeRequest]]:
+    """(system prompt, requests), the same for a given config on every machine."""
+    rng = np.random.default_rng(sc.seed)
+    system = rng.integers(0, vocab, sc.system_len, dtype=np.int32)
+    room = sc.max_seq_len - sc.system_len
+    prompts = np.minimum(lognormal_lengths(rng, sc.requests, sc.mean_prompt, sc.sigma), room - 1)
+    outputs = np.minimum(lognormal_lengths(rng, sc.requests, sc.mean_output, sc.sigma),
+                         room - prompts)
+    requests = [ServeRequest(i, rng.integers(0, vocab, int(p), dtype=np.int32), int(o), 0.0)
+                for i, (p, o) in enumerate(zip(prompts, outputs))]
+    if sc.rate:  # from a generator of their own: the same requests, offline or not
+        gaps = np.random.default_rng([sc.seed, 1]).exponential(1 / sc.rate, sc.requests)
+        for r, t in zip(requests, np.cumsum(gaps)):
+            r.arrival = float(t)
+    return system, requests
+
+
+def fresh(requests: list[ServeRequest]) -> list[ServeRequest]:
+    return [ServeRequest(r.id, r.prompt, r.max_new_tokens, r.arrival) for r in requests]
+
+
+# --- engines ---
+
+
+def kv_bytes_per_token(cfg: M.LlamaConfig, dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How an engine spends the KV budget: ``batch`` rows; paged: ``num_pages`` pages."""
+
+    name: str
+    batch: int
+    num_pages: int | None = None
+    page_size: int | None = None
+
+
+def plan(name: str, kv_bytes: int, per_token: int, max_seq_len: int, page_size: int,
+         max_batch: int) -> Plan:
+    """Rows of ``max_seq_len`` (linear, fixed) or pages (paged) that fit in ``kv_bytes``; the
+    paged engines decode at most ``max_batch`` rows together."""
+    tokens = kv_bytes // per_token
+    if name.startswith("paged"):
+        pages = tokens // page_size
+        return Plan(name, max(1, max_batch), pages, page_size)
+    return Plan(name, tokens // max_seq_len)
+
+
+def make_kind(name: str, cfg: M.LlamaConfig, dtype: str, p: Plan):
+    if name == "fixed":
+        return FixedSlotKind(cfg, dtype)
+    base, _, ops = name.partition("-")
+    options = dict(page_size=p.page_size, num_pages=p.num_pages) if base == "paged" else {}
+    return caches.make_kind(base, cfg, dtype, ops or "jaxkv", **options)
+
+
+class FreeSlots:
+    """The schedule of slots that never move (fixed slots): ``loop.Slots``' interface, a new
+    request takes the lowest free slot and a finished one frees its own."""
+
+    def __init__(self, max_batch: int):
+        self.max_batch = max_batch
+        self.slots: list[ServeRequest | None] = [None] * max_batch
+
+    def __len__(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    def rows(self):
+        return [(i, r) for i, r in enumerate(self.slots) if r is not None]
+
+    def admit(self, pending: list) -> list:
+        admitted = []
+        for i in range(self.max_batch):
+            if not pending:
+                break
+            if self.slots[i] is None:
+                self.slots[i] = pending.pop()
+                admitted.append((i, self.slots[i]))
+        return admitted
+
+    def evict(self, done: Callable) -> tuple[np.ndarray, list]:
+        mapping = np.arange(self.max_batch, dtype=np.int32)
+        finished = []
+        for i, r in enumerate(self.slots):
+            if r is None:
+                mapping[i] = -1
+            elif done(r):
+                finished.append(r)
+                self.slots[i], mapping[i] = None, -1
+        return mapping, finished
+
+
+class ServeEngine(loop.Engine):
+    """The serving loop over one cache kind (see the module's docstring). From the demo's
+    ``loop.Engine`` it keeps ``abstract_cache`` and ``cache_copies`` (copies of the cache in the
+    compiled functions: 0 when every call updates it in place)."""
+
+    def __init__(self, cfg: M.LlamaConfig, params, kind, *, batch: int, max_seq_len: int,
+                 system_prompt, prefill_rows: int | tuple[int, ...], prefill_chunk: int,
+                 decode_steps: int, mixed_steps: int | None = None, unroll: bool = False):
+        # unroll: the layers as a Python loop (static layer indices) instead of a scan
+        layers = M.unstack_layers if unroll else M.stack_layers
+        self.cfg, self.params, self.kind = cfg, layers(params), kind
+        self.batch = self.max_batch = batch
+        self.max_seq_len = max_seq_len
+        self.system_prompt = np.asarray(system_prompt, np.int32)
+        self.lane_sizes = tuple(sorted(set(np.atleast_1d(prefill_rows).tolist())))
+        self.prefill_rows, self.prefill_chunk = self.lane_sizes[-1], prefill_chunk
+        self.decode_steps = decode_steps
+        self.mixed_steps = min(decode_steps, mixed_steps or decode_steps)
+        self.functions = self._jit_functions()
+        self._compiled = None
+
+    def _jit_functions(self) -> dict[str, Callable]:
+        cfg, kind, batch = self.cfg, self.kind, self.batch
+        i32 = jnp.int32
+
+        def stops(tokens, remaining, eos):  # tokens still to make after `tokens` (eos -1: none)
+            return jnp.where(tokens == eos, 0, remaining)
+
+        def prefill(params, cache, tok, remaining, saved, new, rows, tokens, n, last, budget,
+                    eos):
+            cache = kind.admit(cache, saved, new)
+            at = jnp.clip(rows, 0, batch - 1)
+            n_full = jnp.zeros((batch,), i32).at[rows].set(n, mode="drop")
+            cache, served = kind.reserve_served(cache, n_full)
+            ok = served[at] & (rows < batch)
+            n = jnp.where(ok, n, 0)
+            steps = tokens.shape[1]
+            positions = kind.lengths(cache)[at][:, None] + jnp.arange(steps, dtype=i32)[None, :]
+
+            def attend(cache, i, q, k, v):
+                return kind.attend_rows(cache, i, rows, q, k.transpose(0, 2, 1, 3),
+                                        v.transpose(0, 2, 1, 3), n, positions)
+
+            x, cache = M.decoder(cfg, params, tokens, positions, attend, cache)
+            cache = kind.commit(cache, jnp.where(served, n_full, 0))
+            x = jnp.take_along_axis(x, jnp.clip(n - 1, 0, steps - 1)[:, None, None], axis=1)[:, 0]
+            first = jnp.argmax(M.logits(cfg, params, x), -1).astype(i32)
+            ends = jnp.where(ok & last, rows, batch)  # rows whose prompt ends here start decoding
+            tok = tok.at[ends].set(first, mode="drop")
+            remaining = remaining.at[ends].set(stops(first, budget - 1, eos), mode="drop")
+            return cache, tok, remaining, first, ok
+
+        def decode(params, cache, tok, remaining, steps, eos):
+            def cond(c):
+                return (c[0] < steps) & jnp.any((c[3] > 0) & ~c[5])
+
+            def body(c):
+                i, cache, tok, remaining, out, stalled = c
+                want = (remaining > 0) & ~stalled
+                cache, served = kind.reserve_served(cache, want.astype(i32))
+                go = want & served
+                logits, cache = M.forward(cfg, params, kind, cache, tok[:, None],
+                                          go.astype(i32), reserve=False)
+                nxt = jnp.argmax(logits, -1).astype(i32)
+                out = out.at[i].set(jnp.where(go, nxt, -1))
+                remaining = jnp.where(go, stops(nxt, remaining - 1, eos), remaining)
+                return (i + 1, cache, jnp.where(go, nxt, tok), remaining, out,
+                        stalled | (want & ~served))
+
+            out = jnp.full((self.decode_steps, batch), -1, i32)
+            init = (jnp.zeros((), i32), cache, tok, remaining, out, jnp.zeros((batch,), bool))
+            _, cache, tok, remaining, out, stalled = jax.lax.while_loop(cond, body, init)
+            live = kind.live(cache)
+            usage = jnp.stack([jnp.sum(live, dtype=i32),
+                               jnp.sum(jnp.where(live, kind.lengths(cache), 0), dtype=i32),
+                               kind.reserved_tokens(cache)])
+            return cache, tok, remaining, out, stalled, usage
+
+        def evict(cache, tok, remaining, mapping):
+            cache = kind.evict(cache, mapping)
+            keep = jnp.where(mapping >= 0, mapping, batch)
+            move = lambda x: jnp.zeros_like(x).at[keep].set(x, mode="drop")  # noqa: E731
+            return cache, move(tok), move(remaining), kind.reserved_tokens(cache)
+
+        def save(cache):
+            cache, saved = kind.save(cache, len(self.system_prompt))
+            return kind.clear(cache, 0), saved
+
+        return dict(prefill=jax.jit(prefill, donate_argnums=(1, 2, 3)),
+                    decode=jax.jit(decode, donate_argnums=(1, 2, 3)),
+                    evict=jax.jit(evict, donate_argnums=(0, 1, 2)),
+                    save=jax.jit(save, donate_argnums=(0,)))
+
+    def example_args(self) -> dict[str, tuple]:
+        shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+        params = jax.tree.map(shape, self.params)
+        cache = jax.eval_shape(lambda: self.kind.create(self.batch, self.max_seq_len))
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+        row = i32(self.batch)
+        _, saved = jax.eval_shape(self.functions["save"], cache)
+        bools = lambda n: jax.ShapeDtypeStruct((n,), jnp.bool_)  # noqa: E731
+        prefill = {f"prefill{r}": (params, cache, row, row, saved, bools(self.batch), i32(r),
+                                   i32(r, self.prefill_chunk), i32(r), bools(r), i32(r), i32())
+                   for r in self.lane_sizes}
+        return dict(
+            **prefill,
+            decode=(params, cache, row, row, i32(), i32()),
+            evict=(cache, row, row, row),
+            save=(cache,),
+        )
+
+    def compile(self) -> dict:
+        """Every function compiled once (static shapes) and run once on a scratch cache, so that
+        no timed call pays a first execution."""
+        if self._compiled is None:
+            args = self.example_args()
+            fns = {k: self.functions[k.rstrip("0123456789")].lower(*a).compile()
+                   for k, a in args.items()}
+            self._compiled = fns
+            cache, tok, rem, saved = self._start(fns)
+            b = self.batch
+            for r in self.lane_sizes:
+                ones = jnp.ones((r,), jnp.int32)
+                lanes = jnp.minimum(jnp.arange(r, dtype=jnp.int32), b - 1)
+                cache, tok, rem, _, _ = fns[f"prefill{r}"](
+                    self.params, cache, tok, rem, saved, jnp.arange(b) < min(r, b), lanes,
+                    jnp.zeros((r, self.prefill_chunk), jnp.int32), ones, jnp.ones((r,), bool),
+                    ones * 2, jnp.int32(-1))
+                cache, tok, rem, *_ = fns["decode"](self.params, cache, tok, rem, jnp.int32(1),
+                                                    jnp.int32(-1))
+                cache, tok, rem, _ = fns["evict"](cache, tok, rem, jnp.full((b,), -1, jnp.int32))
+            jax.block_until_ready(cache)
+        return self._compiled
+
+    def _start(self, fns):
+        """(cache, tok, remaining, saved): an empty cache and the system prompt saved."""
+        kind, b = self.kind, self.batch
+        cache = kind.clear(kind.create(b, self.max_seq_len), 1)  # row 0 takes the prompt
+        tok = jnp.zeros((b,), jnp.int32)
+        remaining = jnp.zeros((b,), jnp.int32)
+        _, saved = jax.eval_shape(self.functions["save"], cache)
+        dummy = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), saved)
+        none = jnp.zeros((b,), bool)
+        prompt, chunk, r = self.system_prompt, self.prefill_chunk, self.lane_sizes[0]
+        for start in range(0, len(prompt), chunk):
+            part = prompt[start:start + chunk]
+            tokens = np.zeros((r, chunk), np.int32)
+            tokens[0, :len(part)] = part
+            rows = np.full((r,), b, np.int32)
+            rows[0] = 0
+            n = np.zeros((r,), np.int32)
+            n[0] = len(part)
+            cache, tok, remaining, _, _ = fns[f"prefill{r}"](
+                self.params, cache, tok, remaining, dummy, none, jnp.asarray(rows),
+                jnp.asarray(tokens), jnp.asarray(n), jnp.zeros((r,), bool),
+                jnp.ones((r,), jnp.int32), jnp.int32(-1))
+        cache, saved = fns["save"](cache)
+        return cache, tok, remaining, saved
+
+    def run(self, requests: list[ServeRequest], *, steps: int | None = None,
+            eos: int | None = None, duration: float | None = None,
+            profile: tuple[float, int] | None = None, progress: Callable | None = None) -> dict:
+        """Serves ``requests`` (their outputs filled in) and returns the run's measurements.
+
+        ``steps``: decode steps per call (default ``decode_steps``, and ``mixed_steps`` while
+        prompts are being prefilled; 1: one step per dispatch).
+        ``eos``: the end token (a request stops after generating it), or None.
+        ``duration``: stop after this many seconds of serving (a saturated server measured over a
+        fixed window: give more requests than it can serve); the requests still running keep the
+        tokens they have. None: serve every request.
+        ``profile``: (seconds, iterations): the iterations that start once this many seconds of
+        serving have passed run under the JAX profiler.
+        """
+        for r in requests:
+            total = len(self.system_prompt) + len(r.prompt) + r.max_new_tokens
+            if len(r.prompt) < 1 or r.max_new_tokens < 1 or total > self.max_seq_len:
+                raise ValueError(f"request {r.id}: {total} tokens, max_seq_len {self.max_seq_len}")
+        t = time.perf_counter()
+        fns = self.compile()
+        compile_s = time.perf_counter() - t
+        mixed = jnp.int32(self.mixed_steps if steps is None else steps)
+        steps = jnp.int32(self.decode_steps if steps is None else steps)
+        eos = jnp.int32(-1 if eos is None else eos)
+        cache, tok, remaining, saved = self._start(fns)
+        jax.block_until_ready(cache)
+        sched = Schedule(self, requests, cache.num_pages if hasattr(cache, "ref_counts") else 0)
+        m, usage_log, trace_dir, window = sched.m, [], None, None
+        start = time.perf_counter()
+        now = lambda: time.perf_counter() - start  # noqa: E731
+        while sched.done < len(requests) and (duration is None or now() < duration):
+            if profile and trace_dir is None and now() >= profile[0]:
+                trace_dir = tempfile.mkdtemp(prefix="jaxkv-serve-")
+                jax.profiler.start_trace(trace_dir)
+                window = [time.perf_counter(), None]
+                profile_end = m["iterations"] + profile[1]
+            sched.arrive(now())
+            mapping = sched.leave()
+            if mapping is not None:
+                cache, tok, remaining, reserved = fns["evict"](cache, tok, remaining, mapping)
+                sched.pages_in_use(reserved)  # a small synchronization: admission needs them
+            admitted = sched.admit()
+            sched.note_drain(now())
+            chunk = sched.prefill_chunk(admitted)
+            if chunk is not None:
+                cache, tok, remaining, first, ok = fns[f"prefill{chunk.width}"](
+                    self.params, cache, tok, remaining, saved, *chunk.arrays(), eos)
+                m["prefill_calls"] += 1
+            if not sched.live:  # nothing to do until the next arrival
+                sched.wait(now())
+                m["iterations"] += 1
+                continue
+            cache, tok, remaining, out, stalled, usage = fns["decode"](
+                self.params, cache, tok, remaining, mixed if sched.prefilling else steps, eos)
+            m["decode_calls"] += 1
+            # The host reads the results (the only synchronization of an iteration).
+            jax.block_until_ready(out)
+            host = time.perf_counter()
+            if chunk is not None:
+                sched.prefilled(chunk, np.asarray(first), np.asarray(ok))
+            usage = np.asarray(usage)
+            sched.decoded(np.asarray(out), np.asarray(remaining), np.asarray(stalled), now())
+            sched.pages_in_use(usage[2])
+            usage_log.append(usage)
+            sched.preempt_if_short()
+            m["busy_host"] += time.perf_counter() - host
+            m["iterations"] += 1
+            if window is not None and window[1] is None and m["iterations"] == profile_end:
+                window[1] = time.perf_counter()
+                jax.profiler.stop_trace()
+            if progress is not None:
+                progress(sched.done, len(requests))
+        wall = now()
+        if window is not None and window[1] is None:
+            window[1] = time.perf_counter()
+            jax.profiler.stop_trace()
+        mapping = sched.leave(everyone=True)  # so that the cache ends empty
+        if mapping is not None:
+            cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, mapping)
+        self.final_cache = cache
+        m.update(wall=wall, compile_s=compile_s, usage=np.array(usage_log).reshape(-1, 3),
+                 profile=profile_summary(trace_dir, window) if trace_dir else None)
+        return m
+
+
+@dataclasses.dataclass
+class Chunk:
+    """One prefill call: ``width`` rows (lanes), each up to ``prefill_chunk`` prompt tokens."""
+
+    lanes: list  # (row, request) of the lanes in use
+    new: np.ndarray  # bool [B]: rows admitted now (they start from the system prompt)
+    rows: np.ndarray  # int32 [width]: the lanes' rows; B for an unused lane
+    tokens: np.ndarray  # int32 [width, chunk]
+    n: np.ndarray  # int32 [width]: tokens of each lane
+    last: np.ndarray  # bool [width]: the chunk ends the lane's prompt
+    budget: np.ndarray  # int32 [width]: tokens the request may still generate
+
+    @property
+    def width(self) -> int:
+        return len(self.rows)
+
+    def arrays(self):
+        return tuple(jnp.asarray(x) for x in (self.new, self.rows, self.tokens, self.n,
+                                              self.last, self.budget))
+
+
+class Schedule:
+    """The host's side of a run: the queue, the rows (``loop.Slots``, or ``FreeSlots`` for a kind
+    that does not compact), admission, the prefill chunks, reading results, preemption."""
+
+    def __init__(self, engine: ServeEngine, requests: list[ServeRequest], num_pages: int):
+        self.engine, self.requests = engine, requests
+        kind, b = engine.kind, engine.batch
+        self.page_size = getattr(kind, "page_size", None) if num_pages else None
+        self.num_pages = self.free_pages = num_pages
+        self.syslen = len(engine.system_prompt)
+        self.future = collections.deque(sorted(requests, key=lambda r: r.arrival))
+        self.waiting: collections.deque[ServeRequest] = collections.deque()
+        self.slots = loop.Slots(b) if getattr(kind, "compacts", True) else FreeSlots(b)
+        self.leaving: set[int] = set()
+        self.hold = False  # after a preemption, no admission until a request finishes
+        self.short = False  # a row got no page in the last iteration
+        self.order = self.done = 0
+        self.live: list = []
+        self.prefilling = 0  # rows still prefilling after the current chunk
+        self.m = dict(iterations=0, prefill_calls=0, decode_calls=0, evict_calls=0,
+                      decode_steps=0, preemptions=0, peak_live=0, peak_decoding=0, busy_host=0.0)
+
+    def arrive(self, t: float) -> None:
+        while self.future and self.future[0].arrival <= t:
+            self.waiting.append(self.future.popleft())
+
+    def wait(self, t: float) -> None:
+        if self.future:
+            time.sleep(max(0.0, self.future[0].arrival - t))
+
+    def leave(self, everyone: bool = False):
+        """The ``batch_mapping`` that evicts the finished and preempted rows, or None."""
+        if everyone:
+            self.leaving |= {id(r) for _, r in self.slots.rows()}
+        if not self.leaving:
+            return None
+        mapping, _ = self.slots.evict(lambda r: id(r) in self.leaving)
+        self.leaving.clear()
+        self.m["evict_calls"] += 1
+        return jnp.asarray(mapping)
+
+    def pages_in_use(self, reserved_tokens) -> None:
+        if self.page_size:
+            self.free_pages = self.num_pages - int(reserved_tokens) // self.page_size
+
+    def admit(self) -> list:
+        """Moves waiting requests into free rows, first come first served; paged: while the pool
+        has pages for their prompts (beyond what the rows still prefilling will take, and a 1%
+        watermark). A request preempted before is prefilled with the tokens it had made."""
+        chosen, size = [], self.page_size
+        if size:
+            pending = sum(_pages(self.syslen + len(r.ext), size)
+                          - _pages(self.syslen + r.offset, size)
+                          for _, r in self.slots.rows() if r.phase == "prefill")
+            room = self.free_pages - pending - max(1, self.num_pages // 100)
+        free_rows = self.engine.batch - len(self.slots)
+        while self.waiting and len(chosen) < free_rows and not (self.hold and len(self.slots)):
+            r = self.waiting[0]
+            ext = np.concatenate([r.prompt, np.asarray(r.output, np.int32)])
+            if size:
+                need = _pages(self.syslen + len(ext) + 1, size) - self.syslen // size
+                if need > room and (chosen or len(self.slots)):
+                    break
+                room -= need
+            r.ext, r.offset, r.phase, r.order = ext, 0, "prefill", self.order
+            self.order += 1
+            chosen.append(self.waiting.popleft())
+        admitted = self.slots.admit(list(reversed(chosen)))
+        self.live = self.slots.rows()
+        self.m["peak_live"] = max(self.m["peak_live"], len(self.live))
+        return admitted
+
+    def note_drain(self, t: float) -> None:
+        """The drain begins when the queue is empty and fewer than half the peak rows are left."""
+        if (self.m.get("drained_at") is None and not (self.future or self.waiting)
+                and 2 * len(self.live) < self.m["peak_live"]):
+            self.m["drained_at"] = t
+            self.m["drained_tokens"] = sum(len(r.output) for r in self.requests)
+
+    def prefill_chunk(self, admitted) -> Chunk | None:
+        """The next chunk of the oldest rows still prefilling, on the fewest lanes that hold
+        them; None when there is nothing to admit or prefill."""
+        e = self.engine
+        waiting = sorted(((r.order, row, r) for row, r in self.live if r.phase == "prefill"),
+                         key=lambda x: x[0])
+        lanes = [(row, r) for _, row, r in waiting[: e.prefill_rows]]
+        self.prefilling = len(waiting)
+        if not (admitted or lanes):
+            return None
+        width = min(w for w in e.lane_sizes if w >= len(lanes))
+        new = np.zeros((e.batch,), bool)
+        new[[row for row, _ in admitted]] = True
+        c = Chunk(lanes, new, np.full((width,), e.batch, np.int32),
+                  np.zeros((width, e.prefill_chunk), np.int32), np.zeros((width,), np.int32),
+                  np.zeros((width,), bool), np.ones((width,), np.int32))
+        for i, (row, r) in enumerate(lanes):
+            part = r.ext[r.offset:r.offset + e.prefill_chunk]
+            c.rows[i], c.n[i], c.tokens[i, :len(part)] = row, len(part), part
+            c.last[i] = r.offset + len(part) == len(r.ext)
+            c.budget[i] = r.max_new_tokens - len(r.output)
+        self.prefilling -= int(c.last.sum())
+        return c
+
+    def prefilled(self, c: Chunk, first: np.ndarray, ok: np.ndarray) -> None:
+        for i, (row, r) in enumerate(c.lanes):
+            if not ok[i]:  # no pages for the chunk
+                self.short = True
+                continue
+            r.offset += int(c.n[i])
+            if c.last[i]:
+                r.output.append(int(first[i]))
+                r.phase = "decode"
+
+    def decoded(self, out: np.ndarray, remaining: np.ndarray, stalled: np.ndarray,
+                t: float) -> None:
+        decoding = 0
+        for row, r in self.live:
+            if r.phase != "decode":
+                continue
+            decoding += 1
+            r.output.extend(int(x) for x in out[:, row] if x >= 0)
+            if r.first_time is None:
+                r.first_time = t
+            self.short |= bool(stalled[row])
+            if remaining[row] == 0:
+                r.phase, r.finish_time = "done", t
+                self.leaving.add(id(r))
+                self.done += 1
+                self.hold = False
+        self.m["decode_steps"] += int(np.max(np.sum(out >= 0, axis=0), initial=0))
+        self.m["peak_decoding"] = max(self.m["peak_decoding"], decoding)
+
+    def preempt_if_short(self) -> None:
+        """Out of pages: the youngest request leaves, back to the front of the queue."""
+        short, self.short = self.short, False
+        victims = [r for _, r in self.live if r.phase != "done" and id(r) not in self.leaving]
+        if short and victims:
+            v = max(victims, key=lambda r: r.order)
+            v.phase, v.preemptions = "waiting", v.preemptions + 1
+            self.leaving.add(id(v))
+            self.waiting.appendleft(v)
+            self.m["preemptions"] += 1
+            self.hold = True
+
+
+def _pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+# --- measurements ---
+
+
+def percentile(values, q) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def summarize(requests: list[ServeRequest], m: dict, per_token: int, allocated: int) -> dict:
+    """The report of one engine's run (times in seconds, memory in bytes)."""
+    wall = m["wall"]
+    out_tokens = sum(len(r.output) for r in requests)  # also of requests cut by a duration
+    done = [r for r in requests if r.finish_time is not None]
+    ttft = [r.first_time - r.arrival for r in requests if r.first_time is not None]
+    tpot = [(r.finish_time - r.first_time) / (len(r.output) - 1)
+            for r in done if len(r.output) > 1]
+    usage = m["usage"]
+    return dict(
+        requests=len(done), output_tokens=out_tokens, wall_s=wall,
+        tokens_per_s=out_tokens / wall, requests_per_s=len(done) / wall,
+        # Until the drain, where only the longest requests are left (its length is set by the
+        # stream's longest outputs, whatever the engine): the loaded phase.
+        loaded_tokens_per_s=(m["drained_tokens"] / m["drained_at"]
+                             if m.get("drained_at") else None),
+        loaded_s=m.get("drained_at"),
+        ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+        tpot_p50_s=percentile(tpot, 50), tpot_p99_s=percentile(tpot, 99),
+        peak_concurrent=m["peak_live"], peak_decoding=m["peak_decoding"],
+        kv_allocated_bytes=allocated,
+        kv_reserved_mean_bytes=float(np.mean(usage[:, 2])) * per_token if len(usage) else 0.0,
+        kv_live_mean_bytes=float(np.mean(usage[:, 1])) * per_token if len(usage) else 0.0,
+        kv_reserved_peak_bytes=int(np.max(usage[:, 2], initial=0)) * per_token,
+        iterations=m["iterations"], decode_calls=m["decode_calls"],
+        prefill_calls=m["prefill_calls"], evict_calls=m["evict_calls"],
+        decode_steps=m["decode_steps"], preemptions=m["preemptions"],
+        host_s=m["busy_host"], compile_s=m["compile_s"], profile=m["profile"],
+    )
+
+
+def classify(name: str) -> str:
+    """A GPU kernel's share: "attention", "cache" (writes, moves, page and slot bookkeeping) or
+    "other" (the model's matmuls and fusions). jaxkv's kernels are recognised by their mangled
+    names; XLA's cache ops by the scatter / dynamic-update-slice / gather in their fusion's name
+    (a heuristic: XLA's attention is fused with the model's other ops and counts as "other")."""
+    low = name.lower()
+    if "jaxkv" in low:
+        return "attention" if ("attention" in low or "prefill_tc" in low or "combine" in low) \
+            else "cache"
+    if any(w in low for w in ("scatter", "dynamic_update_slice", "dynamic-update-slice",
+                              "gather")):
+        return "cache"
+    return "other"
+
+
+def profile_summary(trace_dir: str, window) -> dict | None:
+    """GPU busy time (the union of kernel intervals) over the window's wall time, and the share of
+    kernel time by ``classify``; None on a machine without GPU planes in the trace (the CPU)."""
+    paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not paths:
+        return None
+    try:
+        data = jax.profiler.ProfileData.from_file(paths[0])
+    except Exception as e:  # a profiler without the reader: say so, keep the run's results
+        print(f"profile: cannot read {paths[0]}: {e}")
+        return None
+    events = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        lines = [ln for ln in plane.lines if ln.name.startswith("Stream")] or [
+            ln for ln in plane.lines if "XLA" not in ln.name]
+        events += [(e.name, e.start_ns, e.duration_ns) for line in lines for e in line.events]
+    return kernel_summary(events, window[1] - window[0]) if events else None
+
+
+def kernel_summary(events, wall: float) -> dict:
+    """``events``: (kernel name, start ns, duration ns). GPU busy = the union of the intervals
+    (kernels of several streams may overlap), shares of the summed kernel time by ``classify``."""
+    by_kind, by_name = collections.Counter(), collections.Counter()
+    busy, end = 0, -1
+    for name, start, duration in sorted(events, key=lambda e: e[1]):
+        by_kind[classify(name)] += duration
+        by_name[name] += duration
+        if start + duration > end:
+            busy += start + duration - max(start, end)
+            end = start + duration
+    kernels = sum(by_kind.values()) or 1
+    return dict(window_s=wall, gpu_busy_s=busy * 1e-9, gpu_busy_share=busy * 1e-9 / wall,
+                kernels=len(events),
+                **{f"{k}_share": by_kind[k] / kernels for k in ("cache", "attention", "other")},
+                top=[(name[:120], t / kernels) for name, t in by_name.most_common(10)])

@@ -1,0 +1,372 @@
+"""Command line of ``python -m jaxkv serve``: engines side by side on one stream
+(docs/serving.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import jax
+import numpy as np
+
+from . import model as M
+from . import serve as S
+
+# Per preset: the stream (max_seq_len 8x its mean total length), the KV budget, the prefill chunk
+# (rows: the row counts compiled; tokens per row) and decode steps per call (while prompts wait
+# for prefill: mixed_steps).
+# The big presets measure a saturated server over a fixed window (--duration): with a long tail,
+# serving a stream to its end is timed by its longest output, decoded alone at the end.
+_BIG = dict(requests=8192, duration=15.0, max_seq_len=4096, system_len=64, mean_prompt=256,
+            mean_output=192, prefill_rows="2,4,8", prefill_chunk=256, decode_steps=16,
+            mixed_steps=2)
+DEFAULTS = {
+    "tiny": dict(kv_gib=1 / 1024, requests=48, duration=None, max_seq_len=256, system_len=8,
+                 mean_prompt=12, mean_output=12, prefill_rows="2", prefill_chunk=16,
+                 decode_steps=8, mixed_steps=2),
+    "1b": dict(kv_gib=8, **_BIG),
+    "8b": dict(kv_gib=16, **_BIG),
+}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m jaxkv serve",
+        description="Serve one synthetic request stream with several engines (jaxkv paged, jaxkv "
+                    "linear, fixed slots in pure JAX, jaxkv's loop with XLA cache ops) at the "
+                    "same KV memory budget, and report throughput, latency and memory.",
+        epilog="Engines: " + "; ".join(f"{k}: {v}" for k, v in S.ENGINES.items()) +
+               ". Unset sizes take the preset's defaults (docs/serving.md).")
+    add = p.add_argument
+    add("--preset", default="tiny", choices=sorted(M.PRESETS), help="model shapes (tiny)")
+    add("--model", metavar="PATH", help="a local Hugging Face Llama checkpoint instead")
+    add("--dtype", choices=["float32", "bfloat16"],
+        help="weights and cache (float32 on CPU, bfloat16 on GPU)")
+    add("--engines", default=",".join(S.DEFAULT_ENGINES),
+        help=f"comma-separated, from {', '.join(S.ENGINES)} ({','.join(S.DEFAULT_ENGINES)})")
+    add("--kv-gib", type=float, help="KV memory budget of every engine, GiB")
+    add("--requests", type=int, help="requests in the stream")
+    add("--max-seq-len", type=int, help="longest sequence (system prompt + prompt + output)")
+    add("--system-len", type=int, help="tokens of the system prompt every request shares")
+    add("--mean-prompt", type=float, help="mean prompt length (lognormal)")
+    add("--mean-output", type=float, help="mean output length (lognormal)")
+    add("--sigma", type=float, default=1.0, help="sigma of log(length) (1.0)")
+    add("--rate", type=float, help="Poisson arrivals, requests/s (default: all queued at start)")
+    add("--duration", type=float,
+        help="serve for this many seconds, then stop (a saturated server: give more requests "
+             "than it can serve); 0: serve them all (default on tiny; 15 s on 1b and 8b)")
+    add("--seed", type=int, default=0, help="seed of the weights and the stream (0)")
+    add("--page-size", type=int, default=16, help="tokens per page (16)")
+    add("--max-batch", type=int,
+        help="rows the paged engines decode together (default: budget / mean length, <= 256)")
+    add("--prefill-rows", metavar="N[,N...]",
+        help="rows of one prefill chunk: the sizes compiled (the smallest that fits is used)")
+    add("--prefill-chunk", type=int, help="prompt tokens per row per prefill chunk")
+    add("--decode-steps", type=int, help="decode steps per dispatch")
+    add("--mixed-steps", type=int, help="decode steps per dispatch while prompts are prefilled")
+    add("--layers", choices=["scan", "unroll"], default="scan",
+        help="the decoder's layers in a lax.scan (one layer compiled) or unrolled (scan)")
+    add("--eos", type=int, help="end token: a request stops when it generates it")
+    add("--check", type=int,
+        help="requests checked against recomputation without a cache (all on tiny, else 0)")
+    add("--profile", action=argparse.BooleanOptionalAction,
+        help="profile a window of each run for GPU busy time and cache-op share (on GPU)")
+    add("--sweep", metavar="GIB,...",
+        help="also serve with these KV budgets, paged and fixed engines (the plot's points)")
+    add("--json", metavar="PATH", help="write the results as JSON")
+    add("--plot", metavar="PATH", help="write tokens/s against KV budget (matplotlib)")
+    args = p.parse_args(argv)
+    for name, value in DEFAULTS[args.preset].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    for e in args.engines:
+        if e not in S.ENGINES:
+            p.error(f"--engines: unknown engine {e!r}; choose from {', '.join(S.ENGINES)}")
+    if not args.engines:
+        p.error("--engines: none given")
+    try:
+        args.prefill_rows = [int(x) for x in str(args.prefill_rows).split(",")]
+    except ValueError:
+        p.error(f"--prefill-rows: expected N[,N...], got {args.prefill_rows!r}")
+    if min(args.prefill_rows) < 1:
+        p.error(f"--prefill-rows must be at least 1, got {min(args.prefill_rows)}")
+    for name in ("requests", "max_seq_len", "system_len", "page_size", "prefill_chunk",
+                 "decode_steps", "mixed_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("kv_gib", "mean_prompt", "mean_output", "sigma"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.rate is not None and not args.rate > 0:
+        p.error(f"--rate must be positive, got {args.rate}")
+    if args.duration is not None and not args.duration >= 0:
+        p.error(f"--duration must be at least 0 (0: serve every request), got {args.duration}")
+    args.duration = args.duration or None
+    if args.max_batch is not None and args.max_batch < 1:
+        p.error(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.system_len + 2 > args.max_seq_len:
+        p.error(f"--max-seq-len {args.max_seq_len} leaves no room after the {args.system_len}-"
+                "token system prompt")
+    if args.check is not None and args.check < 0:
+        p.error(f"--check must be at least 0, got {args.check}")
+    try:
+        args.sweep = [float(x) for x in args.sweep.split(",")] if args.sweep else []
+    except ValueError:
+        p.error(f"--sweep: expected GiB,GiB,..., got {args.sweep!r}")
+    if any(not x > 0 for x in args.sweep):
+        p.error("--sweep: budgets must be positive")
+    if args.model is not None and not (pathlib.Path(args.model) / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json there")
+    return args
+
+
+def load(args):
+    """(config, stacked params, description)."""
+    if args.model:
+        from . import hf_loader
+
+        cfg, params = hf_loader.load(args.model, dtype=args.dtype)
+        return cfg, M.stack_layers(params), args.model
+    cfg = M.PRESETS[args.preset]
+    return cfg, M.init_stacked_params(cfg, args.seed, args.dtype), f"preset {args.preset}, random"
+
+
+def ms(x) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def size(x) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.0f} B"
+
+
+def table(results: dict[str, dict], profiled: bool) -> list[str]:
+    runs = list(results.values())
+    def share(r, key):
+        return "n/a" if r["profile"] is None else f"{r['profile'][key] * 100:.0f}%"
+
+    rows = [("", *results),
+            ("output tokens/s", *(f"{r['tokens_per_s']:.0f}" for r in runs)),
+            ("  before the drain", *("-" if r["loaded_tokens_per_s"] is None else
+                                            f"{r['loaded_tokens_per_s']:.0f} in "
+                                            f"{r['loaded_s']:.2f} s" for r in runs)),
+            ("requests finished", *(str(r["requests"]) for r in runs)),
+            ("requests/s", *(f"{r['requests_per_s']:.2f}" for r in runs)),
+            ("TTFT p50 / p99 (ms)", *(f"{ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])}"
+                                      for r in runs)),
+            ("TPOT p50 / p99 (ms)", *(f"{ms(r['tpot_p50_s'])} / {ms(r['tpot_p99_s'])}"
+                                      for r in runs)),
+            ("peak concurrent sequences", *(str(r["peak_concurrent"]) for r in runs)),
+            ("peak decoding together", *(str(r["peak_decoding"]) for r in runs)),
+            ("KV allocated", *(size(r["kv_allocated_bytes"]) for r in runs)),
+            ("KV reserved by live sequences, mean", *(size(r["kv_reserved_mean_bytes"])
+                                                      for r in runs)),
+            ("KV holding live tokens, mean", *(size(r["kv_live_mean_bytes"]) for r in runs)),
+            ("preemptions", *(str(r["preemptions"]) for r in runs)),
+            ("dispatches (prefill+decode+evict)",
+             *(f"{r['prefill_calls']}+{r['decode_calls']}+{r['evict_calls']}" for r in runs)),
+            ("host time between calls (s)", *(f"{r['host_s']:.2f}" for r in runs)),
+            ("wall (s)", *(f"{r['wall_s']:.2f}" for r in runs)),
+            ("compile + warm-up (s)", *(f"{r['compile_s']:.1f}" for r in runs)),
+            ("GPU busy / wall (profiled)", *(share(r, "gpu_busy_share") for r in runs)),
+            ("kernel time: cache ops", *(share(r, "cache_share") for r in runs)),
+            ("kernel time: jaxkv attention", *(share(r, "attention_share") for r in runs))]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+
+
+def agreement(outputs: dict[str, list], reference: str) -> dict[str, dict]:
+    """Per engine against ``reference``, over the requests both started (a ``--duration`` run
+    cuts requests short: their common tokens are compared): how many agree on every common token,
+    and the mean share of common tokens before the first difference."""
+    ref = outputs[reference]
+    out = {}
+    for name, outs in outputs.items():
+        same, prefix = 0, []
+        for a, b in zip(outs, ref):
+            n = min(len(a), len(b))
+            if n == 0:
+                continue
+            k = next((i for i, (x, y) in enumerate(zip(a[:n], b[:n])) if x != y), n)
+            same += k == n
+            prefix.append(k / n)
+        out[name] = dict(identical=same, of=len(prefix),
+                         token_agreement=float(np.mean(prefix)) if prefix else 1.0)
+    return out
+
+
+def recompute(cfg, params, system, requests, n: int, max_seq_len: int, eos):
+    """Greedy tokens of the first ``n`` requests by full recomputation (no cache)."""
+    result = []
+    for r in requests[:n]:
+        toks = M.generate_no_cache(cfg, params, np.concatenate([system, r.prompt]),
+                                   r.max_new_tokens, capacity=max_seq_len)
+        if eos is not None and eos in toks:
+            toks = toks[: toks.index(eos) + 1]
+        result.append(toks)
+    return result
+
+
+def run_engine(name, args, cfg, params, system, requests, kv_gib, per_token, mean_total):
+    kv = int(kv_gib * 2**30)
+    batch = args.max_batch or max(1, min(256, int(kv // per_token // mean_total)))
+    p = S.plan(name, kv, per_token, args.max_seq_len, args.page_size, batch)
+    if p.batch < 1 or (p.num_pages is not None and p.num_pages * args.page_size < args.max_seq_len
+                       + args.system_len + args.page_size):
+        raise SystemExit(f"{name}: --kv-gib {kv_gib} does not hold one sequence of "
+                         f"--max-seq-len {args.max_seq_len}")
+    kind = S.make_kind(name, cfg, args.dtype, p)
+    engine = S.ServeEngine(cfg, params, kind, batch=p.batch, max_seq_len=args.max_seq_len,
+                           system_prompt=system, prefill_rows=args.prefill_rows,
+                           prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
+                           mixed_steps=args.mixed_steps, unroll=args.layers == "unroll")
+    reqs = S.fresh(requests)
+    window = ((args.duration or 0) / 2, 4) if args.profile else None  # mid-run, 4 iterations
+    m = engine.run(reqs, eos=args.eos, duration=args.duration, profile=window)
+    allocated = (p.num_pages * args.page_size if p.num_pages else p.batch * args.max_seq_len)
+    summary = S.summarize(reqs, m, per_token, allocated * per_token)
+    summary.update(engine=name, kv_gib=kv_gib, batch=p.batch, num_pages=p.num_pages)
+    return summary, [r.output for r in reqs]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    if args.profile is None:
+        args.profile = on_gpu
+    if args.check is None:
+        args.check = args.requests if args.preset == "tiny" and not args.model else 0
+    with jax.default_matmul_precision("highest" if args.dtype == "float32" else "default"):
+        return serve(args, on_gpu)
+
+
+def serve(args, on_gpu: bool) -> int:
+    cfg, params, source = load(args)
+    sc = S.StreamConfig(requests=args.requests, seed=args.seed + 1, system_len=args.system_len,
+                        mean_prompt=args.mean_prompt, mean_output=args.mean_output,
+                        sigma=args.sigma, max_seq_len=args.max_seq_len, rate=args.rate)
+    system, requests = S.make_stream(sc, cfg.vocab_size)
+    per_token = S.kv_bytes_per_token(cfg, args.dtype)
+    prompts = np.array([len(r.prompt) for r in requests])
+    outs = np.array([r.max_new_tokens for r in requests])
+    mean_total = args.system_len + prompts.mean() + outs.mean()
+    print(f"jaxkv serve on {jax.default_backend()} ({jax.devices()[0].device_kind})")
+    print(f"model: {source}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} / "
+          f"{cfg.num_kv_heads} heads x {cfg.head_dim}, FFN {cfg.intermediate_size}, vocab "
+          f"{cfg.vocab_size}, {args.dtype}; KV {per_token / 1024:.1f} KiB per token")
+    arrivals = f"Poisson arrivals at {args.rate}/s" if args.rate else "all queued at the start"
+    if args.duration:
+        arrivals += f"; each engine serves for {args.duration:g} s, then stops"
+    print(f"stream (seed {sc.seed}): {args.requests} requests, {arrivals}; a "
+          f"{args.system_len}-token system prompt shared by all; prompt and output lengths "
+          f"lognormal (sigma {args.sigma}, "
+          f"means {args.mean_prompt:g} and {args.mean_output:g} before clipping): prompts "
+          f"{prompts.min()}-{prompts.max()} (mean {prompts.mean():.0f}, median "
+          f"{np.median(prompts):.0f}), outputs {outs.min()}-{outs.max()} (mean {outs.mean():.0f}, "
+          f"median {np.median(outs):.0f}); max_seq_len {args.max_seq_len} = "
+          f"{args.max_seq_len / mean_total:.1f}x the mean total length {mean_total:.0f}")
+    print(f"KV budget {args.kv_gib:g} GiB per engine; prefill chunks of "
+          f"{'/'.join(map(str, args.prefill_rows))} rows x {args.prefill_chunk} tokens; "
+          f"{args.decode_steps} decode steps per dispatch ({args.mixed_steps} while prompts are "
+          "prefilled)"
+          + (f"; end token {args.eos}" if args.eos is not None else ""))
+    results, outputs, sweep = {}, {}, []
+    doc = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+               jax=jax.__version__, model=source, preset=args.preset, dtype=args.dtype,
+               args=dict(vars(args)), mean_total=mean_total, engines=results, sweep=sweep)
+    for name in args.engines:
+        print(f"{name:>10}: {S.ENGINES[name]} ...", flush=True)
+        results[name], outputs[name] = run_engine(name, args, cfg, params, system, requests,
+                                                  args.kv_gib, per_token, mean_total)
+        r = results[name]
+        print(f"{'':>10}  {r['tokens_per_s']:.0f} tokens/s, {r['wall_s']:.2f} s, rows "
+              f"{r['batch']}" + (f", {r['num_pages']} pages" if r["num_pages"] else ""), flush=True)
+        write_json(args.json, doc)  # after every run: a run cut short keeps what it measured
+    print()
+    print("\n".join(table(results, args.profile)))
+    if args.profile and not on_gpu:
+        print("(GPU busy and kernel shares: n/a on CPU, measured from the profiler's GPU planes)")
+    for name, r in results.items():
+        if r["profile"]:
+            print(f"{name}: largest shares of kernel time in the profiled window: " + ", ".join(
+                f"{k} {t * 100:.1f}%" for k, t in r["profile"]["top"][:6]))
+
+    rc = 0
+    ref_name = args.engines[0]
+    agree = agreement(outputs, ref_name)
+    print(f"\ngreedy tokens against {ref_name}: " + ", ".join(
+        f"{k} {v['identical']}/{v['of']} requests identical ({v['token_agreement'] * 100:.1f}% of "
+        "tokens before a first difference)" for k, v in agree.items() if k != ref_name))
+    checked = None
+    if args.check:
+        want = recompute(cfg, params, system, requests, args.check, args.max_seq_len, args.eos)
+        checked = {k: sum(a == b for a, b in zip(outs, want)) for k, outs in outputs.items()}
+        print(f"recomputation without a cache, first {len(want)} requests: " + ", ".join(
+            f"{k} {v}/{len(want)} identical" for k, v in checked.items()))
+        if args.dtype == "float32" and any(v != len(want) for v in checked.values()):
+            rc = 1
+    if args.dtype == "float32" and any(v["identical"] != v["of"] for v in agree.values()):
+        rc = 1
+
+    doc.update(agreement=agree, recomputed=checked)
+    write_json(args.json, doc)
+    for kv_gib in args.sweep:
+        for name in [e for e in ("paged", "fixed") if e in args.engines]:
+            summary, _ = run_engine(name, args, cfg, params, system, requests, kv_gib, per_token,
+                                    mean_total)
+            sweep.append(summary)
+            print(f"sweep: {name} at {kv_gib:g} GiB: {summary['tokens_per_s']:.0f} tokens/s, "
+                  f"peak {summary['peak_concurrent']} sequences", flush=True)
+            write_json(args.json, doc)
+    if args.json:
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot([*results.values(), *sweep], args.plot, f"{source}, {args.dtype}")
+    return rc
+
+
+def write_json(path, doc) -> None:
+    if path:
+        path = pathlib.Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1, default=_plain))
+
+
+def _plain(x):
+    if isinstance(x, (np.integer, np.floating)):
+        return x.item()
+    raise TypeError(type(x).__name__)
+
+
+def plot(points: list[dict], path: str, title: str) -> None:
+    """Output tokens/s against the KV budget, paged and fixed engines."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, label in (("paged", "jaxkv paged"), ("fixed", "fixed slots, pure JAX")):
+        pts = sorted({(r["kv_gib"], r["tokens_per_s"]) for r in points
+                      if r.get("engine", "") == name})
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("KV memory budget (GiB)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")

@@ -1,0 +1,225 @@
+"""The serving benchmark (``python -m jaxkv serve``): every engine's greedy tokens equal full
+recomputation, the multi-step device loop equals one step per dispatch, the paged pool under
+pressure preempts and still answers right, the fixed-slot bar contains no jaxkv."""
+
+import ast
+import dataclasses
+import functools
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import __main__ as entry
+from jaxkv.demo import model as M
+from jaxkv.demo import serve as S
+from jaxkv.demo import serve_cli
+
+CFG = M.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=16)
+PARAMS = M.stack_layers(M.init_params(CFG, seed=3))
+# Long-tailed lengths, max_seq_len 40; the system prompt (5 tokens) ends inside a page of 4, so
+# every paged admission forks its full page and copies the partial one.
+STREAM = S.StreamConfig(requests=10, seed=4, system_len=5, mean_prompt=7, mean_output=7,
+                        sigma=0.8, max_seq_len=40)
+SYSTEM, REQUESTS = S.make_stream(STREAM, CFG.vocab_size)
+PER_TOKEN = S.kv_bytes_per_token(CFG, "float32")
+# 4 rows of 40 tokens for the row engines; the paged engines' 16 pages of 4 hold fewer tokens
+# (64) than their 4 rows want at the longest (4 x 40), so the pool runs short.
+PLANS = {"paged": S.Plan("paged", batch=4, num_pages=16, page_size=4),
+         "linear": S.Plan("linear", batch=4), "fixed": S.Plan("fixed", batch=4),
+         "linear-xla": S.Plan("linear-xla", batch=4)}
+
+
+@pytest.fixture(autouse=True)
+def exact_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def engine(name, unroll=False):
+    """One engine per configuration (each compiles its functions once)."""
+    return _engine(name, unroll)
+
+
+@functools.cache
+def _engine(name, unroll):
+    kind = S.make_kind(name, CFG, "float32", PLANS[name])
+    return S.ServeEngine(CFG, PARAMS, kind, batch=PLANS[name].batch, max_seq_len=40,
+                         system_prompt=SYSTEM, prefill_rows=2, prefill_chunk=4, decode_steps=4,
+                         mixed_steps=2, unroll=unroll)
+
+
+@functools.cache
+def recomputed(eos=None):
+    return serve_cli.recompute(CFG, PARAMS, SYSTEM, REQUESTS, len(REQUESTS), 40, eos)
+
+
+def serve(name, unroll=False, **options):
+    requests = S.fresh(REQUESTS)
+    m = engine(name, unroll).run(requests, **options)
+    return [r.output for r in requests], m
+
+
+def test_stream_is_long_tailed_and_fits():
+    prompts = np.array([len(r.prompt) for r in REQUESTS])
+    outputs = np.array([r.max_new_tokens for r in REQUESTS])
+    assert np.all(5 + prompts + outputs <= 40) and prompts.min() >= 1 and outputs.min() >= 1
+    assert prompts.max() > 2 * np.median(prompts)  # a long tail
+    again = S.make_stream(STREAM, CFG.vocab_size)[1]
+    assert all(np.array_equal(a.prompt, b.prompt) for a, b in zip(again, REQUESTS))
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_every_engine_generates_what_recomputation_does(name):
+    outputs, m = serve(name)
+    assert outputs == recomputed()
+    assert m["peak_live"] <= PLANS[name].batch
+    assert engine(name).cache_copies() == 0  # every call updates the cache in place
+
+
+def test_unrolled_layers_equal_the_scan():
+    outputs, _ = serve("fixed", unroll=True)
+    assert outputs == recomputed()
+
+
+def test_multi_step_loop_equals_one_step_per_dispatch():
+    many, m_many = serve("paged")
+    one, m_one = serve("paged", steps=1)
+    assert many == one == recomputed()
+    assert m_many["decode_calls"] < m_one["decode_calls"]
+
+
+def test_paged_pool_pressure_preempts_recomputes_and_ends_whole():
+    outputs, m = serve("paged")
+    assert outputs == recomputed()
+    assert m["preemptions"] > 0  # the stream asks for more pages than the pool has
+    cache = engine("paged").final_cache
+    assert np.all(np.asarray(cache.lengths)[:-1] == 0)  # every row but the prompt row is empty
+    # Only the system prompt's two pages are still held (the prompt row's).
+    assert np.asarray(cache.ref_counts).tolist().count(0) == cache.num_pages - 2
+    assert np.all(np.asarray(cache.ref_counts) <= 1)
+
+
+def test_end_token_stops_requests_on_the_device():
+    longest = max(recomputed(), key=len)
+    eos = longest[len(longest) // 2]  # a token the model does generate
+    outputs, _ = serve("fixed", eos=eos)
+    assert outputs == recomputed(eos)
+    assert sum(map(len, outputs)) < sum(map(len, recomputed()))
+
+
+def test_a_duration_stops_a_saturated_server_with_right_prefixes():
+    requests = S.fresh(REQUESTS)
+    m = engine("paged").run(requests, duration=1e-3)  # stops after the first iteration
+    assert m["iterations"] == 1
+    assert any(r.output for r in requests) and not all(r.finish_time for r in requests)
+    assert all(r.output == want[:len(r.output)] for r, want in zip(requests, recomputed()))
+    cache = engine("paged").final_cache
+    assert np.all(np.asarray(cache.lengths)[:-1] == 0)  # the requests cut short left too
+
+
+def test_poisson_arrivals_wait_for_their_time():
+    stream = S.make_stream(dataclasses.replace(STREAM, rate=400.0), CFG.vocab_size)[1]
+    assert all(0 < a.arrival < b.arrival for a, b in zip(stream, stream[1:]))
+    requests = S.fresh(stream)
+    m = engine("linear").run(requests)
+    assert [r.output for r in requests] == recomputed()  # same prompts, only arrivals differ
+    assert all(r.first_time >= r.arrival for r in requests)
+    assert m["wall"] >= stream[-1].arrival
+
+
+def test_every_engine_lowers_at_the_8b_preset():
+    """The GPU run's shapes (32 layers, head_dim 128, bf16, a 16 GiB budget), traced and lowered
+    without weights or memory: shape errors show here, not on the device."""
+    cfg = M.PRESETS["8b"]
+    params = jax.eval_shape(lambda: M.init_stacked_params(cfg, 0, "bfloat16"))
+    per_token = S.kv_bytes_per_token(cfg, "bfloat16")
+    for name in ("paged", "linear", "fixed", "linear-xla"):
+        p = S.plan(name, 16 * 2**30, per_token, 4096, 16, 256)
+        e = S.ServeEngine(cfg, params, S.make_kind(name, cfg, "bfloat16", p), batch=p.batch,
+                          max_seq_len=4096, system_prompt=np.ones(64, np.int32),
+                          prefill_rows=(2, 4, 8), prefill_chunk=256, decode_steps=16)
+        for key, args in e.example_args().items():
+            e.functions[key.rstrip("0123456789")].lower(*args)
+        assert p.batch == (256 if name == "paged" else 32)
+
+
+def test_kernel_summary_takes_the_union_of_kernel_intervals():
+    events = [("_ZN5jaxkv12append_kernelEv", 0, 10), ("loop_fusion", 5, 10),  # overlapping
+              ("_ZN5jaxkv16attention_kernelEv", 30, 10), ("input_scatter_fusion", 50, 20)]
+    s = S.kernel_summary(events, wall=100e-9)
+    assert s["gpu_busy_share"] == pytest.approx(0.45)  # [0, 15) + [30, 40) + [50, 70)
+    assert s["cache_share"] == pytest.approx(30 / 50)
+    assert s["attention_share"] == pytest.approx(10 / 50)
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." * node.level + (node.module or ""))
+    return names
+
+
+def test_fixed_slot_engine_contains_no_jaxkv():
+    """fixed_slot.py and what it imports from the package (model.py) reach only jax and numpy."""
+    demo = pathlib.Path(S.__file__).parent
+    seen, todo = set(), ["fixed_slot"]
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        for imp in _imports(demo / f"{name}.py"):
+            if imp.startswith(".."):
+                raise AssertionError(f"{name}.py imports {imp}: jaxkv code")
+            if imp.startswith("."):
+                todo += [] if imp[1:] in seen else [imp[1:]]
+            else:
+                assert imp.split(".")[0] in {"__future__", "dataclasses", "typing", "jax",
+                                             "numpy", "math"}, f"{name}.py imports {imp}"
+    assert seen == {"fixed_slot", "model"}
+
+
+def test_serve_command_reports_and_writes_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(M.PRESETS, "tiny", CFG)
+    path = tmp_path / "serve.json"
+    rc = entry.main(["serve", "--engines", "paged,fixed", "--requests", "6", "--max-seq-len",
+                     "40", "--system-len", "5", "--mean-prompt", "6", "--mean-output", "6",
+                     "--kv-gib", str(2 * 40 * PER_TOKEN / 2**30), "--page-size", "4",
+                     "--prefill-chunk", "4", "--decode-steps", "4", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "output tokens/s" in out and "TTFT p50 / p99" in out and "n/a" in out
+    assert "first 6 requests: paged 6/6 identical, fixed 6/6 identical" in out
+    doc = json.loads(path.read_text())
+    assert set(doc["engines"]) == {"paged", "fixed"}
+    assert doc["engines"]["paged"]["peak_concurrent"] > doc["engines"]["fixed"]["peak_concurrent"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "huge"], "invalid choice: 'huge'"),
+    (["--engines", "paged,vllm"], "unknown engine 'vllm'"),
+    (["--kv-gib", "0"], "--kv-gib must be positive"),
+    (["--requests", "0"], "--requests must be at least 1"),
+    (["--max-seq-len", "8", "--system-len", "8"], "leaves no room"),
+    (["--sweep", "4,x"], "--sweep: expected GiB"),
+    (["--rate", "-1"], "--rate must be positive"),
+    (["--duration", "-1"], "--duration must be at least 0"),
+])
+def test_serve_bad_arguments_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        entry.main(["serve", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "python -m jaxkv serve: error:" in err and message in err
+
+
+def test_serve_is_a_listed_command(capsys):
+    with pytest.raises(SystemExit):
+        entry.main(["--help"])
+    assert "serve" in capsys.readouterr().out
