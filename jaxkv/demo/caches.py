@@ -305,6 +305,14 @@ class PagedKind:
     attention: str = "auto"  # "auto" (jaxkv.attention with ops="jaxkv"), "dense" or "pallas"
     sharding: jaxkv.CacheSharding | None = None  # --mesh: KV heads over tp, the batch over dp
     num_pages: int | None = None  # the pool's pages; default: every row at full length
+    # NHD, where jaxkv.attention reads bf16 / f16 pools through cuDNN on a GPU (the faster path,
+    # docs/perf-notes.md); HND for JAX's Pallas paged_attention, which reads only that layout.
+    layout: str = "auto"
+
+    @property
+    def pool_layout(self) -> str:
+        return self.layout if self.layout != "auto" else (
+            "HND" if self.attention == "pallas" else "NHD")
 
     @property
     def batch_shards(self) -> int:
@@ -318,7 +326,7 @@ class PagedKind:
             num_layers=c.num_layers, num_pages=self.num_pages or rows * pages_per_seq,
             page_size=self.page_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             max_batch=rows, max_pages_per_seq=pages_per_seq, dtype=jnp.dtype(self.dtype),
-            layout="HND", sharding=self.sharding)
+            layout=self.pool_layout, sharding=self.sharding)
 
     def _per_shard(self, cache) -> int:
         """Cache rows per batch shard: its share of the batch and its prompt row (the last)."""
