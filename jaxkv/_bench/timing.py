@@ -245,21 +245,25 @@ def time_loop(step: Step, carry, consts, n: int, reps: int, per_step: int = 1,
 _OP_KERNELS = ("jaxkv", "cudnn", "sdpa")
 
 
-def jaxkv_kernel_durations(trace_dir: str) -> list[list[float]]:
-    """Seconds of every kernel of a jaxkv op in a profiler trace, per GPU, in start order (CUPTI's
-    timestamps: device time, no launch or loop cost in it)."""
+def _gpu_planes(trace_dir: str) -> list:
+    """The GPU planes of the profiler trace written to ``trace_dir`` (none off a GPU)."""
     paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
     if not paths:
         return []
     data = jax.profiler.ProfileData.from_file(paths[0])
+    return [p for p in data.planes if p.name.startswith("/device:GPU")]
+
+
+def jaxkv_kernel_durations(trace_dir: str) -> list[list[float]]:
+    """Seconds of every kernel of a jaxkv op in a profiler trace, per GPU, in start order (CUPTI's
+    timestamps: device time, no launch or loop cost in it)."""
     devices = []
-    for plane in data.planes:
-        if plane.name.startswith("/device:GPU"):
-            events = [(e.start_ns, e.duration_ns * 1e-9)
-                      for line in plane.lines for e in line.events
-                      if any(k in e.name.lower() for k in _OP_KERNELS)]
-            if events:
-                devices.append([d for _, d in sorted(events)])
+    for plane in _gpu_planes(trace_dir):
+        events = [(e.start_ns, e.duration_ns * 1e-9)
+                  for line in plane.lines for e in line.events
+                  if any(k in e.name.lower() for k in _OP_KERNELS)]
+        if events:
+            devices.append([d for _, d in sorted(events)])
     return devices
 
 
@@ -267,16 +271,11 @@ def stream_durations(trace_dir: str) -> list[tuple[int, float]]:
     """(start ns, seconds) of every device activity on the first GPU's stream lines of a
     profiler trace: kernels and copies, whoever launched them (torch's too: CUPTI records the
     whole process), without the lines the profiler derives from them."""
-    paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    if not paths:
-        return []
-    data = jax.profiler.ProfileData.from_file(paths[0])
-    for plane in data.planes:
-        if plane.name.startswith("/device:GPU"):
-            events = [(e.start_ns, e.duration_ns * 1e-9) for line in plane.lines
-                      if line.name.startswith("Stream") for e in line.events]
-            if events:
-                return sorted(events)
+    for plane in _gpu_planes(trace_dir):
+        events = [(e.start_ns, e.duration_ns * 1e-9) for line in plane.lines
+                  if line.name.startswith("Stream") for e in line.events]
+        if events:
+            return sorted(events)
     return []
 
 
