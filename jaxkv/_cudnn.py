@@ -1,17 +1,21 @@
-"""Attention over an NHD paged pool through cuDNN's paged flash attention, read in place.
+"""Attention over a paged pool through cuDNN's paged flash attention, read in place.
 
 jax (0.11 and newer) binds cuDNN's paged flash attention in a private module
 (``jax._src.cudnn.fused_attention_stablehlo``). Its public-facing wrapper refuses a pool whose page
 count differs from ``batch x table width``; the function under the wrapper has no such rule, and
-cuDNN reads whatever pages the table names. So the whole stacked pool ``[L, P, S, H, D]`` is
-handed over as one pool of ``L * P`` pages (a reshape: a bitcast, no copy) with the page table
-offset by ``layer * P``, which also makes a traced layer index free.
+cuDNN reads whatever pages the table names. So the whole stacked pool is handed over as one pool
+of pages (a reshape: a bitcast, no copy) with the page table offset to the layer, which also makes
+a traced layer index free:
+
+- NHD ``[L, P, S, H, D]``: ``L * P`` pages of ``[S, H, D]``; table entries ``layer * P + page``.
+- HND ``[L, H, P, S, D]``: ``L * H * P`` single-head pages of ``[S, 1, D]``; each (row, KV head)
+  becomes a row of its own with the head's ``group`` query heads, table entries
+  ``(layer * H + head) * P + page``.
 
 Measured on the H200, jax 0.11.2 (tools/cudnn_paged_probe.py, 2026-11-22): batch 64 x 4096
 tokens, 32/8 heads, D 128, page 16: 282 us against 338 us for jaxkv's own kernel in the same
 jitted loop, and faster or equal at every other size tried (D 64, pages 1 to 128, ragged
-lengths, GQA 1 to 8). It reads only the NHD layout (jaxkv's HND pool ``[L, H, P, S, D]`` is not
-a layout it takes) and no fp8 cache; everything else stays on jaxkv's kernel, which is also the
+lengths, GQA 1 to 8). No fp8 cache; everything else stays on jaxkv's kernel, which is also the
 fallback wherever this module's private binding is missing or changed (``unusable`` says why).
 """
 
@@ -49,14 +53,16 @@ def unusable(cache, q_dtype, scales_given: bool) -> str | None:
 
     if jax.default_backend() != "gpu":
         return "cuDNN needs a CUDA GPU"
-    if not isinstance(cache, PagedKVCache) or cache.layout != "NHD":
-        return "cuDNN reads only a PagedKVCache in the NHD layout"
+    if not isinstance(cache, PagedKVCache):
+        return "cuDNN reads only a PagedKVCache"
     if np.dtype(cache.dtype) not in DTYPES or np.dtype(q_dtype) != np.dtype(cache.dtype):
         return "cuDNN reads bfloat16 and float16 caches with queries of the same dtype"
     if scales_given:
         return "cuDNN takes no dequantization scales"
     if cache.head_dim not in HEAD_DIMS:
         return f"cuDNN is used for head_dim in {HEAD_DIMS}"
+    if np.prod(cache.k_pages.shape[:3 if cache.layout == "HND" else 2]) >= 2**31:
+        return "the pool has 2**31 pages or more (cuDNN's page table is int32)"
     fa, why = _binding()
     if fa is None:
         return why
@@ -67,26 +73,69 @@ def unusable(cache, q_dtype, scales_given: bool) -> str | None:
     return None
 
 
-def _attend(fa, q, cache, table, q_seqlen, kv_seqlen, scale, causal: bool):
-    """cuDNN over the whole pool seen as [L * P, S, H, D]: (out [B, T, Hq, D], log-sum-exp of
-    each query's scaled logits [B, T, Hq], float32)."""
-    L, P, S, H, D = cache.k_pages.shape
-    pool = lambda x: x.reshape(L * P, S, H, D)  # noqa: E731
+class _View:
+    """The pool as cuDNN's pages, and the rows cuDNN sees: one per batch row (NHD) or one per
+    (batch row, KV head) (HND)."""
+
+    def __init__(self, cache, layer):
+        self.hnd = cache.layout == "HND"
+        if self.hnd:
+            L, H, P, S, D = cache.k_pages.shape
+            self.k = cache.k_pages.reshape(L * H * P, S, 1, D)
+            self.v = cache.v_pages.reshape(L * H * P, S, 1, D)
+        else:
+            L, P, S, H, D = cache.k_pages.shape
+            self.k = cache.k_pages.reshape(L * P, S, H, D)
+            self.v = cache.v_pages.reshape(L * P, S, H, D)
+        self.heads, self.pages = H, P
+        self.valid = (layer >= 0) & (layer < L)  # a bad layer reads layer 0 and gives zeros
+        self.layer = jnp.where(self.valid, layer, 0)
+
+    def table(self, table):
+        """[B, W] pages of a layer -> cuDNN's [rows, 1, W, 1] (entries clamped into the pool)."""
+        table = jnp.clip(table, 0, self.pages - 1)
+        if not self.hnd:
+            return (table + self.layer * self.pages)[:, None, :, None]
+        head = self.layer * self.heads + jnp.arange(self.heads, dtype=table.dtype)
+        rows = table[:, None, :] + (head * self.pages)[None, :, None]  # [B, H, W]
+        return rows.reshape(-1, 1, table.shape[1], 1)
+
+    def per_row(self, x):
+        """[B] -> [rows]."""
+        return jnp.repeat(x, self.heads) if self.hnd else x
+
+    def queries(self, q):
+        """[B, T, Hq, D] -> [rows, T, query heads per row, D]."""
+        if not self.hnd:
+            return q
+        B, T, Hq, D = q.shape
+        q = q.reshape(B, T, self.heads, Hq // self.heads, D).transpose(0, 2, 1, 3, 4)
+        return q.reshape(B * self.heads, T, Hq // self.heads, D)
+
+    def outputs(self, out, lse):
+        """cuDNN's [rows, T, g, D] and [rows, g, T] -> [B, T, Hq, D] and [B, T, Hq]."""
+        if self.hnd:
+            R, T, g, D = out.shape
+            B = R // self.heads
+            out = out.reshape(B, self.heads, T, g, D).transpose(0, 2, 1, 3, 4)
+            out = out.reshape(B, T, self.heads * g, D)
+            if lse is not None:
+                lse = lse.reshape(B, self.heads * g, T)
+        return out, None if lse is None else jnp.swapaxes(lse, 1, 2)
+
+
+def _attend(view, q, table, q_seqlen, kv_seqlen, scale, causal: bool, stats: bool):
+    """cuDNN over the whole pool: (out [B, T, Hq, D], the log-sum-exp of each query's scaled
+    logits [B, T, Hq] in float32, or None without ``stats``)."""
+    fa, _ = _binding()
     unused = jnp.zeros((0,), q.dtype)
     mask = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
-    out, lse = fa._dot_product_attention(
-        q, pool(cache.k_pages), pool(cache.v_pages), unused, q_seqlen, kv_seqlen, unused, unused,
-        table[:, None, :, None], table[:, None, :, None], scale, 42, 0.0, (False, False), mask,
-        fa._normalize_layout("BTNH").value, None, fa.check_cudnn_version(), True)
-    return out, jnp.swapaxes(lse, 1, 2)
-
-
-def _layer_table(cache, layer):
-    """(page table offset to `layer` in the [L * P] pool with entries clamped into it, whether
-    the layer exists): a bad layer reads layer 0 and gives zeros."""
-    L, P = cache.k_pages.shape[:2]
-    valid = (layer >= 0) & (layer < L)
-    return jnp.clip(cache.page_table, 0, P - 1) + jnp.where(valid, layer, 0) * P, valid
+    t = view.table(table)
+    res = fa._dot_product_attention(
+        view.queries(q), view.k, view.v, unused, view.per_row(q_seqlen), view.per_row(kv_seqlen),
+        unused, unused, t, t, scale, 42, 0.0, (False, False), mask,
+        fa._normalize_layout("BTNH").value, None, fa.check_cudnn_version(), stats)
+    return view.outputs(*(res if stats else (res, None)))
 
 
 def prefill(q, cache, layer, q_lengths, scale: float):
@@ -98,10 +147,10 @@ def prefill(q, cache, layer, q_lengths, scale: float):
     rest, from that page boundary, causal, with the queries moved down by r = lengths - aligned
     (< page_size) so that query t sits at row r + t and sees [aligned, lengths + t].
     """
-    fa, _ = _binding()
     S, W = cache.page_size, cache.max_pages_per_seq
-    B, T = q.shape[:2]
-    table, valid_layer = _layer_table(cache, layer)
+    T = q.shape[1]
+    view = _View(cache, layer)
+    table = cache.page_table
     lengths = jnp.maximum(cache.lengths, 0)
     # Never past the pages a row holds (reported through checkify by the caller).
     q_len = jnp.clip(q_lengths, 0, jnp.clip(cache.pages_held * S - lengths, 0, T))
@@ -110,13 +159,14 @@ def prefill(q, cache, layer, q_lengths, scale: float):
         return out[:, None]
     aligned_pages = lengths // S
     aligned, r = aligned_pages * S, lengths % S
-    out_a, lse_a = _attend(fa, q, cache, table, q_len, aligned, scale, causal=False)
+    out_a, lse_a = _attend(view, q, table, q_len, aligned, scale, causal=False, stats=True)
     rows = jnp.arange(T + S)[None] - r[:, None]  # row j of (b) holds query j - r (or nothing)
     q_b = jnp.where((rows >= 0)[..., None, None],
                     jnp.take_along_axis(q, jnp.clip(rows, 0, T - 1)[..., None, None], axis=1), 0)
     shift = jnp.clip(aligned_pages[:, None] + jnp.arange(W)[None], 0, W - 1)
     table_b = jnp.take_along_axis(table, shift, axis=1)
-    out_b, lse_b = _attend(fa, q_b, cache, table_b, r + q_len, r + q_len, scale, causal=True)
+    out_b, lse_b = _attend(view, q_b, table_b, r + q_len, r + q_len, scale, causal=True,
+                           stats=True)
     back = (jnp.arange(T)[None] + r[:, None])[..., None]  # query t is row r + t of (b)
     out_b = jnp.take_along_axis(out_b, back[..., None], axis=1).astype(jnp.float32)
     lse_b = jnp.take_along_axis(lse_b, back, axis=1)
@@ -126,7 +176,7 @@ def prefill(q, cache, layer, q_lengths, scale: float):
     w_b = jnp.exp(lse_b - top)[..., None]
     part_a = jnp.where(has_a[..., None], out_a.astype(jnp.float32) * w_a, 0)  # (a) may be NaN
     out = (part_a + out_b * w_b) / (w_a + w_b)
-    keep = (jnp.arange(T)[None] < q_len[:, None]) & valid_layer
+    keep = (jnp.arange(T)[None] < q_len[:, None]) & view.valid
     return jnp.where(keep[..., None, None], out, 0).astype(q.dtype)
 
 
@@ -137,16 +187,10 @@ def decode(q, cache, layer, kv_lengths, scale: float):
     pool reads layer 0 and returns zeros (both reported through checkify by the caller), and table
     entries outside the pool are clamped into it: cuDNN never reads past the pool.
     """
-    fa, _ = _binding()
-    table, valid_layer = _layer_table(cache, layer)
+    view = _View(cache, layer)
     lengths = jnp.clip(kv_lengths, 0, cache.pages_held * cache.page_size)
-    L, P, S, H, D = cache.k_pages.shape
-    pool = lambda x: x.reshape(L * P, S, H, D)  # noqa: E731
-    unused = jnp.zeros((0,), q.dtype)
-    out = fa._dot_product_attention(
-        q[:, None], pool(cache.k_pages), pool(cache.v_pages), unused,
-        jnp.ones((q.shape[0],), jnp.int32), lengths, unused, unused, table[:, None, :, None],
-        table[:, None, :, None], scale, 42, 0.0, (False, False), fa.MaskType.PADDING,
-        fa._normalize_layout("BTNH").value, None, fa.check_cudnn_version(), False)
-    keep = ((lengths > 0) & valid_layer)[:, None, None]
+    ones = jnp.ones((q.shape[0],), jnp.int32)
+    out, _ = _attend(view, q[:, None], cache.page_table, ones, lengths, scale, causal=False,
+                     stats=False)
+    keep = ((lengths > 0) & view.valid)[:, None, None]
     return jnp.where(keep, out[:, 0], jnp.zeros((), q.dtype))

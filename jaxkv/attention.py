@@ -24,7 +24,7 @@ makes XLA slice the layer first. jaxkv's own kernels therefore serve every cache
 addressing view (``ffi/include/jaxkv/attention.h``): on the GPU, decode is split-KV; prefill runs
 on tensor cores for bfloat16 / float16 caches with head_dim 64, 128 or 256 and GQA groups dividing
 64, else the decode kernel with one query row per new token. The one exception is measured faster:
-decode over an NHD ``PagedKVCache`` in bfloat16 / float16 on a GPU goes to cuDNN's paged flash
+a ``PagedKVCache`` in bfloat16 / float16 (either layout) on a GPU goes to cuDNN's paged flash
 attention, reading the whole pool in place through jax's private binding (``jaxkv/_cudnn.py``,
 ``implementation=`` chooses explicitly).
 """
@@ -218,7 +218,7 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
       cache: keys are read as ``k_scale * k``, values as ``v_scale * v``.
     - ``implementation``: ``None`` (default: the fastest that can serve the call), ``"jaxkv"``
       (jaxkv's own kernel, every cache kind) or ``"cudnn"`` (cuDNN's paged flash attention through
-      jax's private binding: on a GPU, for a ``PagedKVCache`` in the NHD layout, bfloat16 or
+      jax's private binding: on a GPU, for a ``PagedKVCache`` (HND or NHD) in bfloat16 or
       float16, head_dim 64 or 128; faster there, see ``docs/benchmarks.md``; a clear error where
       it cannot serve the call). A sharded cache defaults to jaxkv's kernel in every shard.
 

@@ -284,18 +284,20 @@ def slices_and_copies_of(hlo: str, cache_array) -> list[str]:
 def _hlo_cases():
     lin = make_case("linear", jnp.bfloat16, 64, 16, [3, 0, 48, 9])
     nhd = make_case("paged-NHD", jnp.bfloat16, 64, 16, [3, 0, 48, 9])
-    return [("linear", lin.cache, lin.cache.buffer), ("paged", nhd.cache, nhd.cache.k_pages)]
+    hnd = make_case("paged-HND", jnp.bfloat16, 64, 16, [3, 0, 48, 9])
+    return [("linear", lin.cache, lin.cache.buffer), ("paged", nhd.cache, nhd.cache.k_pages),
+            ("paged-HND", hnd.cache, hnd.cache.k_pages)]
 
 
 _CUDNN = re.compile(r'custom_call_target="__cudnn\$fmha')
 
 
 @pytest.mark.parametrize("which,implementation", [("linear", None), ("paged", "jaxkv"),
-                                                  ("paged", None)])
+                                                  ("paged", None), ("paged-HND", None)])
 def test_donated_decode_step_slices_and_copies_nothing(which, implementation):
-    """The default paged decode is cuDNN's on a GPU (NHD, bfloat16): in place as well."""
+    """The default paged decode is cuDNN's on a GPU (bfloat16, both layouts): in place as well."""
     name, cache, pool = next(c for c in _hlo_cases() if c[0] == which)
-    cudnn = which == "paged" and implementation is None and on_gpu()
+    cudnn = which.startswith("paged") and implementation is None and on_gpu()
     q = normal((L, B, 2 * HKV, 64), jnp.bfloat16)
     kv = normal((L, B, HKV, 1, 64), jnp.bfloat16)
 
@@ -316,12 +318,15 @@ def test_donated_decode_step_slices_and_copies_nothing(which, implementation):
     assert ("jaxkv_attention_decode" in hlo) != cudnn
     assert bool(_CUDNN.search(hlo)) == cudnn
     assert slices_and_copies_of(hlo, pool) == []
-    # cuDNN is handed the pool as [L * P, S, H, D]: no copy of that either.
-    assert slices_and_copies_of(hlo, pool.reshape(-1, *pool.shape[2:])) == []
+    # cuDNN is handed the pool as pages ([L * P, S, H, D], or [L * H * P, S, 1, D]): no copy of
+    # that either.
+    pages = pool.reshape(-1, *pool.shape[2:]) if which == "paged" else pool.reshape(
+        -1, pool.shape[3], 1, pool.shape[4])
+    assert slices_and_copies_of(hlo, pages) == []
 
     # The detector is live: handing a slice of the stacked buffer to the kernel is a copy.
     def sliced(cache, q):
-        if name == "linear":
+        if which == "linear":
             layer = jaxkv.KVCacheManager(layers=(cache.buffer[1],), lengths=cache.lengths,
                                          active_batch_size=cache.active_batch_size)
         else:
@@ -388,32 +393,33 @@ def test_bad_input_is_a_trace_time_error_naming_op_and_argument():
 
 
 def test_implementation_is_checked_and_cudnn_says_when_it_cannot_serve():
-    hnd = make_case("paged-HND", jnp.bfloat16, 64, 16, [1, 2, 3, 4]).cache
+    lin = make_case("linear", jnp.bfloat16, 64, 16, [1, 2, 3, 4]).cache
     nhd = make_case("paged-NHD", jnp.float32, 64, 16, [1, 2, 3, 4]).cache
     q = normal((B, 4, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match=re.escape("attention.decode: implementation must be one")):
-        jaxkv.attention.decode(q, hnd, 0, implementation="xla")
-    why = "cuDNN needs a CUDA GPU" if not on_gpu() else "NHD layout"
+        jaxkv.attention.decode(q, lin, 0, implementation="xla")
+    why = "cuDNN needs a CUDA GPU" if not on_gpu() else "only a PagedKVCache"
     with pytest.raises(ValueError, match=f"implementation='cudnn' cannot serve this call: .*{why}"):
-        jaxkv.attention.decode(q, hnd, 0, implementation="cudnn")
+        jaxkv.attention.decode(q, lin, 0, implementation="cudnn")
     if on_gpu():
         with pytest.raises(ValueError, match="bfloat16 and float16 caches"):
             jaxkv.attention.decode(q.astype(jnp.float32), nhd, 0, implementation="cudnn")
     # "jaxkv" and the default serve every cache, and agree here (the default is jaxkv's kernel
-    # except for NHD bfloat16 / float16 pools on a GPU).
-    ours = jaxkv.attention.decode(q, hnd, 0, implementation="jaxkv")
-    np.testing.assert_array_equal(np.asarray(ours), np.asarray(jaxkv.attention.decode(q, hnd, 0)))
+    # except for bfloat16 / float16 paged pools on a GPU).
+    ours = jaxkv.attention.decode(q, lin, 0, implementation="jaxkv")
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(jaxkv.attention.decode(q, lin, 0)))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("name", ["bf16", "f16"])
-def test_cudnn_and_jaxkv_decode_match_reference_on_nhd_pools(name):
-    """Both GPU implementations over one NHD pool: GQA 1, 4, 8; head_dim 64, 128; pages 1, 16,
+def test_cudnn_and_jaxkv_decode_match_reference_on_paged_pools(name, layout):
+    """Both GPU implementations over one paged pool: GQA 1, 4, 8; head_dim 64, 128; pages 1, 16,
     128; ragged lengths with 0 and full capacity; a traced layer index."""
-    dtype = DTYPES[name]
+    dtype, kind = DTYPES[name], f"paged-{layout}"
     for group, head_dim, page_size in [(1, 64, 1), (4, 128, 16), (8, 128, 128), (8, 64, 16)]:
-        probe = make_case("paged-NHD", dtype, head_dim, page_size, [0] * B)
-        case = make_case("paged-NHD", dtype, head_dim, page_size, ragged(probe.capacity))
+        probe = make_case(kind, dtype, head_dim, page_size, [0] * B)
+        case = make_case(kind, dtype, head_dim, page_size, ragged(probe.capacity))
         q = normal((B, HKV * group, head_dim), dtype)
         for layer in range(L):
             k, v = case.dense(layer)
@@ -426,18 +432,19 @@ def test_cudnn_and_jaxkv_decode_match_reference_on_nhd_pools(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("name", ["bf16", "f16"])
-def test_cudnn_and_jaxkv_prefill_match_reference_on_nhd_pools(name):
+def test_cudnn_and_jaxkv_prefill_match_reference_on_paged_pools(name, layout):
     """cuDNN's two calls (aligned prefix, causal rest) merged: prefixes on and off page
     boundaries, none, and up to capacity; chunks of 0, 1 (a decode step) and t tokens."""
-    dtype = DTYPES[name]
+    dtype, kind = DTYPES[name], f"paged-{layout}"
     for group, head_dim, page_size, t in [(1, 64, 1, 8), (4, 128, 16, 8), (8, 128, 16, 1),
                                           (8, 64, 128, 24)]:
-        probe = make_case("paged-NHD", dtype, head_dim, page_size, [0] * B)
+        probe = make_case(kind, dtype, head_dim, page_size, [0] * B)
         cap = probe.capacity
         prefix = np.array([page_size, cap - t, 0, int(_rng.integers(1, cap - t))], np.int32)
         q_lengths = np.array([0, t, min(3, t), int(_rng.integers(1, t + 1))], np.int32)
-        case = make_case("paged-NHD", dtype, head_dim, page_size, prefix + q_lengths)
+        case = make_case(kind, dtype, head_dim, page_size, prefix + q_lengths)
         case.cache = dataclasses.replace(case.cache, lengths=jnp.asarray(prefix))
         q = normal((B, t, HKV * group, head_dim), dtype)
         for layer in range(L):

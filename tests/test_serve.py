@@ -155,6 +155,11 @@ def test_kernel_summary_takes_the_union_of_kernel_intervals():
     assert s["gpu_busy_share"] == pytest.approx(0.45)  # [0, 15) + [30, 40) + [50, 70)
     assert s["cache_share"] == pytest.approx(30 / 50)
     assert s["attention_share"] == pytest.approx(10 / 50)
+    # Idle between the first and last kernel: 15 ns and 10 ns gaps (both under 20 us).
+    assert s["idle"]["short_gaps_ms"] == pytest.approx(25e-6) and s["idle"]["long_gaps_ms"] == 0
+    late = S.kernel_summary(events + [("gemm", 70 + 50_000, 10)], wall=1e-3)["idle"]
+    assert late["long_gaps_ms"] == pytest.approx(0.05)
+    assert late["longest"] == [("after input_scatter_fusion / before gemm", pytest.approx(0.05))]
 
 
 def _imports(path: pathlib.Path) -> set[str]:

@@ -575,9 +575,9 @@ def _paged_pools(L, B, pages_per_seq, page, H, D, lengths, layout, seed):
 
 
 def _own_kernel(layout, fn) -> dict:
-    """jaxkv's own attention kernel as an extra row where the default call goes to cuDNN (NHD
-    pools on a GPU, jaxkv/_cudnn.py)."""
-    return {"jaxkv kernel": fn} if layout == "NHD" and jax.default_backend() == "gpu" else {}
+    """jaxkv's own attention kernel as an extra row where the default call goes to cuDNN (bf16
+    paged pools on a GPU, either layout: jaxkv/_cudnn.py)."""
+    return {"jaxkv kernel": fn} if jax.default_backend() == "gpu" else {}
 
 
 def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None) -> Case:

@@ -305,8 +305,8 @@ class PagedKind:
     attention: str = "auto"  # "auto" (jaxkv.attention with ops="jaxkv"), "dense" or "pallas"
     sharding: jaxkv.CacheSharding | None = None  # --mesh: KV heads over tp, the batch over dp
     num_pages: int | None = None  # the pool's pages; default: every row at full length
-    # NHD, where jaxkv.attention reads bf16 / f16 pools through cuDNN on a GPU (the faster path,
-    # docs/perf-notes.md); HND for JAX's Pallas paged_attention, which reads only that layout.
+    # NHD (jaxkv.attention reads bf16 / f16 pools of either layout through cuDNN on a GPU, NHD
+    # as one pool of whole pages); HND for JAX's Pallas paged_attention, which reads only that.
     layout: str = "auto"
 
     @property

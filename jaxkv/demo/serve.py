@@ -20,7 +20,8 @@ donated (updated in place):
 - ``save``: the shared system prompt, prefilled once into row 0, kept for every admission.
 
 The host, between calls: admits arrived requests into free rows (paged: while the pool has pages
-for their prompts, with a 1% watermark), picks the prefill chunks, reads the tokens, and on a
+for their prompts, with a 1% watermark, as counted by the last decode call: reading the count after
+an eviction would make the GPU wait), picks the prefill chunks, reads the tokens, and on a
 shortage of pages preempts the youngest request, which later starts again from its prompt and the
 tokens it had generated (recomputation, vLLM's default policy; greedy decoding makes the result the
 same); no request is admitted then until one finishes, so that the pool does not thrash.
@@ -387,8 +388,9 @@ class ServeEngine(loop.Engine):
             sched.arrive(now())
             mapping = sched.leave()
             if mapping is not None:
-                cache, tok, remaining, reserved = fns["evict"](cache, tok, remaining, mapping)
-                sched.pages_in_use(reserved)  # a small synchronization: admission needs them
+                # Not read back: admission counts the pages of the last decode call, which
+                # include the leaving rows' (conservative by one iteration; the GPU never waits).
+                cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, mapping)
             admitted = sched.admit()
             sched.note_drain(now())
             chunk = sched.prefill_chunk(admitted)
@@ -679,17 +681,30 @@ def profile_summary(trace_dir: str, window) -> dict | None:
 
 def kernel_summary(events, wall: float) -> dict:
     """``events``: (kernel name, start ns, duration ns). GPU busy = the union of the intervals
-    (kernels of several streams may overlap), shares of the summed kernel time by ``classify``."""
+    (kernels of several streams may overlap), shares of the summed kernel time by ``classify``.
+    ``idle``: the GPU's idle time between its first and last kernel, split into gaps under 20 us
+    (launch latency within a call) and longer ones, the longest named by the kernels around them
+    (where the host made the GPU wait)."""
     by_kind, by_name = collections.Counter(), collections.Counter()
-    busy, end = 0, -1
+    short, long_gaps = 0, collections.Counter()
+    busy, end, last = 0, -1, None
     for name, start, duration in sorted(events, key=lambda e: e[1]):
         by_kind[classify(name)] += duration
         by_name[name] += duration
+        if last is not None and start > end:
+            if start - end < 20_000:
+                short += start - end
+            else:
+                long_gaps[(last[:60], name[:60])] += start - end
         if start + duration > end:
             busy += start + duration - max(start, end)
-            end = start + duration
+            end, last = start + duration, name
     kernels = sum(by_kind.values()) or 1
+    ms = 1e-6
     return dict(window_s=wall, gpu_busy_s=busy * 1e-9, gpu_busy_share=busy * 1e-9 / wall,
                 kernels=len(events),
                 **{f"{k}_share": by_kind[k] / kernels for k in ("cache", "attention", "other")},
-                top=[(name[:120], t / kernels) for name, t in by_name.most_common(10)])
+                top=[(name[:120], t / kernels) for name, t in by_name.most_common(10)],
+                idle=dict(short_gaps_ms=short * ms, long_gaps_ms=sum(long_gaps.values()) * ms,
+                          longest=[(f"after {a} / before {b}", t * ms)
+                                   for (a, b), t in long_gaps.most_common(6)]))

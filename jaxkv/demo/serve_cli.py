@@ -297,6 +297,10 @@ def serve(args, on_gpu: bool) -> int:
         if r["profile"]:
             print(f"{name}: largest shares of kernel time in the profiled window: " + ", ".join(
                 f"{k} {t * 100:.1f}%" for k, t in r["profile"]["top"][:6]))
+            idle = r["profile"]["idle"]
+            print(f"{name}: GPU idle in the window: {idle['short_gaps_ms']:.1f} ms in gaps under "
+                  f"20 us, {idle['long_gaps_ms']:.1f} ms in longer ones: " + "; ".join(
+                      f"{t:.1f} ms {where}" for where, t in idle["longest"][:4]))
 
     rc = 0
     ref_name = args.engines[0]
