@@ -90,7 +90,10 @@ def test_multi_step_loop_equals_one_step_per_dispatch():
     many, m_many = serve("paged")
     one, m_one = serve("paged", steps=1)
     assert many == one == recomputed()
-    assert m_many["decode_calls"] < m_one["decode_calls"]
+    # Several steps per iteration (in two calls: the host reads the first while the second
+    # runs): fewer round trips to the host.
+    assert m_many["iterations"] < m_one["iterations"]
+    assert m_one["decode_calls"] == m_one["iterations"]  # one step, one call
 
 
 def test_paged_pool_pressure_preempts_recomputes_and_ends_whole():

@@ -266,7 +266,8 @@ class ServeEngine(loop.Engine):
             usage = jnp.stack([jnp.sum(live, dtype=i32),
                                jnp.sum(jnp.where(live, kind.lengths(cache), 0), dtype=i32),
                                kind.reserved_tokens(cache)])
-            return cache, tok, remaining, out, stalled, usage
+            # `remaining` is donated to the next call; the host reads which rows are done
+            return cache, tok, remaining, out, stalled, usage, remaining == 0
 
         def evict(cache, tok, remaining, mapping):
             cache = kind.evict(cache, mapping)
@@ -370,8 +371,8 @@ class ServeEngine(loop.Engine):
         t = time.perf_counter()
         fns = self.compile()
         compile_s = time.perf_counter() - t
-        mixed = jnp.int32(self.mixed_steps if steps is None else steps)
-        steps = jnp.int32(self.decode_steps if steps is None else steps)
+        mixed_n = self.mixed_steps if steps is None else steps
+        steps_n = self.decode_steps if steps is None else steps
         eos = jnp.int32(-1 if eos is None else eos)
         cache, tok, remaining, saved = self._start(fns)
         jax.block_until_ready(cache)
@@ -379,21 +380,24 @@ class ServeEngine(loop.Engine):
         m, usage_log, trace_dir, window = sched.m, [], None, None
         start = time.perf_counter()
         now = lambda: time.perf_counter() - start  # noqa: E731
+        second = None  # the last iteration's second decode call, read during this one
         while sched.done < len(requests) and (duration is None or now() < duration):
             if profile and trace_dir is None and now() >= profile[0]:
                 trace_dir = tempfile.mkdtemp(prefix="jaxkv-serve-")
                 jax.profiler.start_trace(trace_dir)
                 window = [time.perf_counter(), None]
                 profile_end = m["iterations"] + profile[1]
+            # The host prepares this iteration while the GPU runs the last one's second call.
             sched.arrive(now())
             mapping = sched.leave()
-            if mapping is not None:
-                # Not read back: admission counts the pages of the last decode call, which
-                # include the leaving rows' (conservative by one iteration; the GPU never waits).
-                cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, mapping)
             admitted = sched.admit()
             sched.note_drain(now())
             chunk = sched.prefill_chunk(admitted)
+            if second is not None:
+                self._read(sched, second, None, usage_log, now)
+                second = None
+            if mapping is not None:
+                cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, mapping)
             if chunk is not None:
                 cache, tok, remaining, first, ok = fns[f"prefill{chunk.width}"](
                     self.params, cache, tok, remaining, saved, *chunk.arrays(), eos)
@@ -402,26 +406,33 @@ class ServeEngine(loop.Engine):
                 sched.wait(now())
                 m["iterations"] += 1
                 continue
-            cache, tok, remaining, out, stalled, usage = fns["decode"](
-                self.params, cache, tok, remaining, mixed if sched.prefilling else steps, eos)
-            m["decode_calls"] += 1
-            # The host reads the results (the only synchronization of an iteration).
-            jax.block_until_ready(out)
-            host = time.perf_counter()
-            if chunk is not None:
-                sched.prefilled(chunk, np.asarray(first), np.asarray(ok))
-            usage = np.asarray(usage)
-            sched.decoded(np.asarray(out), np.asarray(remaining), np.asarray(stalled), now())
-            sched.pages_in_use(usage[2])
-            usage_log.append(usage)
-            sched.preempt_if_short()
-            m["busy_host"] += time.perf_counter() - host
+            # The iteration's decode steps in two calls: the host reads the first call's
+            # results (its only wait) while the GPU runs the second, and prepares the next
+            # iteration before reading the second's. Rows finishing in the second call leave
+            # one iteration later.
+            n = mixed_n if sched.prefilling else steps_n
+            calls = []
+            for part in (n - n // 2, n // 2):
+                if part:
+                    cache, tok, remaining, *res = fns["decode"](self.params, cache, tok,
+                                                                remaining, jnp.int32(part), eos)
+                    calls.append((res, list(sched.live), part))
+            m["decode_calls"] += len(calls)
+            self._read(sched, calls[0], (chunk, first, ok) if chunk is not None else None,
+                       usage_log, now)
+            if len(calls) == 2:
+                second = calls[1]
+                sched.reserve_ahead(second[2])
             m["iterations"] += 1
             if window is not None and window[1] is None and m["iterations"] == profile_end:
+                if second is not None:
+                    jax.block_until_ready(second[0])
                 window[1] = time.perf_counter()
                 jax.profiler.stop_trace()
             if progress is not None:
                 progress(sched.done, len(requests))
+        if second is not None:
+            self._read(sched, second, None, usage_log, now)
         wall = now()
         if window is not None and window[1] is None:
             window[1] = time.perf_counter()
@@ -433,6 +444,23 @@ class ServeEngine(loop.Engine):
         m.update(wall=wall, compile_s=compile_s, usage=np.array(usage_log).reshape(-1, 3),
                  profile=profile_summary(trace_dir, window) if trace_dir else None)
         return m
+
+
+    @staticmethod
+    def _read(sched, call, prefill, usage_log, now) -> None:
+        """Reads a decode call's results (and the prefill before it) in one transfer, and lets
+        the schedule take them: tokens, finished and stalled rows, pages in use."""
+        (out, stalled, usage, done), live, _ = call
+        got = jax.device_get((out, stalled, usage, done) + (prefill[1:] if prefill else ()))
+        host = time.perf_counter()
+        if prefill is not None:
+            sched.prefilled(prefill[0], *got[4:])
+        out, stalled, usage, done = got[:4]
+        sched.decoded(live, out, done, stalled, now())
+        sched.pages_in_use(usage[2])
+        usage_log.append(usage)
+        sched.preempt_if_short()
+        sched.m["busy_host"] += time.perf_counter() - host
 
 
 @dataclasses.dataclass
@@ -500,6 +528,13 @@ class Schedule:
     def pages_in_use(self, reserved_tokens) -> None:
         if self.page_size:
             self.free_pages = self.num_pages - int(reserved_tokens) // self.page_size
+
+    def reserve_ahead(self, steps: int) -> None:
+        """A decode call of ``steps`` is running and not read yet: admission counts the most
+        pages it may take (every decoding row crossing ``ceil(steps / page_size)`` pages)."""
+        if self.page_size:
+            rows = sum(r.phase == "decode" for _, r in self.live)
+            self.free_pages -= rows * _pages(steps, self.page_size)
 
     def admit(self) -> list:
         """Moves waiting requests into free rows, first come first served; paged: while the pool
@@ -569,18 +604,21 @@ class Schedule:
                 r.output.append(int(first[i]))
                 r.phase = "decode"
 
-    def decoded(self, out: np.ndarray, remaining: np.ndarray, stalled: np.ndarray,
+    def decoded(self, live: list, out: np.ndarray, done: np.ndarray, stalled: np.ndarray,
                 t: float) -> None:
+        """A decode call's results: ``live`` the (row, request) pairs when it was dispatched,
+        ``out`` [steps, B] tokens (-1: none), ``done`` [B] rows with nothing left to make."""
         decoding = 0
-        for row, r in self.live:
-            if r.phase != "decode":
+        made = out.T.tolist()
+        for row, r in live:
+            if r.phase != "decode":  # still prefilling, or preempted since
                 continue
             decoding += 1
-            r.output.extend(int(x) for x in out[:, row] if x >= 0)
+            r.output.extend(x for x in made[row] if x >= 0)
             if r.first_time is None:
                 r.first_time = t
             self.short |= bool(stalled[row])
-            if remaining[row] == 0:
+            if done[row]:
                 r.phase, r.finish_time = "done", t
                 self.leaving.add(id(r))
                 self.done += 1

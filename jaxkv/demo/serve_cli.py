@@ -21,11 +21,13 @@ from . import serve as S
 # serving a stream to its end is timed by its longest output, decoded alone at the end.
 _BIG = dict(requests=8192, duration=15.0, max_seq_len=4096, system_len=64, mean_prompt=256,
             mean_output=192, prefill_rows="2,4,8", prefill_chunk=256, decode_steps=16,
-            mixed_steps=2)
+            mixed_steps=2, layers="unroll")
+# Layers: a scan over stacked weights makes XLA copy each layer's weights out of the stack for
+# cuBLAS (23% of the kernel time at 8B on the H200, docs/serving.md); the big presets unroll.
 DEFAULTS = {
     "tiny": dict(kv_gib=1 / 1024, requests=48, duration=None, max_seq_len=256, system_len=8,
                  mean_prompt=12, mean_output=12, prefill_rows="2", prefill_chunk=16,
-                 decode_steps=8, mixed_steps=2),
+                 decode_steps=8, mixed_steps=2, layers="scan"),
     "1b": dict(kv_gib=8, **_BIG),
     "8b": dict(kv_gib=16, **_BIG),
 }
@@ -66,8 +68,9 @@ def parse_args(argv):
     add("--prefill-chunk", type=int, help="prompt tokens per row per prefill chunk")
     add("--decode-steps", type=int, help="decode steps per dispatch")
     add("--mixed-steps", type=int, help="decode steps per dispatch while prompts are prefilled")
-    add("--layers", choices=["scan", "unroll"], default="scan",
-        help="the decoder's layers in a lax.scan (one layer compiled) or unrolled (scan)")
+    add("--layers", choices=["scan", "unroll"],
+        help="the decoder's layers in a lax.scan (one layer compiled) or unrolled (scan on "
+             "tiny, unroll on 1b and 8b)")
     add("--eos", type=int, help="end token: a request stops when it generates it")
     add("--check", type=int,
         help="requests checked against recomputation without a cache (all on tiny, else 0)")
