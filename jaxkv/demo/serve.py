@@ -10,11 +10,12 @@ donated (updated in place):
   smallest that holds the chunk is called); a row whose prompt ends in the chunk gets its first
   token and starts decoding. A long prompt thus takes several iterations, each of which also
   decodes: it never stalls the others.
-- ``decode``: up to ``decode_steps`` greedy steps in one ``while_loop`` (``mixed_steps`` while
-  prompts are still being prefilled, so that prefill keeps pace), every decoding row one
-  token per step. Stops are decided on the device: a row stops at its token budget or at the end
-  token, and the loop ends early when no row is left. Paged: each step reserves its pages on the
-  device; a row that gets none stalls for the rest of the call (and the host preempts).
+- ``decode``: ``decode_steps`` greedy steps per iteration (``mixed_steps`` while prompts are
+  still being prefilled, so that prefill keeps pace), every decoding row one token per step, in
+  two calls of a fixed number of steps: the host reads the first call's tokens while the GPU runs
+  the second. Stops are decided on the device: a row stops at its token budget or at the end
+  token. Paged: each step reserves its pages on the device; a row that gets none stalls for the
+  rest of the call (and the host preempts).
 - ``evict``: rows that finished (or were preempted) leave; ``kind.evict`` compacts the survivors
   to the front (jaxkv's linear and paged kinds) or frees the slots in place (fixed slots).
 - ``save``: the shared system prompt, prefilled once into row 0, kept for every admission.
@@ -210,6 +211,8 @@ class ServeEngine(loop.Engine):
         self.mixed_steps = min(decode_steps, mixed_steps or decode_steps)
         self.functions = self._jit_functions()
         self._compiled = None
+        self.step_counts = tuple(sorted({1, *self.halves(self.decode_steps),
+                                         *self.halves(self.mixed_steps)}))
 
     def _jit_functions(self) -> dict[str, Callable]:
         cfg, kind, batch = self.cfg, self.kind, self.batch
@@ -242,12 +245,13 @@ class ServeEngine(loop.Engine):
             remaining = remaining.at[ends].set(stops(first, budget - 1, eos), mode="drop")
             return cache, tok, remaining, first, ok
 
-        def decode(params, cache, tok, remaining, steps, eos):
-            def cond(c):
-                return (c[0] < steps) & jnp.any((c[3] > 0) & ~c[5])
-
-            def body(c):
-                i, cache, tok, remaining, out, stalled = c
+        def decode(params, cache, tok, remaining, eos, steps):
+            # A fixed trip count (steps is static): XLA then runs the loop without reading a
+            # predicate back to the host after every step, so the call is dispatched
+            # asynchronously like any other (a data-dependent exit blocks the host for the whole
+            # call). A row that stops early idles for the rest of the call.
+            def body(i, c):
+                cache, tok, remaining, out, stalled = c
                 want = (remaining > 0) & ~stalled
                 cache, served = kind.reserve_served(cache, want.astype(i32))
                 go = want & served
@@ -256,12 +260,12 @@ class ServeEngine(loop.Engine):
                 nxt = jnp.argmax(logits, -1).astype(i32)
                 out = out.at[i].set(jnp.where(go, nxt, -1))
                 remaining = jnp.where(go, stops(nxt, remaining - 1, eos), remaining)
-                return (i + 1, cache, jnp.where(go, nxt, tok), remaining, out,
+                return (cache, jnp.where(go, nxt, tok), remaining, out,
                         stalled | (want & ~served))
 
-            out = jnp.full((self.decode_steps, batch), -1, i32)
-            init = (jnp.zeros((), i32), cache, tok, remaining, out, jnp.zeros((batch,), bool))
-            _, cache, tok, remaining, out, stalled = jax.lax.while_loop(cond, body, init)
+            out = jnp.full((steps, batch), -1, i32)
+            init = (cache, tok, remaining, out, jnp.zeros((batch,), bool))
+            cache, tok, remaining, out, stalled = jax.lax.fori_loop(0, steps, body, init)
             live = kind.live(cache)
             usage = jnp.stack([jnp.sum(live, dtype=i32),
                                jnp.sum(jnp.where(live, kind.lengths(cache), 0), dtype=i32),
@@ -280,7 +284,7 @@ class ServeEngine(loop.Engine):
             return kind.clear(cache, 0), saved
 
         return dict(prefill=jax.jit(prefill, donate_argnums=(1, 2, 3)),
-                    decode=jax.jit(decode, donate_argnums=(1, 2, 3)),
+                    decode=jax.jit(decode, donate_argnums=(1, 2, 3), static_argnums=(5,)),
                     evict=jax.jit(evict, donate_argnums=(0, 1, 2)),
                     save=jax.jit(save, donate_argnums=(0,)))
 
@@ -295,12 +299,13 @@ class ServeEngine(loop.Engine):
         prefill = {f"prefill{r}": (params, cache, row, row, saved, bools(self.batch), i32(r),
                                    i32(r, self.prefill_chunk), i32(r), bools(r), i32(r), i32())
                    for r in self.lane_sizes}
-        return dict(
-            **prefill,
-            decode=(params, cache, row, row, i32(), i32()),
-            evict=(cache, row, row, row),
-            save=(cache,),
-        )
+        decode = {f"decode{n}": (params, cache, row, row, i32(), n) for n in self.step_counts}
+        return dict(**prefill, **decode, evict=(cache, row, row, row), save=(cache,))
+
+    @staticmethod
+    def halves(steps: int) -> tuple[int, ...]:
+        """An iteration's decode steps as its two calls (one call for a single step)."""
+        return tuple(n for n in (steps - steps // 2, steps // 2) if n)
 
     def compile(self) -> dict:
         """Every function compiled once (static shapes) and run once on a scratch cache, so that
@@ -319,8 +324,9 @@ class ServeEngine(loop.Engine):
                     self.params, cache, tok, rem, saved, jnp.arange(b) < min(r, b), lanes,
                     jnp.zeros((r, self.prefill_chunk), jnp.int32), ones, jnp.ones((r,), bool),
                     ones * 2, jnp.int32(-1))
-                cache, tok, rem, *_ = fns["decode"](self.params, cache, tok, rem, jnp.int32(1),
-                                                    jnp.int32(-1))
+                for n in self.step_counts:
+                    cache, tok, rem, *_ = fns[f"decode{n}"](self.params, cache, tok, rem,
+                                                            jnp.int32(-1))
                 cache, tok, rem, _ = fns["evict"](cache, tok, rem, jnp.full((b,), -1, jnp.int32))
             jax.block_until_ready(cache)
         return self._compiled
@@ -368,11 +374,15 @@ class ServeEngine(loop.Engine):
             total = len(self.system_prompt) + len(r.prompt) + r.max_new_tokens
             if len(r.prompt) < 1 or r.max_new_tokens < 1 or total > self.max_seq_len:
                 raise ValueError(f"request {r.id}: {total} tokens, max_seq_len {self.max_seq_len}")
+        mixed_n = self.mixed_steps if steps is None else steps
+        steps_n = self.decode_steps if steps is None else steps
+        wanted = set(self.halves(mixed_n) + self.halves(steps_n))
+        if not wanted <= set(self.step_counts):  # compiled for these step counts too
+            self.step_counts = tuple(sorted(wanted | set(self.step_counts)))
+            self._compiled = None
         t = time.perf_counter()
         fns = self.compile()
         compile_s = time.perf_counter() - t
-        mixed_n = self.mixed_steps if steps is None else steps
-        steps_n = self.decode_steps if steps is None else steps
         eos = jnp.int32(-1 if eos is None else eos)
         cache, tok, remaining, saved = self._start(fns)
         jax.block_until_ready(cache)
@@ -410,13 +420,11 @@ class ServeEngine(loop.Engine):
             # results (its only wait) while the GPU runs the second, and prepares the next
             # iteration before reading the second's. Rows finishing in the second call leave
             # one iteration later.
-            n = mixed_n if sched.prefilling else steps_n
             calls = []
-            for part in (n - n // 2, n // 2):
-                if part:
-                    cache, tok, remaining, *res = fns["decode"](self.params, cache, tok,
-                                                                remaining, jnp.int32(part), eos)
-                    calls.append((res, list(sched.live), part))
+            for part in self.halves(mixed_n if sched.prefilling else steps_n):
+                cache, tok, remaining, *res = fns[f"decode{part}"](self.params, cache, tok,
+                                                                   remaining, eos)
+                calls.append((res, list(sched.live), part))
             m["decode_calls"] += len(calls)
             self._read(sched, calls[0], (chunk, first, ok) if chunk is not None else None,
                        usage_log, now)
