@@ -397,35 +397,36 @@ class ServeEngine(loop.Engine):
                 jax.profiler.start_trace(trace_dir)
                 window = [time.perf_counter(), None]
                 profile_end = m["iterations"] + profile[1]
-            # The host prepares this iteration while the GPU runs the last one's second call.
+            # The host prepares and dispatches this iteration while the GPU still runs the last
+            # one's second decode call, so the GPU's queue never runs dry.
             sched.arrive(now())
             mapping = sched.leave()
             admitted = sched.admit()
             sched.note_drain(now())
             chunk = sched.prefill_chunk(admitted)
-            if second is not None:
-                self._read(sched, second, None, usage_log, now)
-                second = None
             if mapping is not None:
                 cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, mapping)
             if chunk is not None:
                 cache, tok, remaining, first, ok = fns[f"prefill{chunk.width}"](
                     self.params, cache, tok, remaining, saved, *chunk.arrays(), eos)
                 m["prefill_calls"] += 1
-            if not sched.live:  # nothing to do until the next arrival
-                sched.wait(now())
-                m["iterations"] += 1
-                continue
-            # The iteration's decode steps in two calls: the host reads the first call's
-            # results (its only wait) while the GPU runs the second, and prepares the next
-            # iteration before reading the second's. Rows finishing in the second call leave
-            # one iteration later.
             calls = []
-            for part in self.halves(mixed_n if sched.prefilling else steps_n):
+            # The iteration's decode steps in two calls: the host waits for the first one's
+            # results (with the prefill's) and prepares the next iteration while the GPU runs
+            # the second, which the host reads after dispatching that next iteration. Rows
+            # finishing in the second call leave one iteration later.
+            for part in self.halves(mixed_n if sched.prefilling else steps_n) if sched.live else ():
                 cache, tok, remaining, *res = fns[f"decode{part}"](self.params, cache, tok,
                                                                    remaining, eos)
                 calls.append((res, list(sched.live), part))
             m["decode_calls"] += len(calls)
+            if second is not None:
+                self._read(sched, second, None, usage_log, now)
+                second = None
+            if not calls:  # nothing to do until the next arrival
+                sched.wait(now())
+                m["iterations"] += 1
+                continue
             self._read(sched, calls[0], (chunk, first, ok) if chunk is not None else None,
                        usage_log, now)
             if len(calls) == 2:
@@ -604,6 +605,8 @@ class Schedule:
 
     def prefilled(self, c: Chunk, first: np.ndarray, ok: np.ndarray) -> None:
         for i, (row, r) in enumerate(c.lanes):
+            if r.phase != "prefill":  # preempted since the chunk was dispatched
+                continue
             if not ok[i]:  # no pages for the chunk
                 self.short = True
                 continue
