@@ -47,7 +47,7 @@ def engine(name, unroll=False):
 
 @functools.cache
 def _engine(name, unroll):
-    kind = S.make_kind(name, CFG, "float32", PLANS[name])
+    kind = S.make_kind(name, CFG, "float32", PLANS[name], unroll=unroll)
     return S.ServeEngine(CFG, PARAMS, kind, batch=PLANS[name].batch, max_seq_len=40,
                          system_prompt=SYSTEM, prefill_rows=2, prefill_chunk=4, decode_steps=4,
                          mixed_steps=2, unroll=unroll)
@@ -82,8 +82,12 @@ def test_every_engine_generates_what_recomputation_does(name):
 
 
 def test_unrolled_layers_equal_the_scan():
+    """Unrolled, the fixed slots are a buffer per layer (attention reads each as it is)."""
     outputs, _ = serve("fixed", unroll=True)
     assert outputs == recomputed()
+    cache = engine("fixed", unroll=True).final_cache
+    assert isinstance(cache.k, tuple) and len(cache.k) == CFG.num_layers
+    assert engine("fixed", unroll=True).cache_copies() == 0
 
 
 def test_multi_step_loop_equals_one_step_per_dispatch():

@@ -1,8 +1,11 @@
 """The bar jaxkv is measured against: a fixed-slot KV cache in pure JAX, with no jaxkv in it.
 
 This is how a JAX serving loop is written without a cache library (JetStream, jax-llm-examples):
-every sequence gets a slot of ``max_seq_len`` tokens in one preallocated buffer per K and V,
-``[num_layers, slots, num_kv_heads, max_seq_len, head_dim]``; a new request is inserted into a free
+every sequence gets a slot of ``max_seq_len`` tokens in preallocated K and V buffers,
+``[slots, num_kv_heads, max_seq_len, head_dim]`` per layer (``per_layer``, with the layers as a
+Python loop, as jax-llm-examples keeps them: attention reads a layer's buffer as it is) or one
+``[num_layers, ...]`` buffer (layers in a ``scan``: the layer is a slice of it, which XLA copies
+before the attention's matmuls); a new request is inserted into a free
 slot (the shared system prompt copied in with ``dynamic_update_slice``, its prompt written by
 chunks), decode steps scatter one token per slot, attention reads each slot's whole buffer and
 masks the positions past its length, and a finished request just frees its slot: no data moves.
@@ -27,8 +30,8 @@ from .model import LlamaConfig, dense_attention
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class FixedSlotCache:
-    k: jax.Array  # [L, slots, Hkv, max_seq_len, D]
-    v: jax.Array  # [L, slots, Hkv, max_seq_len, D]
+    k: jax.Array | tuple  # [L, slots, Hkv, max_seq_len, D], or L arrays [slots, Hkv, S, D]
+    v: jax.Array | tuple
     lengths: jax.Array  # int32 [slots]: tokens each slot holds
     live: jax.Array  # bool [slots]: the slot holds a sequence
 
@@ -40,16 +43,28 @@ class FixedSlotKind:
 
     cfg: LlamaConfig
     dtype: str = "float32"
+    per_layer: bool = False  # one buffer per layer (layers unrolled, static layer indices)
     ops: str = "xla"  # (what it is; the loop prints it)
     compacts = False
     batch_shards = 1
 
     def create(self, max_batch: int, max_seq_len: int) -> FixedSlotCache:
         c = self.cfg
-        shape = (c.num_layers, max_batch, c.num_kv_heads, max_seq_len, c.head_dim)
-        return FixedSlotCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype),
-                              lengths=jnp.zeros((max_batch,), jnp.int32),
+        shape = (max_batch, c.num_kv_heads, max_seq_len, c.head_dim)
+        if self.per_layer:
+            k = tuple(jnp.zeros(shape, self.dtype) for _ in range(c.num_layers))
+            v = tuple(jnp.zeros(shape, self.dtype) for _ in range(c.num_layers))
+        else:
+            k, v = (jnp.zeros((c.num_layers, *shape), self.dtype) for _ in "kv")
+        return FixedSlotCache(k=k, v=v, lengths=jnp.zeros((max_batch,), jnp.int32),
                               live=jnp.zeros((max_batch,), bool))
+
+    def _update(self, buffer, layer, fn):
+        """``buffer`` with layer ``layer`` replaced by ``fn(index, layer's array)``, where
+        ``index`` prefixes the layer's own indices into ``buffer[...]`` (in place either way)."""
+        if isinstance(buffer, tuple):
+            return buffer[:layer] + (fn((), buffer[layer]),) + buffer[layer + 1:]
+        return fn((layer,), buffer)
 
     def lengths(self, cache):
         return cache.lengths
@@ -69,20 +84,21 @@ class FixedSlotKind:
         return cache, jnp.ones(new_lengths.shape, bool)
 
     def reserved_tokens(self, cache):
-        return jnp.sum(cache.live, dtype=jnp.int32) * cache.k.shape[3]
+        return jnp.sum(cache.live, dtype=jnp.int32) * cache.k[0].shape[-2]
 
     def _write(self, cache, layer, slots, k, v, new_lengths):
         """Token t < new_lengths[i] of k, v [R, Hkv, T, D] goes to position lengths + t of slot
         slots[i] (one scatter per buffer, in place; padding past the count is dropped, never
         clamped onto real tokens as a dynamic_update_slice near the end of a slot would be)."""
-        capacity = cache.k.shape[3]
+        capacity = cache.k[0].shape[-2]
         t = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
         start = cache.lengths[jnp.clip(slots, 0, cache.lengths.shape[0] - 1)]
         pos = jnp.where(t < new_lengths[:, None], start[:, None] + t, capacity)  # [R, T]
         s = jnp.broadcast_to(slots[:, None], pos.shape)
 
         def put(buffer, x):  # x [R, Hkv, T, D] -> updates [R, T, Hkv, D] at (layer, s, :, pos)
-            return buffer.at[layer, s, :, pos].set(jnp.swapaxes(x, 1, 2), mode="drop")
+            return self._update(buffer, layer, lambda at, b: b.at[(*at, s, slice(None), pos)].set(
+                jnp.swapaxes(x, 1, 2), mode="drop"))
 
         return dataclasses.replace(cache, k=put(cache.k, k), v=put(cache.v, v))
 
@@ -97,7 +113,7 @@ class FixedSlotKind:
     def attend_rows(self, cache, layer, rows, q, k, v, new_lengths, positions):
         cache = self._write(cache, layer, rows, k, v, new_lengths)
         slot = jnp.clip(rows, 0, cache.lengths.shape[0] - 1)
-        return dense_attention(q, cache.k[layer, slot], cache.v[layer, slot], positions), cache
+        return dense_attention(q, cache.k[layer][slot], cache.v[layer][slot], positions), cache
 
     def commit(self, cache, new_lengths):
         return dataclasses.replace(
@@ -105,6 +121,8 @@ class FixedSlotKind:
 
     def save(self, cache, length: int):
         """The system prompt prefilled into slot 0: K and V ``[L, Hkv, length, D]``."""
+        if self.per_layer:
+            return cache, tuple(jnp.stack([x[0, :, :length] for x in b]) for b in (cache.k, cache.v))
         return cache, (cache.k[:, 0, :, :length], cache.v[:, 0, :, :length])
 
     def admit(self, cache, saved, new):
@@ -113,10 +131,14 @@ class FixedSlotKind:
         slots = jnp.nonzero(new, size=new.shape[0], fill_value=0)[0].astype(jnp.int32)
 
         def insert(i, c):
-            at = (0, slots[i], 0, 0, 0)
-            return dataclasses.replace(
-                c, k=jax.lax.dynamic_update_slice(c.k, sk[:, None], at),
-                v=jax.lax.dynamic_update_slice(c.v, sv[:, None], at))
+            if self.per_layer:
+                at = (slots[i], 0, 0, 0)
+                put = lambda b, x: tuple(jax.lax.dynamic_update_slice(b[l], x[l][None], at)  # noqa: E731
+                                         for l in range(len(b)))
+            else:
+                at = (0, slots[i], 0, 0, 0)
+                put = lambda b, x: jax.lax.dynamic_update_slice(b, x[:, None], at)  # noqa: E731
+            return dataclasses.replace(c, k=put(c.k, sk), v=put(c.v, sv))
 
         cache = jax.lax.fori_loop(0, jnp.sum(new, dtype=jnp.int32), insert, cache)
         return dataclasses.replace(cache, lengths=jnp.where(new, sk.shape[2], cache.lengths),
@@ -132,4 +154,5 @@ class FixedSlotKind:
         live = np.asarray(cache.live)
         per_token = 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim
         tokens = int(np.sum(np.asarray(cache.lengths)[live]))
-        return tokens * per_token * jnp.dtype(self.dtype).itemsize, cache.k.nbytes + cache.v.nbytes
+        held = sum(x.nbytes for x in jax.tree.leaves((cache.k, cache.v)))
+        return tokens * per_token * jnp.dtype(self.dtype).itemsize, held

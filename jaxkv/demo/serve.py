@@ -147,9 +147,9 @@ def plan(name: str, kv_bytes: int, per_token: int, max_seq_len: int, page_size: 
     return Plan(name, tokens // max_seq_len)
 
 
-def make_kind(name: str, cfg: M.LlamaConfig, dtype: str, p: Plan):
-    if name == "fixed":
-        return FixedSlotKind(cfg, dtype)
+def make_kind(name: str, cfg: M.LlamaConfig, dtype: str, p: Plan, unroll: bool = False):
+    if name == "fixed":  # unrolled layers: a buffer per layer, as a JAX expert keeps them
+        return FixedSlotKind(cfg, dtype, per_layer=unroll)
     base, _, ops = name.partition("-")
     options = dict(page_size=p.page_size, num_pages=p.num_pages) if base == "paged" else {}
     return caches.make_kind(base, cfg, dtype, ops or "jaxkv", **options)

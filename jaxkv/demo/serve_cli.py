@@ -224,7 +224,7 @@ def run_engine(name, args, cfg, params, system, requests, kv_gib, per_token, mea
                        + args.system_len + args.page_size):
         raise SystemExit(f"{name}: --kv-gib {kv_gib} does not hold one sequence of "
                          f"--max-seq-len {args.max_seq_len}")
-    kind = S.make_kind(name, cfg, args.dtype, p)
+    kind = S.make_kind(name, cfg, args.dtype, p, unroll=args.layers == "unroll")
     engine = S.ServeEngine(cfg, params, kind, batch=p.batch, max_seq_len=args.max_seq_len,
                            system_prompt=system, prefill_rows=args.prefill_rows,
                            prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
