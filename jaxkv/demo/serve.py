@@ -387,7 +387,7 @@ class ServeEngine(loop.Engine):
         cache, tok, remaining, saved = self._start(fns)
         jax.block_until_ready(cache)
         sched = Schedule(self, requests, cache.num_pages if hasattr(cache, "ref_counts") else 0)
-        m, usage_log, trace_dir, window = sched.m, [], None, None
+        m, trace_dir, window = sched.m, None, None
         start = time.perf_counter()
         now = lambda: time.perf_counter() - start  # noqa: E731
         second = None  # the last iteration's second decode call, read during this one
@@ -421,14 +421,13 @@ class ServeEngine(loop.Engine):
                 calls.append((res, list(sched.live), part))
             m["decode_calls"] += len(calls)
             if second is not None:
-                self._read(sched, second, None, usage_log, now)
+                sched.take(second, None, now)
                 second = None
             if not calls:  # nothing to do until the next arrival
                 sched.wait(now())
                 m["iterations"] += 1
                 continue
-            self._read(sched, calls[0], (chunk, first, ok) if chunk is not None else None,
-                       usage_log, now)
+            sched.take(calls[0], (chunk, first, ok) if chunk is not None else None, now)
             if len(calls) == 2:
                 second = calls[1]
                 sched.reserve_ahead(second[2])
@@ -441,7 +440,7 @@ class ServeEngine(loop.Engine):
             if progress is not None:
                 progress(sched.done, len(requests))
         if second is not None:
-            self._read(sched, second, None, usage_log, now)
+            sched.take(second, None, now)
         wall = now()
         if window is not None and window[1] is None:
             window[1] = time.perf_counter()
@@ -450,26 +449,9 @@ class ServeEngine(loop.Engine):
         if mapping is not None:
             cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, mapping)
         self.final_cache = cache
-        m.update(wall=wall, compile_s=compile_s, usage=np.array(usage_log).reshape(-1, 3),
+        m.update(wall=wall, compile_s=compile_s, usage=np.array(sched.usage).reshape(-1, 3),
                  profile=profile_summary(trace_dir, window) if trace_dir else None)
         return m
-
-
-    @staticmethod
-    def _read(sched, call, prefill, usage_log, now) -> None:
-        """Reads a decode call's results (and the prefill before it) in one transfer, and lets
-        the schedule take them: tokens, finished and stalled rows, pages in use."""
-        (out, stalled, usage, done), live, _ = call
-        got = jax.device_get((out, stalled, usage, done) + (prefill[1:] if prefill else ()))
-        host = time.perf_counter()
-        if prefill is not None:
-            sched.prefilled(prefill[0], *got[4:])
-        out, stalled, usage, done = got[:4]
-        sched.decoded(live, out, done, stalled, now())
-        sched.pages_in_use(usage[2])
-        usage_log.append(usage)
-        sched.preempt_if_short()
-        sched.m["busy_host"] += time.perf_counter() - host
 
 
 @dataclasses.dataclass
@@ -511,6 +493,7 @@ class Schedule:
         self.short = False  # a row got no page in the last iteration
         self.order = self.done = 0
         self.live: list = []
+        self.usage: list = []  # [live rows, live tokens, reserved tokens] after each decode call
         self.prefilling = 0  # rows still prefilling after the current chunk
         self.m = dict(iterations=0, prefill_calls=0, decode_calls=0, evict_calls=0,
                       decode_steps=0, preemptions=0, peak_live=0, peak_decoding=0, busy_host=0.0)
@@ -602,6 +585,21 @@ class Schedule:
             c.budget[i] = r.max_new_tokens - len(r.output)
         self.prefilling -= int(c.last.sum())
         return c
+
+    def take(self, call, prefill, now: Callable[[], float]) -> None:
+        """A decode call's results (and the prefill's before it), read in one transfer: tokens,
+        finished and stalled rows, pages in use; timed by ``now()`` once they are here."""
+        (out, stalled, usage, done), live, _ = call
+        got = jax.device_get((out, stalled, usage, done) + (prefill[1:] if prefill else ()))
+        host = time.perf_counter()
+        if prefill is not None:
+            self.prefilled(prefill[0], *got[4:])
+        out, stalled, usage, done = got[:4]
+        self.decoded(live, out, done, stalled, now())
+        self.pages_in_use(usage[2])
+        self.usage.append(usage)
+        self.preempt_if_short()
+        self.m["busy_host"] += time.perf_counter() - host
 
     def prefilled(self, c: Chunk, first: np.ndarray, ok: np.ndarray) -> None:
         for i, (row, r) in enumerate(c.lanes):
