@@ -111,3 +111,16 @@ def check(pred, msg: str) -> None:
         checkify.debug_check(jnp.all(pred), msg)
     else:
         check_p.bind(jnp.asarray(pred, bool), msg=msg)
+
+
+# A row id naming another batch shard's row, as a per-shard body sees it (``jaxkv.sharding.Ids``):
+# outside [0, rows), so the kernels skip it.
+ELSEWHERE = -(2**31)
+
+
+def elsewhere(ids) -> jax.Array:
+    """bool, like ``ids``: entries that another batch shard handles, which a check lets pass.
+    Only inside a per-shard body: anywhere else ``ELSEWHERE`` is an id out of range like any."""
+    if not _collections:
+        return jnp.zeros(jnp.shape(ids), bool)
+    return ids == ELSEWHERE

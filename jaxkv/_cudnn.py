@@ -12,10 +12,8 @@ a traced layer index free:
   becomes a row of its own with the head's ``group`` query heads, table entries
   ``(layer * H + head) * P + page``.
 
-Measured on the H200, jax 0.11.2 (tools/cudnn_paged_probe.py, 2026-11-22): batch 64 x 4096
-tokens, 32/8 heads, D 128, page 16: 282 us against 338 us for jaxkv's own kernel in the same
-jitted loop, and faster or equal at every other size tried (D 64, pages 1 to 128, ragged
-lengths, GQA 1 to 8). No fp8 cache; everything else stays on jaxkv's kernel, which is also the
+It is faster than jaxkv's own kernel or equal at every size measured (tools/cudnn_paged_probe.py;
+the figures are in docs/perf-notes.md and docs/benchmarks.md). No fp8 cache; everything else stays on jaxkv's kernel, which is also the
 fallback wherever this module's private binding is missing or changed (``unusable`` says why).
 """
 

@@ -109,3 +109,4 @@ def one_launch(op: str, what: str, count: int) -> None:
     donation)."""
     if count > INT32_MAX:
         raise ValueError(f"{op}: {what} = {count}, more than one launch takes (2**31 - 1)")
+

@@ -18,7 +18,7 @@ A decode step appends, commits, then attends::
 or, inside the layer loop, before ``commit``: ``prefill(q, cache, layer, new_lengths)``, which is
 the same for one token per row.
 
-Which kernel (issue 11): JAX's Pallas ``paged_attention`` is deprecated with its Triton backend,
+Which kernel: JAX's Pallas ``paged_attention`` is deprecated with its Triton backend,
 decode-only, and needs power-of-two blocks; cuDNN's dense attention on a layer of a stacked buffer
 makes XLA slice the layer first. jaxkv's own kernels therefore serve every cache kind through one
 addressing view (``ffi/include/jaxkv/attention.h``): on the GPU, decode is split-KV; prefill runs
@@ -40,12 +40,13 @@ import numpy as np
 
 from . import _cudnn
 from . import _ffi
-from . import _sharded
 from . import _validate as validate
 from ._checks import check
+from .layout import QUERIES, QUERY, ROWS
 from .linear import LinearKVCache
 from .manager import KVCacheManager
 from .paged import PagedKVCache
+from .sharding import Role, per_shard
 
 # Head dims the kernels are built for (ffi/cuda/attention.cu instantiates these; the CPU handler
 # accepts the same so that a program behaves alike on both).
@@ -76,11 +77,6 @@ class _Source:
     capacity: int  # positions a row can address
     head_dim: int
     readable: jax.Array  # int32 [B]: positions of each row backed by memory (paged: pages held)
-
-
-def _is_sharded(cache) -> bool:
-    return isinstance(cache, (LinearKVCache, KVCacheManager, PagedKVCache)) and (
-        cache.sharding is not None)
 
 
 def _source(op: str, cache, layer_idx) -> _Source:
@@ -200,6 +196,14 @@ def _implementation(op: str, implementation, cache, q, k_scale, v_scale) -> str:
     return "jaxkv" if why else "cudnn"
 
 
+# On a sharded cache each device attends with its rows and KV heads, and the q heads that read
+# them: q head h reads KV head h // group, so splitting q heads and KV heads into as many
+# contiguous blocks keeps every group on one device. Per shard the default kernel is jaxkv's:
+# cuDNN's binding has not been run under shard_map on several GPUs.
+_PER_SHARD = dict(defaults=dict(implementation="jaxkv"))
+
+
+@per_shard("attention.decode", q=Role(QUERY), kv_lengths=Role(ROWS), out=Role(QUERY), **_PER_SHARD)
 def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_scale=None,
            implementation=None):
     """One query token per sequence attends over its cached tokens, read in place.
@@ -232,9 +236,6 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     >>> out.shape, bool(jnp.all(out[1] == 0))       # row 1 holds no token: zeros
     ((2, 4, 64), True)
     """
-    if _is_sharded(cache):  # per shard: docs/sharding.md
-        return _sharded.attention_decode(cache, q, layer_idx, kv_lengths, scale, k_scale, v_scale,
-                                         implementation)
     op = "attention.decode"
     src = _source(op, cache, layer_idx)
     q_heads = _check_query(op, q, src, 3, "[max_batch, num_q_heads, head_dim]", src.k.dtype)
@@ -257,6 +258,8 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     return out[:, 0]
 
 
+@per_shard("attention.prefill", q=Role(QUERIES), q_lengths=Role(ROWS), out=Role(QUERIES),
+           **_PER_SHARD)
 def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale=None,
             implementation=None):
     """Ragged chunked prefill: new tokens attend causally to themselves and the cached prefix.
@@ -271,9 +274,6 @@ def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale
     **Returns:** ``[max_batch, T, num_q_heads, head_dim]`` in ``q``'s dtype; queries at
     ``t >= q_lengths[b]`` give zeros.
     """
-    if _is_sharded(cache):  # per shard: docs/sharding.md
-        return _sharded.attention_prefill(cache, q, layer_idx, q_lengths, scale, k_scale, v_scale,
-                                          implementation)
     op = "attention.prefill"
     src = _source(op, cache, layer_idx)
     q_heads = _check_query(op, q, src, 4, "[max_batch, T, num_q_heads, head_dim]", src.k.dtype)

@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _sharded
+from . import _lifecycle as lifecycle
 from . import _validate as validate
-from . import linear, ops, reuse
+from . import reuse
+from .layout import COUNT, KV, LAYER, ROWS
 from .linear import LinearKVCache
 from .reuse import SavedKV
-from .sharding import LAYER, CacheSharding
-from ._checks import check
+from .sharding import (CacheSharding, Combined, Count, Destinations, FromOwner, Role, create,
+                       per_shard, row_ids)
 
 IntOrArray = Union[int, jax.Array]
 
@@ -54,6 +55,11 @@ class KVCacheManager:
     # ([batch_shards] when the batch is sharded: a count per shard; docs/sharding.md)
     sharding: CacheSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
 
+    @staticmethod
+    def leaf_roles() -> dict:
+        """Where each leaf keeps its rows and heads (``jaxkv.layout``)."""
+        return dict(layers=LAYER, lengths=ROWS, active_batch_size=COUNT)
+
     @classmethod
     def create(
         cls,
@@ -85,7 +91,7 @@ class KVCacheManager:
         configs = list(layer_configs)
         if not 1 <= len(configs) <= validate.MAX_LAYERS:
             raise ValueError(f"{op}: 1 to {validate.MAX_LAYERS} layer configs needed, got {len(configs)}")
-        layers, shapes = [], []
+        shapes = []
         for i, c in enumerate(configs):
             if not isinstance(c, KVLayerConfig):
                 raise TypeError(
@@ -96,18 +102,12 @@ class KVCacheManager:
             seq = max_seq_len if c.max_seq_len is None else c.max_seq_len
             validate.static_int(op, f"layer_configs[{i}].max_seq_len", seq, lo=1, hi=max_seq_len)
             shapes.append((max_batch, 2, c.num_kv_heads, seq, c.head_dim))
-        if sharding is not None:
-            heads = {f"layer_configs[{i}].num_kv_heads": c.num_kv_heads
-                     for i, c in enumerate(configs)}
-            return _sharded.create(cls, op, sharding,
-                                   dict(layers=[(shape, dtype, LAYER) for shape in shapes]),
-                                   max_batch, heads)
-        layers = [jnp.zeros(shape, dtype) for shape in shapes]
-        return cls(
-            layers=tuple(layers),
-            lengths=jnp.zeros((max_batch,), jnp.int32),
-            active_batch_size=jnp.zeros((), jnp.int32),
-        )
+        leaves = dict(layers=[(shape, dtype, 0) for shape in shapes],
+                      lengths=((max_batch,), jnp.int32, 0), active_batch_size=((), jnp.int32, 0))
+        divides = dict(max_batch=(max_batch, "batch"))
+        divides.update({f"layer_configs[{i}].num_kv_heads": (c.num_kv_heads, "heads")
+                        for i, c in enumerate(configs)})
+        return create(cls, op, sharding, leaves, divides)
 
     # Static configuration, read off the buffers' shapes.
     num_layers = property(lambda self: len(self.layers), doc="Attention layers (static).")
@@ -160,93 +160,74 @@ class KVCacheManager:
         )
 
     @property
+    @per_shard(out=Combined("all"))
     def all_empty(self) -> jax.Array:
         """bool ``[]``: no active sequence holds a token."""
-        if self.sharding is not None:
-            return _sharded.all_empty(self)
-        active = jnp.arange(self.max_batch) < self.active_batch_size
-        return jnp.all(jnp.where(active, self.lengths, 0) == 0)
+        return lifecycle.all_empty(self.lengths, self.active_batch_size)
 
+    @per_shard(n=Count("self"))
     def set_active_batch_size(self, n: IntOrArray) -> "KVCacheManager":
         """Marks rows ``[0, n)`` active; see ``LinearKVCache.set_active_batch_size``."""
-        if self.sharding is not None:
-            return _sharded.set_active_batch_size(self, n)
-        n = linear.active_batch_size_arg("KVCacheManager.set_active_batch_size", n, self.max_batch)
+        n = lifecycle.active_batch_size_arg("KVCacheManager.set_active_batch_size", n, self.max_batch)
         return dataclasses.replace(self, active_batch_size=n)
 
+    @per_shard(reuse_lengths=Role(ROWS))
     def reset(self, reuse_lengths: jax.Array) -> "KVCacheManager":
         """Starts a new batch of ``n`` sequences; ``reuse_lengths``: int32 ``[n]``, tokens already
         in the cache for each (a prompt instantiated with ``instantiate``; 0 for none)."""
-        if self.sharding is not None:
-            return _sharded.reset(self, reuse_lengths)
-        lengths, active = linear.reset_lengths(
+        lengths, active = lifecycle.reset_lengths(
             "KVCacheManager.reset", reuse_lengths, self.max_batch, self.max_seq_len
         )
         return dataclasses.replace(self, lengths=lengths, active_batch_size=active)
 
+    @per_shard(k=Role(KV), v=Role(KV), new_lengths=Role(ROWS))
     def append(self, layer_idx: int, k: jax.Array, v: jax.Array, new_lengths=None):
         """Writes ``k``, ``v`` ``[max_batch, H_i, T, D_i]`` into layer ``layer_idx`` (a static int:
         layers differ in shape) after each active sequence's tokens; see ``LinearKVCache.append``.
         Tokens past the layer's ``max_seq_len`` are dropped (reported through ``checkify``)."""
-        if self.sharding is not None:
-            return _sharded.append(self, layer_idx, k, v, new_lengths)
         op = "KVCacheManager.append"
         i = self._index(op, layer_idx)
-        layer = linear.append_stacked(
+        layer = lifecycle.append(
             op, self.layers[i], 0, k, v, self.lengths, self.active_batch_size, new_lengths
         )
         return dataclasses.replace(self, layers=self.layers[:i] + (layer,) + self.layers[i + 1 :])
 
+    @per_shard(new_lengths=Role(ROWS))
     def commit(self, new_lengths: IntOrArray) -> "KVCacheManager":
         """Advances the lengths of active sequences (a Python int or int32 ``[max_batch]``);
         lengths stop at ``max_seq_len``, a negative increment is ignored (both reported through
         ``checkify``)."""
-        if self.sharding is not None:
-            return _sharded.commit(self, new_lengths)
-        lengths = linear.commit_lengths(
+        lengths = lifecycle.commit_lengths(
             "KVCacheManager.commit", self.lengths, self.active_batch_size, new_lengths,
             self.max_seq_len,
         )
         return dataclasses.replace(self, lengths=lengths)
 
+    @per_shard(batch_mapping=Destinations("self"))
     def compact(self, batch_mapping: jax.Array) -> "KVCacheManager":
         """Evicts and compacts every layer in one launch (see ``LinearKVCache.compact``)."""
-        if self.sharding is not None:
-            return _sharded.compact(self, batch_mapping)
-        op = "KVCacheManager.compact"
-        validate.array(op, "batch_mapping", batch_mapping)
-        validate.int32(op, "batch_mapping", batch_mapping)
-        validate.shape(op, "batch_mapping", batch_mapping, (self.max_batch,), "[max_batch]")
-        ops.check_mapping_injective(op, batch_mapping, self.max_batch)
-        lengths, layers = ops.compact_buffers(
-            list(self.layers), self.lengths, batch_mapping, kv=True, rows=self.max_batch, op=op
-        )
-        survivors = linear.surviving_count(batch_mapping, self.max_batch)
-        check(
-            jnp.all(jnp.where(batch_mapping >= 0, batch_mapping < survivors, True)),
-            f"{op}: survivors must land on rows [0, survivors)",
-        )
-        return KVCacheManager(layers=tuple(layers), lengths=lengths, active_batch_size=survivors)
+        lengths, layers, survivors = lifecycle.compact(
+            "KVCacheManager.compact", list(self.layers), self.lengths, batch_mapping)
+        return dataclasses.replace(self, layers=tuple(layers), lengths=lengths,
+                                   active_batch_size=survivors)
 
     def _names(self) -> list[str]:
         return [f"layers[{i}]" for i in range(self.num_layers)]
 
+    @per_shard(batch_idx=row_ids("self"), out=FromOwner())
     def save(self, batch_idx: IntOrArray, seq_len: int) -> SavedKV:
         """Tokens ``[0, seq_len)`` of row ``batch_idx``, every layer, in one launch (see
         ``jaxkv.save_kv_cache``); ``seq_len`` (static) must fit every layer."""
-        if self.sharding is not None:
-            return _sharded.save(self, batch_idx, seq_len)
         return reuse.save_saved_kv(
             "KVCacheManager.save", list(self.layers), self._names(), batch_idx, seq_len
         )
 
+    @per_shard(batch_idx=row_ids("self"))
     def instantiate(self, saved: SavedKV, batch_idx: IntOrArray) -> "KVCacheManager":
         """Writes ``saved`` into tokens ``[0, T)`` of row ``batch_idx`` (an int, an int32 scalar or
         an int32 ``[n]`` array of rows), every layer in one launch (see
         ``jaxkv.instantiate_kv_cache``). Lengths are unchanged: pass ``saved.length`` to ``reset``.
         """
-        if self.sharding is not None:
-            return _sharded.instantiate(self, saved, batch_idx)
         layers = reuse.instantiate_saved_kv(
             "KVCacheManager.instantiate", list(self.layers), self._names(), saved, batch_idx
         )

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from . import _ffi
 from . import _validate as validate
 from ._checks import check
+from .layout import LAYER, ROWS
+from .sharding import Destinations, Role, per_shard
 
 Layers = Union[jax.Array, Sequence[jax.Array]]
 
@@ -91,6 +93,7 @@ def compact_buffers(
     return (out[0] if has_lengths else None), list(out[1:])
 
 
+@per_shard(x=Role(ROWS), batch_mapping=Destinations("x"), out=Role(ROWS))
 def compact_tensor_batch(x: jax.Array, batch_mapping: jax.Array, sharding=None) -> jax.Array:
     """Moves rows of ``x`` to their new batch positions (TensorRT Edge-LLM's compactTensorBatch).
 
@@ -112,10 +115,6 @@ def compact_tensor_batch(x: jax.Array, batch_mapping: jax.Array, sharding=None) 
            [4., 5.],
            [4., 5.]], dtype=float32)
     """
-    if sharding is not None:
-        from . import _sharded
-
-        return _sharded.compact_tensor_batch(x, batch_mapping, sharding)
     op = "compact_tensor_batch"
     validate.array(op, "x", x)
     if x.ndim < 1:
@@ -157,6 +156,8 @@ def validate_lengths(op: str, lengths, name: str = "lengths") -> int:
     return lengths.shape[0]
 
 
+@per_shard(layers=Role(LAYER), lengths=Role(ROWS), batch_mapping=Destinations("lengths"),
+           out=(Role(LAYER), Role(ROWS)))
 def compact_kv_cache(layers: Layers, lengths: jax.Array, batch_mapping: jax.Array,
                      sharding=None):
     """Evicts finished sequences and compacts the survivors, every layer in one launch.
@@ -184,10 +185,6 @@ def compact_kv_cache(layers: Layers, lengths: jax.Array, batch_mapping: jax.Arra
     >>> new_lengths
     Array([5, 2, 0, 0], dtype=int32)
     """
-    if sharding is not None:
-        from . import _sharded
-
-        return _sharded.compact_kv_cache(layers, lengths, batch_mapping, sharding)
     op = "compact_kv_cache"
     max_batch = validate_lengths(op, lengths)
     items = validate_kv_layers(op, layers, max_batch)
@@ -212,11 +209,10 @@ def increment_lengths(lengths: jax.Array, increment) -> jax.Array:
     ``increment`` is a Python int or an int32 ``[batch]`` array. It has no capacity to stop at
     (the caches' ``commit`` saturates); a sum that wraps int32 is reported through ``checkify``.
 
-    This is a fused XLA op, not a kernel, by measurement (H200, jax 0.11.2, 2026-11-20; the
-    ``increment_lengths`` section of docs/benchmarks.md): in a decode-like step on int32[256],
-    ``lengths + 1`` fused into the neighbouring length arithmetic added 0.15 us per step
-    (5.90 vs 5.75 us), while one custom call in its place added 13.7 us (19.40 us): a launch
-    of its own, and a break in the fusion and in XLA's command buffer around it.
+    This is a fused XLA op, not a kernel, by measurement (the ``increment_lengths`` section of
+    docs/benchmarks.md): fused into the neighbouring length arithmetic it costs a decode step
+    almost nothing, while a custom call in its place costs a launch of its own and breaks the
+    fusion and XLA's command buffer around it.
     """
     op = "increment_lengths"
     validate_lengths(op, lengths)

@@ -15,16 +15,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _lengths
-from . import _sharded
 from . import _validate as validate
 from . import ops
 from . import paged_ops
+from ._checks import check, elsewhere
+from ._validate import INT32_MAX
+from .layout import KV, KV_LAYERS, LAYER, LAYOUTS, POOL, ROWS, pool_geometry, pool_shape
 from .paged_ops import NO_PAGE
-from .sharding import CacheSharding
-from ._checks import check
+from .sharding import (CacheSharding, Combined, Destinations, Ids, Role, create, per_shard,
+                       row_ids, rows_of, same_shard)
 
 IntOrArray = Union[int, jax.Array]
-_INT32_MAX = 2**31 - 1
+_pages_of = lambda args: args["self"].num_pages  # noqa: E731  (the pages one shard owns)
 
 
 @jax.tree_util.register_dataclass
@@ -56,6 +58,12 @@ class PagedKVCache:
     layout: str = dataclasses.field(default="HND", metadata=dict(static=True))
     # Sharded: pools, tables and allocator split per batch shard, local page ids (docs/sharding.md)
     sharding: CacheSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def leaf_roles(self) -> dict:
+        """Where each leaf keeps its rows, pages and heads (``jaxkv.layout``)."""
+        pool = POOL[self.layout]
+        return dict(k_pages=pool, v_pages=pool, page_table=ROWS, lengths=ROWS, ref_counts=ROWS,
+                    new_tokens=ROWS)
 
     @classmethod
     def create(
@@ -91,35 +99,27 @@ class PagedKVCache:
                     num_kv_heads=num_kv_heads, head_dim=head_dim, max_batch=max_batch,
                     max_pages_per_seq=max_pages_per_seq)
         for name, value in dims.items():
-            validate.static_int(op, name, value, lo=1, hi=_INT32_MAX)
-        if layout not in paged_ops.LAYOUTS:
-            raise ValueError(f"{op}: layout must be one of {paged_ops.LAYOUTS}, got {layout!r}")
+            validate.static_int(op, name, value, lo=1, hi=INT32_MAX)
+        if layout not in LAYOUTS:
+            raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
         if np.dtype(dtype) not in validate.CACHE_DTYPES:
             raise TypeError(f"{op}: unsupported dtype {np.dtype(dtype)}")
-        if max_pages_per_seq * page_size > _INT32_MAX:
+        if max_pages_per_seq * page_size > INT32_MAX:
             raise ValueError(f"{op}: max_pages_per_seq * page_size must fit in int32 positions")
-        if num_layers * max_batch * num_kv_heads > _INT32_MAX:
+        if num_layers * max_batch * num_kv_heads > INT32_MAX:
             raise ValueError(f"{op}: num_layers * max_batch * num_kv_heads must fit in int32")
-        if layout == "HND":
-            shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-        else:
-            shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        if sharding is not None:
-            return _sharded.create_paged(cls, op, sharding, shape, dtype, layout, num_pages,
-                                         max_batch, max_pages_per_seq, num_kv_heads)
-        return cls(
-            k_pages=jnp.zeros(shape, dtype),
-            v_pages=jnp.zeros(shape, dtype),
-            page_table=jnp.full((max_batch, max_pages_per_seq), NO_PAGE, jnp.int32),
-            lengths=jnp.zeros((max_batch,), jnp.int32),
-            ref_counts=jnp.zeros((num_pages,), jnp.int32),
-            new_tokens=jnp.zeros((max_batch,), jnp.int32),
-            layout=layout,
-        )
+        shape = pool_shape(layout, num_layers, num_kv_heads, num_pages, page_size, head_dim)
+        rows = ((max_batch,), jnp.int32, 0)
+        leaves = dict(k_pages=(shape, dtype, 0), v_pages=(shape, dtype, 0),
+                      page_table=((max_batch, max_pages_per_seq), jnp.int32, NO_PAGE),
+                      lengths=rows, ref_counts=((num_pages,), jnp.int32, 0), new_tokens=rows)
+        divides = dict(max_batch=(max_batch, "batch"), num_pages=(num_pages, "batch"),
+                       num_kv_heads=(num_kv_heads, "heads"))
+        return create(cls, op, sharding, leaves, divides, layout=layout)
 
     # Static configuration, read off the shapes.
     def _geometry(self) -> dict:
-        return paged_ops.pool_geometry(self.layout, self.k_pages.shape)
+        return pool_geometry(self.layout, self.k_pages.shape)
 
     num_layers = property(lambda self: self._geometry()["num_layers"],
                           doc="Decoder layers (static).")
@@ -144,31 +144,27 @@ class PagedKVCache:
         return paged_ops.pages_held(self.page_table)
 
     @property
+    @per_shard(out=Combined("sum"))
     def num_free_pages(self) -> jax.Array:
         """int32 ``[]``: pages no sequence holds."""
-        if self.sharding is not None:
-            return _sharded.paged_metadata(self, "num_free_pages", "sum")
         return jnp.sum(self.ref_counts == 0, dtype=jnp.int32)
 
     @property
+    @per_shard(out=Combined("max"))
     def max_context_length(self) -> jax.Array:
         """int32 ``[]``: the longest sequence in the cache (max of ``lengths``)."""
-        if self.sharding is not None:
-            return _sharded.paged_metadata(self, "max_context_length", "max")
         return jnp.max(self.lengths)
 
     @property
+    @per_shard(out=Combined("max"))
     def max_prompt_length(self) -> jax.Array:
         """int32 ``[]``: the most tokens the last ``reserve`` made room for in one sequence."""
-        if self.sharding is not None:
-            return _sharded.paged_metadata(self, "max_prompt_length", "max")
         return jnp.max(self.new_tokens)
 
     @property
+    @per_shard(out=Combined("all"))
     def empty(self) -> jax.Array:
         """bool ``[]``: no sequence holds a token (the seed's empty_cache)."""
-        if self.sharding is not None:
-            return _sharded.paged_metadata(self, "empty", "all")
         return jnp.all(self.lengths == 0)
 
     def cache_length(self, b: IntOrArray) -> jax.Array:
@@ -183,6 +179,7 @@ class PagedKVCache:
         return jnp.maximum(self.page_table, 0)
 
     # Allocation.
+    @per_shard(num_new_tokens=Role(ROWS), out=(None, Role(ROWS)))
     def reserve(self, num_new_tokens: jax.Array) -> tuple["PagedKVCache", jax.Array]:
         """Assigns the pages each sequence needs for its next ``num_new_tokens`` tokens.
 
@@ -198,8 +195,6 @@ class PagedKVCache:
         **Returns:** ``(cache, served)``, ``served`` bool ``[max_batch]``. A shortage is reported
         through ``checkify``; ``max_prompt_length`` then reads the served sequences' counts.
         """
-        if self.sharding is not None:
-            return _sharded.reserve(self, num_new_tokens)
         op = "PagedKVCache.reserve"
         validate.array(op, "num_new_tokens", num_new_tokens)
         validate.int32(op, "num_new_tokens", num_new_tokens)
@@ -228,11 +223,10 @@ class PagedKVCache:
         )
         return cache, served
 
+    @per_shard(mask=Role(ROWS))
     def release(self, mask: jax.Array) -> "PagedKVCache":
         """Ends the sequences where ``mask`` (bool ``[max_batch]``) is set: their pages go back to
         the pool (a shared page when its last holder ends), their lengths become 0."""
-        if self.sharding is not None:
-            return _sharded.release(self, mask)
         op = "PagedKVCache.release"
         validate.array(op, "mask", mask)
         if mask.dtype != jnp.bool_:
@@ -252,6 +246,7 @@ class PagedKVCache:
             ref_counts=ref_counts,
         )
 
+    @per_shard(batch_mapping=Destinations("self"))
     def compact(self, batch_mapping: jax.Array) -> "PagedKVCache":
         """Moves sequences to new slots; page-table rows and lengths move, KV data does not.
 
@@ -260,8 +255,6 @@ class PagedKVCache:
         empty. Two sequences sent to one slot is reported through ``checkify``; the higher old slot
         keeps it and the other is released, so no page leaks.
         """
-        if self.sharding is not None:
-            return _sharded.compact(self, batch_mapping)
         op = "PagedKVCache.compact"
         validate.array(op, "batch_mapping", batch_mapping)
         validate.int32(op, "batch_mapping", batch_mapping)
@@ -283,6 +276,10 @@ class PagedKVCache:
             new_tokens=jnp.where(filled, self.new_tokens[src], 0),
         )
 
+    @per_shard(src_slot=row_ids("self"), dst_slots=row_ids("self"), out=(None, Combined("any")),
+               rule=same_shard("src_slot", "dst_slots", rows_of("self"),
+                               "a destination on another batch shard than the source is not "
+                               "forked (pages never cross shards)"))
     def fork(self, src_slot: IntOrArray, dst_slots: jax.Array) -> tuple["PagedKVCache", jax.Array]:
         """Starts sequences in ``dst_slots`` as copies of the one in ``src_slot``.
 
@@ -298,8 +295,6 @@ class PagedKVCache:
         forked once: its first entry reads true, the repeats false (also reported), so the
         true entries count the new sequences.
         """
-        if self.sharding is not None:
-            return _sharded.fork(self, src_slot, dst_slots)
         op = "PagedKVCache.fork"
         src = validate.int_scalar(op, "src_slot", src_slot)
         validate.array(op, "dst_slots", dst_slots)
@@ -310,8 +305,9 @@ class PagedKVCache:
         ok = src_ok & (dst_slots >= 0) & (dst_slots < rows) & (dst_slots != src)
         dst_index = jnp.where(ok, dst_slots, rows)
         hits = jnp.zeros((rows + 1,), jnp.int32).at[dst_index].add(1)[:rows]
+        here = ~elsewhere(src) & ~elsewhere(dst_slots)  # else another batch shard's pair
         check(
-            jnp.all(ok) & jnp.all(hits <= 1),
+            jnp.all(ok | ~here) & jnp.all(hits <= 1),
             f"{op}: dst_slots must be distinct valid slots other than src_slot",
         )
         is_dst = hits > 0
@@ -353,17 +349,20 @@ class PagedKVCache:
         forked = ok & served[slot] & ~repeat
         return cache, forked
 
+    @per_shard(src_pages=Ids(_pages_of, NO_PAGE), dst_pages=Ids(_pages_of, NO_PAGE),
+               rule=same_shard("src_pages", "dst_pages", _pages_of,
+                               "a pair of pages on two batch shards is skipped (pages never "
+                               "cross shards)"))
     def copy_pages(self, src_pages: jax.Array, dst_pages: jax.Array) -> "PagedKVCache":
         """Copies physical pages ``src_pages[i]`` -> ``dst_pages[i]`` (every layer, K and V, one
         launch); see ``jaxkv.paged_ops.copy_pages``. The page table is not changed."""
-        if self.sharding is not None:
-            return _sharded.copy_pages(self, src_pages, dst_pages)
         k_pages, v_pages = paged_ops.copy_pages(
             self.k_pages, self.v_pages, src_pages, dst_pages, layout=self.layout
         )
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
 
     # Data.
+    @per_shard(k=Role(KV), v=Role(KV), new_lengths=Role(ROWS))
     def append(self, layer_idx: IntOrArray, k: jax.Array, v: jax.Array, new_lengths=None):
         """Writes ``k``, ``v`` ``[max_batch, H, T, D]`` at positions ``lengths[b] ..`` of layer
         ``layer_idx`` (may be traced), through the page table, K and V in one launch.
@@ -372,8 +371,6 @@ class PagedKVCache:
         idle slots); None writes all ``T``. Positions without a reserved page are skipped and
         reported through ``checkify``. Lengths are unchanged (see ``commit``).
         """
-        if self.sharding is not None:
-            return _sharded.paged_append(self, "append", layer_idx, k, v, new_lengths)
         op = "PagedKVCache.append"
         for name, x in (("k", k), ("v", v)):
             validate.array(op, name, x)
@@ -384,10 +381,9 @@ class PagedKVCache:
         )
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
 
+    @per_shard(k=Role(KV_LAYERS), v=Role(KV_LAYERS), new_lengths=Role(ROWS))
     def append_layers(self, k: jax.Array, v: jax.Array, new_lengths=None):
         """``append`` of every layer at once, one launch: ``k``, ``v`` ``[L, max_batch, H, T, D]``."""
-        if self.sharding is not None:
-            return _sharded.paged_append(self, "append_layers", 0, k, v, new_lengths)
         op = "PagedKVCache.append_layers"
         for name, x in (("k", k), ("v", v)):
             validate.array(op, name, x)
@@ -398,6 +394,7 @@ class PagedKVCache:
         )
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
 
+    @per_shard(num_new_tokens=Role(ROWS))
     def commit(self, num_new_tokens: IntOrArray) -> "PagedKVCache":
         """Advances the lengths by ``num_new_tokens`` (a Python int or int32 ``[max_batch]``).
 
@@ -405,19 +402,16 @@ class PagedKVCache:
         does not advance; a negative count leaves the row as it was (both reported through
         ``checkify``).
         """
-        if self.sharding is not None:
-            return _sharded.method(self, "commit", (num_new_tokens,), (("batch",),))
         op = "PagedKVCache.commit"
         n = _lengths.increment_arg(op, "num_new_tokens", num_new_tokens, self.max_batch)
         capacity = self.pages_held * self.page_size
         return dataclasses.replace(self, lengths=_lengths.grow(op, self.lengths, n, capacity))
 
+    @per_shard(out=lambda args: (Role(KV), Role(KV)) if args["split"] else Role(LAYER))
     def gather(self, layer_idx: IntOrArray, max_len: int, *, split: bool = False):
         """Layer ``layer_idx``'s tokens in dense memory: ``[max_batch, 2, H, max_len, D]``, or with
         ``split`` a ``(k, v)`` pair of ``[max_batch, H, max_len, D]``. Positions at or past a
         sequence's length are zeros."""
-        if self.sharding is not None:
-            return _sharded.gather(self, layer_idx, max_len, split)
         return paged_ops.paged_gather(
             self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, max_len,
             layout=self.layout, split=split,

@@ -14,21 +14,19 @@ import jax.numpy as jnp
 
 from . import _ffi
 from . import _validate as validate
-from .linear import append_counts
 from ._checks import check
+from ._lifecycle import append_counts
+from .layout import KV, KV_LAYERS, LAYER, LAYOUTS, POOL, ROWS, pool_geometry
+from .sharding import Ids, Role, per_shard, same_shard
 
 NO_PAGE = -1  # page-table sentinel: no page assigned
-LAYOUTS = ("HND", "NHD")
 
-
-def pool_geometry(layout: str, shape) -> dict:
-    """num_layers, num_kv_heads, num_pages, page_size, head_dim of a pool shape."""
-    if layout == "HND":
-        layers, heads, pages, page_size, head_dim = shape
-    else:
-        layers, pages, page_size, heads, head_dim = shape
-    return dict(num_layers=layers, num_kv_heads=heads, num_pages=pages, page_size=page_size,
-                head_dim=head_dim)
+# How the ops given ``sharding=`` split their arguments: as a PagedKVCache's leaves.
+_pool = lambda args: Role(POOL.get(args["layout"], ()))  # noqa: E731
+_pools = lambda args: (_pool(args), _pool(args))  # noqa: E731
+_new_kv = lambda args: Role(KV_LAYERS if getattr(args["k"], "ndim", 4) == 5 else KV)  # noqa: E731
+_gathered = lambda args: (Role(KV), Role(KV)) if args["split"] else Role(LAYER)  # noqa: E731
+_pages = lambda args: pool_geometry(args["layout"], args["k_pages"].shape)["num_pages"]  # noqa: E731
 
 
 def _check_pools(op: str, k_pages, v_pages, layout: str) -> dict:
@@ -89,6 +87,8 @@ def skipped_tokens(page_table, lengths, count, tokens: int, num_pages: int, page
     return wanted & ~(in_row & (entry >= 0) & (entry < num_pages))
 
 
+@per_shard(k_pages=_pool, v_pages=_pool, page_table=Role(ROWS), lengths=Role(ROWS), k=_new_kv,
+           v=_new_kv, new_lengths=Role(ROWS), out=_pools)
 def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_lengths=None,
                  *, layout: str = "HND", sharding=None):
     """Writes ``k``, ``v`` into the pools through the page table, K and V in one launch.
@@ -110,11 +110,6 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_len
     With ``sharding`` (a ``jaxkv.CacheSharding``): pools, table and tokens split as a
     PagedKVCache's; each shard's table holds page ids local to its share (docs/sharding.md).
     """
-    if sharding is not None:
-        from . import _sharded
-
-        return _sharded.paged_append_op(k_pages, v_pages, page_table, lengths, layer_idx, k, v,
-                                        new_lengths, layout, sharding)
     op = "paged_append"
     g = _check_pools(op, k_pages, v_pages, layout)
     batch = _check_table(op, page_table, lengths)
@@ -153,6 +148,8 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_len
     )
 
 
+@per_shard(k_pages=_pool, v_pages=_pool, page_table=Role(ROWS), lengths=Role(ROWS),
+           out=_gathered)
 def paged_gather(k_pages, v_pages, page_table, lengths, layer_idx, max_len: int, *,
                  layout: str = "HND", split: bool = False, sharding=None):
     """Copies one layer's tokens into dense memory.
@@ -162,11 +159,6 @@ def paged_gather(k_pages, v_pages, page_table, lengths, layer_idx, max_len: int,
     ``t < lengths[b]`` and zeros after it (also where no page is assigned). The pools are read,
     not copied. With ``sharding``: split as in ``paged_append``; the result by batch and heads.
     """
-    if sharding is not None:
-        from . import _sharded
-
-        return _sharded.paged_gather_op(k_pages, v_pages, page_table, lengths, layer_idx,
-                                        max_len, layout, split, sharding)
     op = "paged_gather"
     g = _check_pools(op, k_pages, v_pages, layout)
     batch = _check_table(op, page_table, lengths)
@@ -189,6 +181,11 @@ def paged_gather(k_pages, v_pages, page_table, lengths, layer_idx, max_len: int,
     return tuple(out) if split else out[0]
 
 
+@per_shard(k_pages=_pool, v_pages=_pool, src_pages=Ids(_pages, NO_PAGE),
+           dst_pages=Ids(_pages, NO_PAGE), out=_pools,
+           rule=same_shard("src_pages", "dst_pages", _pages,
+                           "a pair of pages on two batch shards is skipped (pages never cross "
+                           "shards)"))
 def copy_pages(k_pages, v_pages, src_pages, dst_pages, *, layout: str = "HND", sharding=None):
     """Copies physical page ``src_pages[i]`` to ``dst_pages[i]``, every layer, K and V, in one
     launch (vLLM's copy_blocks).
@@ -200,10 +197,6 @@ def copy_pages(k_pages, v_pages, src_pages, dst_pages, *, layout: str = "HND", s
     With ``sharding``: pools split as a PagedKVCache's; page ids are global (shard ``s`` owns
     ``[s * P/k, (s + 1) * P/k)``) and a pair straddling two shards is skipped (``checkify``).
     """
-    if sharding is not None:
-        from . import _sharded
-
-        return _sharded.copy_pages_op(k_pages, v_pages, src_pages, dst_pages, layout, sharding)
     op = "copy_pages"
     g = _check_pools(op, k_pages, v_pages, layout)
     for name, x in (("src_pages", src_pages), ("dst_pages", dst_pages)):

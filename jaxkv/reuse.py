@@ -18,7 +18,9 @@ import numpy as np
 from . import _ffi
 from . import _validate as validate
 from . import ops
-from ._checks import check
+from ._checks import check, elsewhere
+from .layout import LAYER, REPLICATED, SAVED
+from .sharding import FromOwner, Role, per_shard, row_ids
 
 Layers = Union[jax.Array, Sequence[jax.Array]]
 IntOrArray = Union[int, jax.Array]
@@ -40,6 +42,11 @@ class SavedKV:
     num_layers = property(lambda self: len(self.layers), doc="Layers saved (static).")
     tokens = property(lambda self: self.layers[0].shape[2], doc="Tokens saved, T (static).")
 
+    @staticmethod
+    def leaf_roles() -> dict:
+        """Where each leaf keeps its heads (``jaxkv.layout``): a saved prompt has no rows."""
+        return dict(layers=SAVED, length=REPLICATED)
+
 
 def _described(op: str, buffers: Sequence[jax.Array], names: Sequence[str]):
     """(name, [max_batch, 2, H, S, D] shape, dtype) of every layer the kernel sees, in order:
@@ -55,12 +62,11 @@ def _described(op: str, buffers: Sequence[jax.Array], names: Sequence[str]):
     return out
 
 
-def _slots(op: str, batch_idx, rows: int, allow_many: bool, foreign=None) -> jax.Array:
+def _slots(op: str, batch_idx, rows: int, allow_many: bool) -> jax.Array:
     """``batch_idx`` as an int32 ``[]`` (or ``[n]``) array of cache rows.
 
     A Python int is checked now; array entries outside ``[0, rows)`` are reported through
-    ``checkify`` and the kernel skips them, except where ``foreign`` (bool, like ``batch_idx``)
-    says the row is another batch shard's (sharding.py): skipped silently.
+    ``checkify`` and the kernel skips them (another batch shard's rows silently).
     """
     if isinstance(batch_idx, (int, np.integer)) and not isinstance(batch_idx, (bool, np.bool_)):
         validate.static_int(op, "batch_idx", batch_idx, 0, rows - 1)
@@ -76,13 +82,13 @@ def _slots(op: str, batch_idx, rows: int, allow_many: bool, foreign=None) -> jax
         )
     in_range = (batch_idx >= 0) & (batch_idx < rows)
     check(
-        jnp.all(in_range if foreign is None else in_range | foreign),
+        jnp.all(in_range | elsewhere(batch_idx)),
         f"{op}: batch_idx outside [0, max_batch): nothing written there",
     )
     return batch_idx
 
 
-def save_buffers(op, buffers, names, batch_idx, seq_len, foreign=None) -> list[jax.Array]:
+def save_buffers(op, buffers, names, batch_idx, seq_len) -> list[jax.Array]:
     """The one FFI call of a save; ``buffers``: rank-5 layers or rank-6 stacks, same max_batch.
 
     Returns one ``[2, H, seq_len, D]`` array per described layer (a stack gives one per layer).
@@ -93,14 +99,13 @@ def save_buffers(op, buffers, names, batch_idx, seq_len, foreign=None) -> list[j
     for name, (_, _, h, s, d), _ in layers:
         if seq_len > s:
             raise ValueError(f"{op}: seq_len {seq_len} exceeds max_seq_len {s} of {name}")
-    slots = _slots(op, batch_idx, rows, allow_many=False, foreign=foreign)
+    slots = _slots(op, batch_idx, rows, allow_many=False)
     results = [jax.ShapeDtypeStruct((2, h, seq_len, d), dt) for _, (_, _, h, _, d), dt in layers]
     out = _ffi.call("jaxkv_copy_prefix", results, slots, *buffers, to_cache=False, rows=rows)
     return list(out)
 
 
-def instantiate_buffers(op, buffers, names, saved, saved_names, batch_idx,
-                        foreign=None) -> list[jax.Array]:
+def instantiate_buffers(op, buffers, names, saved, saved_names, batch_idx) -> list[jax.Array]:
     """The one FFI call of an instantiate; ``saved``: one ``[2, H, T, D]`` per described layer.
 
     Returns the new ``buffers`` (aliased: donate them to run in place).
@@ -122,7 +127,7 @@ def instantiate_buffers(op, buffers, names, saved, saved_names, batch_idx,
             raise ValueError(
                 f"{op}: {sname} holds {x.shape[2]} tokens, more than max_seq_len {s} of {name}"
             )
-    slots = _slots(op, batch_idx, rows, allow_many=True, foreign=foreign)
+    slots = _slots(op, batch_idx, rows, allow_many=True)
     n = len(saved)
     out = _ffi.call(
         "jaxkv_copy_prefix",
@@ -152,6 +157,7 @@ def _like(layers: Layers, out: list[jax.Array]):
     return type(layers)(out) if isinstance(layers, (list, tuple)) else out[0]
 
 
+@per_shard(layers=Role(LAYER), batch_idx=row_ids("layers"), out=FromOwner(SAVED))
 def save_kv_cache(layers: Layers, batch_idx: IntOrArray, seq_len: int, sharding=None):
     """Copies tokens ``[0, seq_len)`` of cache row ``batch_idx`` out of every layer, in one launch.
 
@@ -174,15 +180,12 @@ def save_kv_cache(layers: Layers, batch_idx: IntOrArray, seq_len: int, sharding=
     Array([[16., 17.],
            [18., 19.]], dtype=float32)
     """
-    if sharding is not None:
-        from . import _sharded
-
-        return _sharded.save_kv_cache(layers, batch_idx, seq_len, sharding)
     op = "save_kv_cache"
     items, names = _layer_list(op, layers)
     return _like(layers, save_buffers(op, items, names, batch_idx, seq_len))
 
 
+@per_shard(layers=Role(LAYER), saved=Role(SAVED), batch_idx=row_ids("layers"), out=Role(LAYER))
 def instantiate_kv_cache(layers: Layers, saved: Layers, batch_idx: IntOrArray, sharding=None):
     """Writes saved prefixes into tokens ``[0, T)`` of cache rows, every layer in one launch.
 
@@ -210,10 +213,6 @@ def instantiate_kv_cache(layers: Layers, saved: Layers, batch_idx: IntOrArray, s
            [0., 0., 0., 0.],
            [1., 1., 0., 0.]], dtype=float32)
     """
-    if sharding is not None:
-        from . import _sharded
-
-        return _sharded.instantiate_kv_cache(layers, saved, batch_idx, sharding)
     op = "instantiate_kv_cache"
     items, names = _layer_list(op, layers)
     if isinstance(layers, (list, tuple)):
@@ -235,11 +234,9 @@ def save_saved_kv(op, buffers, names, batch_idx, seq_len) -> SavedKV:
     return SavedKV(layers=tuple(out), length=jnp.asarray(seq_len, jnp.int32))
 
 
-def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx,
-                         foreign=None) -> list[jax.Array]:
+def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx) -> list[jax.Array]:
     """``instantiate`` of the cache classes: ``saved`` into every layer of ``buffers``."""
     if not isinstance(saved, SavedKV):
         raise TypeError(f"{op}: saved must be a SavedKV, got {type(saved).__name__}")
     names_saved = [f"saved.layers[{i}]" for i in range(saved.num_layers)]
-    return instantiate_buffers(op, buffers, names, list(saved.layers), names_saved, batch_idx,
-                               foreign)
+    return instantiate_buffers(op, buffers, names, list(saved.layers), names_saved, batch_idx)

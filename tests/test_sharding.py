@@ -48,7 +48,7 @@ def sharding(mesh, request):
     return jaxkv.CacheSharding(mesh, **SPLITS[request.param])
 
 
-# The contract's PartitionSpecs, written out (issue 10), and where each leaf's batch axis is.
+# The contract's PartitionSpecs, written out, and where each leaf's batch axis is.
 def leaf_specs(c, s):
     b, h = s.batch, s.heads
     rows = P(b)
@@ -460,7 +460,7 @@ def test_trace_time_errors_name_global_shapes(mesh):
 
 
 def test_wrong_out_spec_fails_instead_of_returning_shard_0(mesh):
-    from jaxkv.sharding import per_shard
+    from jaxkv.sharding import run_per_shard
 
     s = jaxkv.CacheSharding(mesh, heads="tp", batch="dp")
     layer = jax.device_put(random_array((B, 2, H, S, D), F32),
@@ -470,7 +470,7 @@ def test_wrong_out_spec_fails_instead_of_returning_shard_0(mesh):
     body = functools.partial(jaxkv.compact_kv_cache)
     specs = (P("dp", None, "tp"), P("dp"), P("dp"))
     with pytest.raises(Exception, match="tp"):  # the layer varies over tp: P('dp') is wrong
-        per_shard(s, body, (layer, lengths, mapping), specs, (P("dp"), P("dp")))
+        run_per_shard(s, body, (layer, lengths, mapping), specs, (P("dp"), P("dp")))
 
 
 # Compiled programs: in place, no collective of cache data.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU handlers built with AddressSanitizer, then the test suite over them (issue 14).
+# The CPU handlers built with AddressSanitizer, then the test suite over them.
 #
 # A separate venv (.venv-asan) and build dir (build/asan) so the normal build is not touched.
 # Python itself is not instrumented, so libasan (and libstdc++) are preloaded; leak detection is

@@ -1,6 +1,6 @@
 """Can jaxkv's NHD pool be read by jax's cuDNN paged attention in place, and how fast is it?
 
-GPU probe, not part of the suite (issue 11). jax's public-private wrapper
+GPU probe, not part of the suite. jax's public-private wrapper
 (``jax._src.cudnn.fused_attention_stablehlo.paged_attention``) refuses a pool whose page count is
 not ``batch x table width``; this calls the function under it with the whole stacked pool seen as
 ``[L * P, S, H, D]`` (a bitcast) and the page table offset by ``layer * P``. Prints, per case,

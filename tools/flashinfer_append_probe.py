@@ -1,6 +1,6 @@
 """FlashInfer's append_paged_kv_cache on the cases of tools/paged_append_probe.cu, for ncu.
 
-GPU probe, not part of the suite (issue 13): the same cases timed by the same tool as jaxkv's
+GPU probe, not part of the suite: the same cases timed by the same tool as jaxkv's
 kernel, so the two can be compared launch for launch.
 
     eval "$(bash .peers/setup_on_gpu.sh $PWD/.peers)"

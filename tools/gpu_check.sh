@@ -32,7 +32,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   tests_rc=${PIPESTATUS[0]}
 fi
 
-# compute-sanitizer over the kernel tests (issue 14). Every buffer its own cudaMalloc (the platform
+# compute-sanitizer over the kernel tests. Every buffer its own cudaMalloc (the platform
 # allocator, no preallocated pool), so an access past a buffer leaves its allocation and memcheck
 # sees it; no command buffers, so every launch is a plain launch the tool instruments. Fails on any
 # finding: --error-exitcode, and the summary line must read 0.
@@ -75,7 +75,7 @@ if [ -z "${SKIP_SANITIZE:-}" ]; then
   # (the cp.async ring, the merge of the warps, the tensor-core prefill).
   # shellcheck disable=SC2086  # word splitting of the lists is intended
   sanitize memcheck "$OUT/memcheck.log" ${MEMCHECK:-test_compact.py test_linear.py \
-    test_manager.py test_reuse.py test_paged_ops.py test_paged.py test_hardening.py \
+    test_manager.py test_reuse.py test_paged_ops.py test_paged.py test_bad_input.py \
     test_properties.py test_attention.py} || sanitize_rc=1
   # shellcheck disable=SC2086
   sanitize racecheck "$OUT/racecheck.log" ${RACECHECK:-test_attention.py test_compact.py \

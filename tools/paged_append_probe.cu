@@ -1,5 +1,5 @@
 // Paged append under different block geometries (H200 probe, not part of the build): the cases of
-// issue 13 (decode: one token per row; prefill: 5000 ragged tokens), each geometry launched a few
+// (decode: one token per row; prefill: 5000 ragged tokens), each geometry launched a few
 // times. Time each launch with ncu, not with this program's clock:
 //   inc=$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())")
 //   nvcc -std=c++17 -O3 -arch=sm_90 -I ffi/include -I $inc tools/paged_append_probe.cu -o /tmp/probe

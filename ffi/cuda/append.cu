@@ -58,8 +58,8 @@ __global__ void __launch_bounds__(kWarps * 32) append_kernel(const AppendParams 
 
 // Grid-stride over both axes, for a batch past the grid limits (grid.y is at most 65535: 8192
 // rows with 32 heads need a second pass), so the handler never refuses a call after its cache was
-// donated. A separate kernel: the loops cost the common launch 2.5 -> 3.8 us on a decode step
-// (H200, 2026-11-22).
+// donated. A separate kernel: the loops would cost the common launch half as much again on a
+// decode step (docs/perf-notes.md).
 __global__ void __launch_bounds__(kWarps * 32)
     append_kernel_strided(const AppendParams p, int width, int64_t span_groups, int64_t chunks) {
   for (int64_t group = blockIdx.y; group < span_groups; group += gridDim.y)

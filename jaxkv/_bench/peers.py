@@ -40,29 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import peers_flashinfer, peers_torch
+from .peer_types import Peer, Spec
 from . import timing as T
 
 PROFILED_CALLS = 4  # eager calls under the profiler (after warm-up), like jaxkv's kernel_seconds
 GRAPH_LAUNCHES = 20_000  # the most kernel launches captured in one CUDA graph
-
-
-@dataclasses.dataclass
-class Peer:
-    """One peer implementation, bound to one set of a case's inputs."""
-
-    call: Callable[[int], None]  # the j-th call of a run: what the case's step i = j does
-    outputs: Callable[[], list]  # its results, leaf for leaf beside the jaxkv step's output
-    graph: bool = True  # timed as a CUDA graph of calls (False: eager calls)
-    tolerance: float | None = None  # None: byte for byte; else the largest |peer - jaxkv|
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """A peer a case has: its row name, the library it needs, and how to bind it to inputs."""
-
-    name: str
-    library: str  # "torch" or "flashinfer" (which needs torch too)
-    make: Callable  # (case, carry, consts) -> Peer
 
 
 def specs(case) -> list[Spec]:

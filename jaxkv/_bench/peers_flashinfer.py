@@ -18,13 +18,12 @@ import numpy as np
 import jaxkv
 
 from .peers_torch import ragged, ragged_tokens, view
+from .peer_types import Peer, Spec
 
 TOLERANCE = 3e-2  # attention: bf16 outputs of two float32-accumulating kernels
 
 
 def specs(case) -> list:
-    from .peers import Spec
-
     if case.peer == "paged_append":
         name = "FlashInfer append_paged_kv_cache" + (
             ", one call per layer" if case.params["all_layers"] else "")
@@ -88,8 +87,6 @@ def paged_append(case, carry, consts):
             flashinfer.append_paged_kv_cache(k, v, batch, positions, caches[layer], indices,
                                               indptr, last, kv_layout=layout)
 
-    from .peers import Peer
-
     return Peer(call=call, outputs=lambda: pools)
 
 
@@ -115,8 +112,6 @@ def linear_append(case, carry, consts):
             cache = (buf[layer][:, 0], buf[layer][:, 1])  # [B, H, S, D] each: HND, page = S
             flashinfer.append_paged_kv_cache(k, v, batch, positions, cache, indices, indptr,
                                               last, kv_layout="HND")
-
-    from .peers import Peer
 
     return Peer(call=call, outputs=lambda: [buf])
 
@@ -154,8 +149,6 @@ def attention(case, carry, consts):
 
     def call(j):
         out["o"] = wrapper.run(tq, pools)
-
-    from .peers import Peer
 
     shape = tuple(q.shape)
     return Peer(call=call, outputs=lambda: [out["o"].reshape(shape)], graph=False,

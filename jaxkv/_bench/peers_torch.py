@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from .peer_types import Peer, Spec
 
 
 def specs(case) -> list:
-    from .peers import Spec
-
     names = {
         "paged_append": ["torch index_put_, every layer at once (pool[:, slots] = k)"
                          if case.params.get("all_layers") else
@@ -71,8 +70,6 @@ def ragged_tokens(x, rows, ts):
 
 
 def _peer(**kw):
-    from .peers import Peer
-
     return Peer(**kw)
 
 

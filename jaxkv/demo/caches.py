@@ -50,6 +50,7 @@ import numpy as np
 
 import jaxkv
 from jaxkv import reference
+from jaxkv.sharding import leaf_specs
 
 from .model import LlamaConfig, dense_attention
 
@@ -110,11 +111,9 @@ def _placed(cache, sharding):
     the cache as created."""
     if sharding is None:
         return cache
-    from jaxkv._sharded import cache_specs
-
     place = lambda spec, x: jax.lax.with_sharding_constraint(  # noqa: E731
         x, jax.sharding.NamedSharding(sharding.mesh, spec))
-    return jax.tree.map(place, cache_specs(cache), cache,
+    return jax.tree.map(place, leaf_specs(cache), cache,
                         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
 

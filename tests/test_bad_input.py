@@ -1,5 +1,5 @@
-"""The defects of issue 14 (each test failed on the code before the fix), the decisions on the
-ambiguous cases, and the handler errors: every error a handler can return is refused at trace
+"""Bad input at its edges: lengths near int32, page-table entries outside the pool, empty
+batches, and the decisions on the ambiguous cases; and the handler errors: every error a handler can return is refused at trace
 time by the Python validation first, so no op fails at run time after its input was donated."""
 
 import jax
@@ -36,7 +36,7 @@ def manager_cache(max_seq_len=16):
 @pytest.mark.parametrize("make", [linear_cache, manager_cache], ids=["linear", "manager"])
 def test_commit_saturates_instead_of_wrapping(make):
     cache = make().reset(jnp.asarray([5, 3], jnp.int32))
-    # Issue 14, defect 1: the old code gave [-2147483644, -2147483646] and no report.
+    # Added naively in int32, the lengths would wrap negative, unreported.
     msg, out = checked(lambda c: c.commit(INT32_MAX), cache)
     np.testing.assert_array_equal(out.lengths, [16, 16])
     assert "passes the capacity" in msg
@@ -80,7 +80,7 @@ def paged_with_lengths_3_1():
 def test_paged_commit_saturates_instead_of_wrapping():
     cache = paged_with_lengths_3_1()
     np.testing.assert_array_equal(cache.pages_held, [2, 1])
-    # Issue 14, defect 2: the old code left [3, 1] and reported nothing.
+    # Lengths stop at the pages each row holds, and the rest is reported.
     msg, out = checked(lambda c, n: c.commit(n), cache, jnp.full((2,), INT32_MAX, jnp.int32))
     np.testing.assert_array_equal(out.lengths, [4, 2])
     assert "passes the capacity" in msg
@@ -151,7 +151,7 @@ def one_row_append(entries, length, page_size=2, num_pages=2):
 
 @pytest.mark.parametrize("entry", [99, 2, -5, INT32_MIN, INT32_MAX])
 def test_paged_append_reports_an_entry_outside_the_pool(entry):
-    # Issue 14, defect 4: the old check counted every entry but -1 as a page: silent.
+    # Any entry outside [0, num_pages) is no page, not only NO_PAGE.
     msg, out, want, kp = one_row_append([0, entry], length=2)
     assert "no page of this pool" in msg
     assert_bytes_equal(out[0], want[0], "k_pages")
@@ -183,7 +183,7 @@ def test_paged_append_and_gather_with_zero_rows(layout):
     table = jnp.zeros((0, 2), jnp.int32)
     lengths = jnp.zeros((0,), jnp.int32)
     k = random_array((0, 1, 1, 4), F32)
-    # Issue 14, defect 5: "page_table must be [max_batch, max_pages_per_seq]" at run time.
+    # An empty batch: nothing to write, and no run-time error after donation.
     out = jax.jit(lambda *a: jaxkv.paged_append(*a, layout=layout))(kp, vp, table, lengths, 1, k, k)
     assert_bytes_equal(out[0], kp, "k_pages")
     assert_bytes_equal(out[1], vp, "v_pages")

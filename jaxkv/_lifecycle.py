@@ -1,0 +1,117 @@
+"""The lifecycle the dense caches share (``LinearKVCache``, ``KVCacheManager``): active rows,
+reset, append, commit and compaction, as TensorRT Edge-LLM's KVCacheManager runs it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi
+from . import _lengths
+from . import _validate as validate
+from . import ops
+from ._checks import check
+
+
+def all_empty(lengths: jax.Array, active_batch_size: jax.Array) -> jax.Array:
+    """bool ``[]``: no active row holds a token."""
+    active = jnp.arange(lengths.shape[0]) < active_batch_size
+    return jnp.all(jnp.where(active, lengths, 0) == 0)
+
+
+def active_batch_size_arg(op: str, n, max_batch: int) -> jax.Array:
+    """A new active batch size: an int in [0, max_batch] or an int32 scalar (clipped, checkify)."""
+    if isinstance(n, (int, np.integer)):
+        validate.static_int(op, "n", n, 0, max_batch)
+    n = validate.int_scalar(op, "n", n)
+    check((n >= 0) & (n <= max_batch), f"{op}: n out of [0, max_batch]")
+    return jnp.clip(n, 0, max_batch)
+
+
+def reset_lengths(op: str, reuse_lengths, max_batch: int, max_seq_len: int):
+    """(lengths [max_batch], active batch size) of a reset to ``n = len(reuse_lengths)`` rows."""
+    validate.array(op, "reuse_lengths", reuse_lengths)
+    validate.int32(op, "reuse_lengths", reuse_lengths)
+    validate.rank(op, "reuse_lengths", reuse_lengths, 1, "[n]")
+    n = reuse_lengths.shape[0]
+    if n > max_batch:
+        raise ValueError(f"{op}: reuse_lengths has {n} entries, max_batch is {max_batch}")
+    lengths = _lengths.reset(op, reuse_lengths, max_batch, max_seq_len)
+    return lengths, jnp.asarray(n, jnp.int32)
+
+
+def append_counts(op: str, new_lengths, batch: int, tokens: int):
+    """(tokens written per row, for checks; the kernel's counts argument: [0] means all T)."""
+    if new_lengths is None:
+        return jnp.full((batch,), tokens, jnp.int32), jnp.zeros((0,), jnp.int32)
+    validate.array(op, "new_lengths", new_lengths)
+    validate.int32(op, "new_lengths", new_lengths)
+    validate.shape(op, "new_lengths", new_lengths, (batch,), "[max_batch]")
+    return jnp.clip(new_lengths, 0, tokens), new_lengths
+
+
+def commit_lengths(op, lengths, active_batch_size, new_lengths, max_seq_len) -> jax.Array:
+    """``lengths + new_lengths`` on active rows, saturating in ``[0, max_seq_len]``
+    (``_lengths.grow``: a negative or overflowing increment is reported and ignored)."""
+    increment = _lengths.increment_arg(op, "new_lengths", new_lengths, lengths.shape[0])
+    active = jnp.arange(lengths.shape[0]) < active_batch_size
+    return _lengths.grow(op, lengths, increment, max_seq_len, rows=active)
+
+
+def compact(op: str, buffers: list, lengths: jax.Array, batch_mapping: jax.Array):
+    """Every buffer's rows compacted in one launch: ``(lengths, buffers, survivors)``, the new
+    active batch size being the number of survivors (expected on rows ``[0, survivors)``)."""
+    rows = lengths.shape[0]
+    validate.array(op, "batch_mapping", batch_mapping)
+    validate.int32(op, "batch_mapping", batch_mapping)
+    validate.shape(op, "batch_mapping", batch_mapping, (rows,), "[max_batch]")
+    ops.check_mapping_injective(op, batch_mapping, rows)
+    lengths, buffers = ops.compact_buffers(buffers, lengths, batch_mapping, kv=True, rows=rows,
+                                           op=op)
+    survivors = jnp.sum((batch_mapping >= 0) & (batch_mapping < rows)).astype(jnp.int32)
+    check(
+        jnp.all(jnp.where(batch_mapping >= 0, batch_mapping < survivors, True)),
+        f"{op}: survivors must land on rows [0, survivors)",
+    )
+    return lengths, buffers, survivors
+
+
+def append(op, buffer, layer_idx, k, v, lengths, active_batch_size, new_lengths=None):
+    """Checks the arguments and makes the one FFI call of an append into ``[L, B, 2, H, S, D]``,
+    or into one layer ``[B, 2, H, S, D]`` (``layer_idx`` 0; reshaping it would cost a copy)."""
+    stack = buffer.shape if buffer.ndim == 6 else (1, *buffer.shape)
+    num_layers, batch, _, heads, capacity, head_dim = stack
+    layer_idx = validate.layer_index(op, layer_idx, num_layers)
+    for name, x in (("k", k), ("v", v)):
+        validate.array(op, name, x)
+        validate.rank(op, name, x, 4, "[max_batch, num_kv_heads, T, head_dim]")
+        if x.dtype != buffer.dtype:
+            raise TypeError(f"{op}: {name} has dtype {x.dtype}, the cache holds {buffer.dtype}")
+        if (x.shape[0], x.shape[1], x.shape[3]) != (batch, heads, head_dim):
+            raise ValueError(
+                f"{op}: {name} must have shape ({batch}, {heads}, T, {head_dim}), got {x.shape}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k and v shapes differ: {k.shape} vs {v.shape}")
+    validate.int32_dims(op, "cache", buffer)
+    validate.int32_dims(op, "k", k)
+    validate.kv_geometry(op, "cache", heads, capacity, head_dim * buffer.dtype.itemsize)
+    count, new_lengths_in = append_counts(op, new_lengths, batch, k.shape[2])
+    active = jnp.arange(batch) < active_batch_size
+    check(
+        (layer_idx >= 0) & (layer_idx < num_layers), f"{op}: layer_idx out of range"
+    )
+    # Without forming lengths + count, which may pass int32 (the kernel computes in 64 bits).
+    fits = (lengths >= 0) & (lengths <= capacity) & (count <= capacity - lengths)
+    check(
+        jnp.all(jnp.where(active & (count > 0), fits, True)),
+        f"{op}: tokens past max_seq_len are dropped",
+    )
+    return _ffi.call(
+        "jaxkv_append",
+        jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+        k, v, lengths, new_lengths_in, jnp.asarray(active_batch_size, jnp.int32), layer_idx,
+        buffer,
+        input_output_aliases={6: 0},
+    )
