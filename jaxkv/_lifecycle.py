@@ -11,6 +11,7 @@ from . import _ffi
 from . import _lengths
 from . import _validate as validate
 from . import ops
+from . import quantization
 from ._checks import check
 
 
@@ -77,23 +78,29 @@ def compact(op: str, buffers: list, lengths: jax.Array, batch_mapping: jax.Array
     return lengths, buffers, survivors
 
 
-def append(op, buffer, layer_idx, k, v, lengths, active_batch_size, new_lengths=None):
+def append(op, buffer, layer_idx, k, v, lengths, active_batch_size, new_lengths=None,
+           scales=None):
     """Checks the arguments and makes the one FFI call of an append into ``[L, B, 2, H, S, D]``,
-    or into one layer ``[B, 2, H, S, D]`` (``layer_idx`` 0; reshaping it would cost a copy)."""
+    or into one layer ``[B, 2, H, S, D]`` (``layer_idx`` 0; reshaping it would cost a copy).
+
+    ``scales``: ``(k_scales, v_scales, per_token)`` of an 8-bit cache, whose append quantizes
+    float K/V on the way in. Returns ``(buffer, k_scales, v_scales)`` (None, None unscaled)."""
     stack = buffer.shape if buffer.ndim == 6 else (1, *buffer.shape)
     num_layers, batch, _, heads, capacity, head_dim = stack
     layer_idx = validate.layer_index(op, layer_idx, num_layers)
     for name, x in (("k", k), ("v", v)):
         validate.array(op, name, x)
         validate.rank(op, name, x, 4, "[max_batch, num_kv_heads, T, head_dim]")
-        if x.dtype != buffer.dtype:
+        if x.dtype != buffer.dtype and scales is None:
             raise TypeError(f"{op}: {name} has dtype {x.dtype}, the cache holds {buffer.dtype}")
         if (x.shape[0], x.shape[1], x.shape[3]) != (batch, heads, head_dim):
             raise ValueError(
                 f"{op}: {name} must have shape ({batch}, {heads}, T, {head_dim}), got {x.shape}"
             )
-    if k.shape != v.shape:
-        raise ValueError(f"{op}: k and v shapes differ: {k.shape} vs {v.shape}")
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"{op}: k and v differ: {k.dtype}{k.shape} vs {v.dtype}{v.shape}")
+    if scales is not None:
+        quantization.check_inputs(op, k, v)
     validate.int32_dims(op, "cache", buffer)
     validate.int32_dims(op, "k", k)
     validate.kv_geometry(op, "cache", heads, capacity, head_dim * buffer.dtype.itemsize)
@@ -108,10 +115,15 @@ def append(op, buffer, layer_idx, k, v, lengths, active_batch_size, new_lengths=
         jnp.all(jnp.where(active & (count > 0), fits, True)),
         f"{op}: tokens past max_seq_len are dropped",
     )
-    return _ffi.call(
+    if scales is not None:
+        k_scales, v_scales, per_token = scales
+        return quantization.append_dense(buffer, k_scales, v_scales, per_token, k, v, lengths,
+                                         new_lengths_in, active_batch_size, layer_idx)
+    out = _ffi.call(
         "jaxkv_append",
         jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
         k, v, lengths, new_lengths_in, jnp.asarray(active_batch_size, jnp.int32), layer_idx,
         buffer,
         input_output_aliases={6: 0},
     )
+    return out, None, None

@@ -41,6 +41,7 @@ import numpy as np
 from . import _cudnn
 from . import _ffi
 from . import _validate as validate
+from . import quantization
 from ._checks import check
 from .layout import QUERIES, QUERY, ROWS
 from .linear import LinearKVCache
@@ -52,7 +53,7 @@ from .sharding import Role, per_shard
 # accepts the same so that a program behaves alike on both).
 HEAD_DIMS = (16, 32, 64, 128, 256)
 QUERY_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
-FP8_DTYPES = tuple(np.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2))
+EIGHT_BIT_DTYPES = quantization.QUANTIZED_DTYPES  # fp8 e4m3fn, e5m2, int8
 
 _DENSE, _PAGED_HND, _PAGED_NHD = 0, 1, 2  # ffi/include/jaxkv/attention.h: KVLayout
 # The GPU kernel splits each row's keys over blocks until the grid has about this many blocks
@@ -77,9 +78,28 @@ class _Source:
     capacity: int  # positions a row can address
     head_dim: int
     readable: jax.Array  # int32 [B]: positions of each row backed by memory (paged: pages held)
+    scaling: str | None = None  # an 8-bit cache's (jaxkv.quantization)
+    k_scales: jax.Array | None = None  # per token and head: the cache's scales of this layer's
+    v_scales: jax.Array | None = None  # buffer; per tensor: the layer's float32 [] scales
 
 
 def _source(op: str, cache, layer_idx) -> _Source:
+    src = _addressing(op, cache, layer_idx)
+    if getattr(cache, "scaling", None) is None:
+        return src
+    if cache.scaling == "per_tensor":
+        layer = jnp.clip(src.layer, 0, cache.num_layers - 1)
+        if isinstance(cache, KVCacheManager):
+            layer = layer_idx  # a static int, checked above
+        return dataclasses.replace(src, scaling="per_tensor", k_scales=cache.k_scales[layer],
+                                   v_scales=cache.v_scales[layer])
+    ks, vs = cache.k_scales, cache.v_scales
+    if isinstance(cache, KVCacheManager):
+        ks, vs = ks[layer_idx], vs[layer_idx]
+    return dataclasses.replace(src, scaling="per_token_head", k_scales=ks, v_scales=vs)
+
+
+def _addressing(op: str, cache, layer_idx) -> _Source:
     no_table = jnp.zeros((0,), jnp.int32)
     if isinstance(cache, LinearKVCache):
         layer = validate.layer_index(op, layer_idx, cache.num_layers)
@@ -112,12 +132,12 @@ def _check_query(op: str, q, src: _Source, rank: int, hint: str, cache_dtype) ->
     if np.dtype(q.dtype) not in QUERY_DTYPES:
         raise TypeError(f"{op}: q has dtype {q.dtype}; supported: float32, bfloat16, float16")
     cache_dtype = np.dtype(cache_dtype)
-    if cache_dtype in FP8_DTYPES:
+    if cache_dtype in EIGHT_BIT_DTYPES:
         if np.dtype(q.dtype) == np.dtype(jnp.float32):
             raise TypeError(f"{op}: q must be bfloat16 or float16 over a {cache_dtype} cache")
     elif cache_dtype != np.dtype(q.dtype):
         raise TypeError(f"{op}: q has dtype {q.dtype}, the cache holds {cache_dtype} (they must "
-                        "match, except over fp8 caches)")
+                        "match, except over 8-bit caches)")
     batch, q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     if batch != src.max_batch:
         raise ValueError(f"{op}: q has {batch} rows, the cache max_batch {src.max_batch} ({hint})")
@@ -133,8 +153,9 @@ def _check_query(op: str, q, src: _Source, rank: int, hint: str, cache_dtype) ->
 
 def _dequant_scale(op: str, name: str, value, cache_dtype) -> jax.Array:
     if value is None:
-        if np.dtype(cache_dtype) in FP8_DTYPES:
-            raise ValueError(f"{op}: {name} is required for an fp8 cache (its dequantization scale)")
+        if np.dtype(cache_dtype) in EIGHT_BIT_DTYPES:
+            raise ValueError(f"{op}: {name} is required for an 8-bit cache without scales of its "
+                             "own (its dequantization scale)")
         return jnp.ones((), jnp.float32)
     if isinstance(value, (int, float, np.floating)) and not isinstance(value, bool):
         return jnp.asarray(value, jnp.float32)
@@ -154,7 +175,16 @@ def _softmax_scale(op: str, scale, head_dim: int) -> float:
 
 
 def _scales(op: str, src: _Source, k_scale, v_scale, scale):
-    """(k dequantization scale, v dequantization scale, softmax scale), checked."""
+    """(k dequantization scale, v dequantization scale, softmax scale), checked. A cache with
+    scales of its own (jaxkv.quantization) takes none: per tensor they are its layer's."""
+    if src.scaling is not None:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"{op}: the cache keeps its own scales (scaling={src.scaling!r}); "
+                             "k_scale / v_scale are only for an 8-bit cache without them")
+        if src.scaling == "per_tensor":
+            return src.k_scales, src.v_scales, _softmax_scale(op, scale, src.head_dim)
+        one = jnp.ones((), jnp.float32)
+        return one, one, _softmax_scale(op, scale, src.head_dim)
     return (_dequant_scale(op, "k_scale", k_scale, src.k.dtype),
             _dequant_scale(op, "v_scale", v_scale, src.k.dtype),
             _softmax_scale(op, scale, src.head_dim))
@@ -171,10 +201,13 @@ def _splits(rows: int, src: _Source, q_heads: int) -> int:
 def _call(target, q4, src: _Source, starts, counts, k_scale, v_scale, scale, splits):
     b, t, hq, d = q4.shape
     work = (b, t, hq, splits, d + 2) if splits > 1 else (0,)
+    per_token = src.scaling == "per_token_head"
+    none = jnp.zeros((0,), jnp.float32)
     out, _ = _ffi.call(
         target,
         (jax.ShapeDtypeStruct(q4.shape, q4.dtype), jax.ShapeDtypeStruct(work, jnp.float32)),
         q4, src.k, src.v, src.page_table, starts, counts, src.layer, k_scale, v_scale,
+        src.k_scales if per_token else none, src.v_scales if per_token else none,
         scale=np.float32(scale), layout=np.int32(src.layout),
     )
     return out
@@ -210,7 +243,7 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
 
     **Arguments:**
     - ``q``: ``[max_batch, num_q_heads, head_dim]``, float32, bfloat16 or float16 (the cache's
-      dtype; bfloat16 or float16 over an fp8 cache). ``num_q_heads`` is a multiple of the layer's
+      dtype; bfloat16 or float16 over an 8-bit cache). ``num_q_heads`` is a multiple of the layer's
       KV heads (grouped-query attention: q head ``h`` reads KV head ``h // (num_q_heads / H)``).
     - ``cache``: a ``LinearKVCache``, ``KVCacheManager`` or ``PagedKVCache`` (HND or NHD).
     - ``layer_idx``: the layer; an int or an int32 scalar (traced, e.g. in a ``scan`` over layers),
@@ -218,8 +251,10 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     - ``kv_lengths``: int32 ``[max_batch]``: row ``b`` attends to tokens ``[0, kv_lengths[b])``;
       default ``cache.lengths`` (append, commit, then attend).
     - ``scale``: softmax scale (a Python float), default ``1/sqrt(head_dim)``.
-    - ``k_scale``, ``v_scale``: dequantization scales (float or float32 scalar), required for an fp8
-      cache: keys are read as ``k_scale * k``, values as ``v_scale * v``.
+    - ``k_scale``, ``v_scale``: dequantization scales (float or float32 scalar) of an 8-bit cache
+      without scales of its own: keys are read as ``k_scale * k``, values as ``v_scale * v``. An
+      8-bit cache made by ``create`` keeps its scales (``jaxkv.quantization``) and is read with
+      them, per token and head or per tensor; passing these then is a ``ValueError``.
     - ``implementation``: ``None`` (default: the fastest that can serve the call), ``"jaxkv"``
       (jaxkv's own kernel, every cache kind) or ``"cudnn"`` (cuDNN's paged flash attention through
       jax's private binding: on a GPU, for a ``PagedKVCache`` (HND or NHD) in bfloat16 or

@@ -11,8 +11,9 @@ import numpy as np
 
 from . import _lifecycle as lifecycle
 from . import _validate as validate
+from . import quantization
 from . import reuse
-from .layout import COUNT, KV, LINEAR_BUFFER, ROWS
+from .layout import COUNT, KV, LINEAR_BUFFER, REPLICATED, ROWS
 from .sharding import (CacheSharding, Combined, Count, Destinations, FromOwner, Role, create,
                        per_shard, row_ids)
 
@@ -40,11 +41,16 @@ class LinearKVCache:
     active_batch_size: jax.Array  # int32 []: sequences [0, active_batch_size) are live
     # ([batch_shards] when the batch is sharded: a count per shard; docs/sharding.md)
     sharding: CacheSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # 8-bit caches (jaxkv.quantization): float32 [L, B, H, S] per token and head, or [L] per tensor
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
+    scaling: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
-    @staticmethod
-    def leaf_roles() -> dict:
+    def leaf_roles(self) -> dict:
         """Where each leaf keeps its rows and heads (``jaxkv.layout``)."""
-        return dict(buffer=LINEAR_BUFFER, lengths=ROWS, active_batch_size=COUNT)
+        scales = (None, "batch", "heads", None) if self.scaling == "per_token_head" else REPLICATED
+        return dict(buffer=LINEAR_BUFFER, lengths=ROWS, active_batch_size=COUNT, k_scales=scales,
+                    v_scales=scales)
 
     @classmethod
     def create(
@@ -56,6 +62,9 @@ class LinearKVCache:
         head_dim: int,
         dtype=jnp.bfloat16,
         sharding: CacheSharding | None = None,
+        scaling: str | None = None,
+        k_scale=None,
+        v_scale=None,
     ) -> "LinearKVCache":
         """An empty cache: ``buffer`` ``[num_layers, max_batch, 2, num_kv_heads, max_seq_len,
         head_dim]`` of ``dtype`` (zeros), ``lengths`` int32 ``[max_batch]`` zeros, no active row.
@@ -71,6 +80,13 @@ class LinearKVCache:
         With ``sharding`` (a ``jaxkv.CacheSharding``) every buffer is created already placed on
         its mesh, never on one device first (docs/sharding.md); a size the mesh axis does not
         divide is a ``ValueError`` naming it.
+
+        An 8-bit cache (``float8_e4m3fn``, ``float8_e5m2``, ``int8``) keeps float32 scales
+        (``jaxkv.quantization``): with ``scaling="per_token_head"`` (the default) ``k_scales``,
+        ``v_scales`` ``[num_layers, max_batch, num_kv_heads, max_seq_len]``, written by
+        ``append``; with ``"per_tensor"`` ``[num_layers]``, from ``k_scale``, ``v_scale``
+        (default 1.0; ``with_scales`` replaces them). Its ``append`` takes float32, bfloat16 or
+        float16 K/V and quantizes them on the way in.
         """
         op = "LinearKVCache.create"
         dims = dict(num_layers=num_layers, max_batch=max_batch, num_kv_heads=num_kv_heads,
@@ -82,8 +98,12 @@ class LinearKVCache:
         shape = (num_layers, max_batch, 2, num_kv_heads, max_seq_len, head_dim)
         leaves = dict(buffer=(shape, dtype, 0), lengths=((max_batch,), jnp.int32, 0),
                       active_batch_size=((), jnp.int32, 0))
+        scaling = quantization.scaling_of(op, dtype, scaling)
+        leaves.update(quantization.scale_leaves(op, scaling, num_layers,
+                                                (num_layers, max_batch, num_kv_heads, max_seq_len),
+                                                k_scale, v_scale))
         divides = dict(max_batch=(max_batch, "batch"), num_kv_heads=(num_kv_heads, "heads"))
-        return create(cls, op, sharding, leaves, divides)
+        return create(cls, op, sharding, leaves, divides, scaling=scaling)
 
     # Static configuration, read off the buffer's shape.
     num_layers = property(lambda self: self.buffer.shape[0], doc="Decoder layers (static).")
@@ -92,6 +112,11 @@ class LinearKVCache:
     max_seq_len = property(lambda self: self.buffer.shape[4], doc="Tokens each row holds (static).")
     head_dim = property(lambda self: self.buffer.shape[5], doc="Elements per head (static).")
     dtype = property(lambda self: self.buffer.dtype, doc="Element type of the buffer.")
+
+    def with_scales(self, k_scale=None, v_scale=None) -> "LinearKVCache":
+        """A per-tensor cache with new scales (a float, or float32 ``[]`` / ``[num_layers]``; None
+        keeps the current ones). The stored bytes are unchanged: they read with the new scales."""
+        return quantization.with_scales(self, "LinearKVCache.with_scales", k_scale, v_scale)
 
     def layer(self, i: IntOrArray) -> jax.Array:
         """``[max_batch, 2, H, S, D]`` of layer ``i`` (a view under ``jit``)."""
@@ -142,11 +167,11 @@ class LinearKVCache:
         (a ``scan`` over layers); out of range writes nothing. Tokens past ``max_seq_len`` are
         dropped; both cases are reported through ``checkify``.
         """
-        buffer = lifecycle.append(
+        buffer, k_scales, v_scales = lifecycle.append(
             "LinearKVCache.append", self.buffer, layer_idx, k, v, self.lengths,
-            self.active_batch_size, new_lengths,
+            self.active_batch_size, new_lengths, quantization.scales_of(self),
         )
-        return dataclasses.replace(self, buffer=buffer)
+        return dataclasses.replace(self, buffer=buffer, k_scales=k_scales, v_scales=v_scales)
 
     @per_shard(new_lengths=Role(ROWS))
     def commit(self, new_lengths: IntOrArray) -> "LinearKVCache":
@@ -170,24 +195,26 @@ class LinearKVCache:
         survivors are expected on rows ``[0, survivors)``. Lengths follow their sequences and the
         active batch size becomes the number of survivors.
         """
-        lengths, (buffer,), survivors = lifecycle.compact(
-            "LinearKVCache.compact", [self.buffer], self.lengths, batch_mapping)
+        moving = quantization.token_scales(self)
+        lengths, (buffer, *scales), survivors = lifecycle.compact(
+            "LinearKVCache.compact", [self.buffer, *moving], self.lengths, batch_mapping)
         return dataclasses.replace(self, buffer=buffer, lengths=lengths,
-                                   active_batch_size=survivors)
+                                   active_batch_size=survivors,
+                                   **quantization.replaced_scales(self, scales))
 
     @per_shard(batch_idx=row_ids("self"), out=FromOwner())
     def save(self, batch_idx: IntOrArray, seq_len: int):
         """Tokens ``[0, seq_len)`` of row ``batch_idx``, every layer, in one launch: a
         ``jaxkv.SavedKV`` (see ``jaxkv.save_kv_cache``)."""
         return reuse.save_saved_kv("LinearKVCache.save", [self.buffer], ["buffer"], batch_idx,
-                                   seq_len)
+                                   seq_len, quantization.scales_of(self))
 
     @per_shard(batch_idx=row_ids("self"))
     def instantiate(self, saved, batch_idx: IntOrArray) -> "LinearKVCache":
         """Writes a ``jaxkv.SavedKV`` into tokens ``[0, T)`` of row ``batch_idx`` (an int, an int32
         scalar or an int32 ``[n]`` array of rows), every layer in one launch. Lengths are
         unchanged: pass ``saved.length`` to ``reset``."""
-        (buffer,) = reuse.instantiate_saved_kv(
-            "LinearKVCache.instantiate", [self.buffer], ["buffer"], saved, batch_idx
-        )
-        return dataclasses.replace(self, buffer=buffer)
+        (buffer,), scales = reuse.instantiate_saved_kv(
+            "LinearKVCache.instantiate", [self.buffer], ["buffer"], saved, batch_idx,
+            quantization.scales_of(self))
+        return dataclasses.replace(self, buffer=buffer, **quantization.replaced_scales(self, scales))

@@ -12,8 +12,9 @@ import numpy as np
 
 from . import _lifecycle as lifecycle
 from . import _validate as validate
+from . import quantization
 from . import reuse
-from .layout import COUNT, KV, LAYER, ROWS
+from .layout import COUNT, KV, LAYER, REPLICATED, ROWS
 from .linear import LinearKVCache
 from .reuse import SavedKV
 from .sharding import (CacheSharding, Combined, Count, Destinations, FromOwner, Role, create,
@@ -54,11 +55,17 @@ class KVCacheManager:
     active_batch_size: jax.Array  # int32 []: sequences [0, active_batch_size) are live
     # ([batch_shards] when the batch is sharded: a count per shard; docs/sharding.md)
     sharding: CacheSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # 8-bit caches (jaxkv.quantization): per layer float32 [B, H_i, S_i] per token and head, or
+    # [num_layers] per tensor
+    k_scales: tuple[jax.Array, ...] | jax.Array | None = None
+    v_scales: tuple[jax.Array, ...] | jax.Array | None = None
+    scaling: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
-    @staticmethod
-    def leaf_roles() -> dict:
+    def leaf_roles(self) -> dict:
         """Where each leaf keeps its rows and heads (``jaxkv.layout``)."""
-        return dict(layers=LAYER, lengths=ROWS, active_batch_size=COUNT)
+        scales = ("batch", "heads", None) if self.scaling == "per_token_head" else REPLICATED
+        return dict(layers=LAYER, lengths=ROWS, active_batch_size=COUNT, k_scales=scales,
+                    v_scales=scales)
 
     @classmethod
     def create(
@@ -68,6 +75,9 @@ class KVCacheManager:
         max_seq_len: int,
         dtype=jnp.bfloat16,
         sharding: CacheSharding | None = None,
+        scaling: str | None = None,
+        k_scale=None,
+        v_scale=None,
     ) -> "KVCacheManager":
         """An empty cache: layer ``i`` is ``[max_batch, 2, H_i, S_i, D_i]`` of ``dtype`` (zeros)
         with ``H_i, D_i`` from ``layer_configs[i]`` and ``S_i`` its ``max_seq_len`` (default:
@@ -81,7 +91,9 @@ class KVCacheManager:
         above the cache's included).
 
         With ``sharding`` (a ``jaxkv.CacheSharding``) every layer is created already placed on
-        its mesh (docs/sharding.md).
+        its mesh (docs/sharding.md). ``scaling``, ``k_scale``, ``v_scale``: as for
+        ``LinearKVCache.create``; per token and head, ``k_scales`` and ``v_scales`` hold one
+        ``[max_batch, H_i, S_i]`` per layer.
         """
         op = "KVCacheManager.create"
         validate.static_int(op, "max_batch", max_batch, lo=1, hi=validate.MAX_COMPACT_ROWS)
@@ -104,10 +116,14 @@ class KVCacheManager:
             shapes.append((max_batch, 2, c.num_kv_heads, seq, c.head_dim))
         leaves = dict(layers=[(shape, dtype, 0) for shape in shapes],
                       lengths=((max_batch,), jnp.int32, 0), active_batch_size=((), jnp.int32, 0))
+        scaling = quantization.scaling_of(op, dtype, scaling)
+        leaves.update(quantization.scale_leaves(op, scaling, len(configs),
+                                                [(b, h, s) for b, _, h, s, _ in shapes],
+                                                k_scale, v_scale))
         divides = dict(max_batch=(max_batch, "batch"))
         divides.update({f"layer_configs[{i}].num_kv_heads": (c.num_kv_heads, "heads")
                         for i, c in enumerate(configs)})
-        return create(cls, op, sharding, leaves, divides)
+        return create(cls, op, sharding, leaves, divides, scaling=scaling)
 
     # Static configuration, read off the buffers' shapes.
     num_layers = property(lambda self: len(self.layers), doc="Attention layers (static).")
@@ -116,6 +132,10 @@ class KVCacheManager:
     max_seq_len = property(lambda self: max(layer.shape[3] for layer in self.layers),
                            doc="The longest layer capacity, in tokens (static).")
     dtype = property(lambda self: self.layers[0].dtype, doc="Element type of every layer.")
+
+    def with_scales(self, k_scale=None, v_scale=None) -> "KVCacheManager":
+        """A per-tensor cache with new scales; see ``LinearKVCache.with_scales``."""
+        return quantization.with_scales(self, "KVCacheManager.with_scales", k_scale, v_scale)
 
     def _index(self, op: str, i: int) -> int:
         return validate.static_int(op, "layer_idx", i, 0, self.num_layers - 1)
@@ -145,18 +165,31 @@ class KVCacheManager:
         are copied once (under ``jit`` with the cache donated, that one copy is all); lengths and
         the active batch size are carried over."""
         layers = tuple(cache.buffer[i] for i in range(cache.num_layers))
+        scales = {}
+        if cache.scaling == "per_token_head":
+            scales = dict(k_scales=tuple(cache.k_scales[i] for i in range(cache.num_layers)),
+                          v_scales=tuple(cache.v_scales[i] for i in range(cache.num_layers)))
+        elif cache.scaling == "per_tensor":
+            scales = dict(k_scales=cache.k_scales, v_scales=cache.v_scales)
         return cls(layers=layers, lengths=cache.lengths, active_batch_size=cache.active_batch_size,
-                   sharding=cache.sharding)
+                   sharding=cache.sharding, scaling=cache.scaling, **scales)
 
     def to_linear(self) -> LinearKVCache:
         """A LinearKVCache of a uniform cache: the layers stacked into one buffer (one copy)."""
         if not self.is_uniform:
             raise ValueError("KVCacheManager.to_linear: layers differ in shape or dtype")
+        scales = {}
+        if self.scaling == "per_token_head":
+            scales = dict(k_scales=jnp.stack(self.k_scales), v_scales=jnp.stack(self.v_scales))
+        elif self.scaling == "per_tensor":
+            scales = dict(k_scales=self.k_scales, v_scales=self.v_scales)
         return LinearKVCache(
             buffer=jnp.stack(self.layers),
             lengths=self.lengths,
             active_batch_size=self.active_batch_size,
             sharding=self.sharding,
+            scaling=self.scaling,
+            **scales,
         )
 
     @property
@@ -187,10 +220,18 @@ class KVCacheManager:
         Tokens past the layer's ``max_seq_len`` are dropped (reported through ``checkify``)."""
         op = "KVCacheManager.append"
         i = self._index(op, layer_idx)
-        layer = lifecycle.append(
-            op, self.layers[i], 0, k, v, self.lengths, self.active_batch_size, new_lengths
+        scales, fields = None, {}
+        if self.scaling == "per_token_head":
+            scales = (self.k_scales[i], self.v_scales[i], True)
+        elif self.scaling == "per_tensor":  # the layer's own scales, read only
+            scales = (self.k_scales[i:i + 1], self.v_scales[i:i + 1], False)
+        layer, k_scales, v_scales = lifecycle.append(
+            op, self.layers[i], 0, k, v, self.lengths, self.active_batch_size, new_lengths, scales
         )
-        return dataclasses.replace(self, layers=self.layers[:i] + (layer,) + self.layers[i + 1 :])
+        if self.scaling == "per_token_head":
+            fields = dict(k_scales=_replaced(self.k_scales, i, k_scales),
+                          v_scales=_replaced(self.v_scales, i, v_scales))
+        return dataclasses.replace(self, layers=_replaced(self.layers, i, layer), **fields)
 
     @per_shard(new_lengths=Role(ROWS))
     def commit(self, new_lengths: IntOrArray) -> "KVCacheManager":
@@ -206,10 +247,13 @@ class KVCacheManager:
     @per_shard(batch_mapping=Destinations("self"))
     def compact(self, batch_mapping: jax.Array) -> "KVCacheManager":
         """Evicts and compacts every layer in one launch (see ``LinearKVCache.compact``)."""
-        lengths, layers, survivors = lifecycle.compact(
-            "KVCacheManager.compact", list(self.layers), self.lengths, batch_mapping)
-        return dataclasses.replace(self, layers=tuple(layers), lengths=lengths,
-                                   active_batch_size=survivors)
+        n = self.num_layers
+        lengths, moved, survivors = lifecycle.compact(
+            "KVCacheManager.compact", [*self.layers, *quantization.token_scales(self)],
+            self.lengths, batch_mapping)
+        return dataclasses.replace(self, layers=tuple(moved[:n]), lengths=lengths,
+                                   active_batch_size=survivors,
+                                   **quantization.replaced_scales(self, moved[n:]))
 
     def _names(self) -> list[str]:
         return [f"layers[{i}]" for i in range(self.num_layers)]
@@ -219,8 +263,8 @@ class KVCacheManager:
         """Tokens ``[0, seq_len)`` of row ``batch_idx``, every layer, in one launch (see
         ``jaxkv.save_kv_cache``); ``seq_len`` (static) must fit every layer."""
         return reuse.save_saved_kv(
-            "KVCacheManager.save", list(self.layers), self._names(), batch_idx, seq_len
-        )
+            "KVCacheManager.save", list(self.layers), self._names(), batch_idx, seq_len,
+            quantization.scales_of(self))
 
     @per_shard(batch_idx=row_ids("self"))
     def instantiate(self, saved: SavedKV, batch_idx: IntOrArray) -> "KVCacheManager":
@@ -228,7 +272,12 @@ class KVCacheManager:
         an int32 ``[n]`` array of rows), every layer in one launch (see
         ``jaxkv.instantiate_kv_cache``). Lengths are unchanged: pass ``saved.length`` to ``reset``.
         """
-        layers = reuse.instantiate_saved_kv(
-            "KVCacheManager.instantiate", list(self.layers), self._names(), saved, batch_idx
-        )
-        return dataclasses.replace(self, layers=tuple(layers))
+        layers, scales = reuse.instantiate_saved_kv(
+            "KVCacheManager.instantiate", list(self.layers), self._names(), saved, batch_idx,
+            quantization.scales_of(self))
+        return dataclasses.replace(self, layers=tuple(layers),
+                                   **quantization.replaced_scales(self, scales))
+
+
+def _replaced(items: tuple, i: int, x) -> tuple:
+    return items[:i] + (x,) + items[i + 1:]

@@ -54,12 +54,13 @@ def _check_one_launch(buffers, *, kv: bool, rows: int, op: str) -> None:
     checked at trace time: past it the handler would fail after the buffers were donated."""
     if rows > validate.MAX_COMPACT_ROWS:
         raise ValueError(f"{op}: at most {validate.MAX_COMPACT_ROWS} rows, got {rows}")
-    count = sum(b.shape[0] if kv and b.ndim == 6 else 1 for b in buffers)
+    # A stack: [L, rows, 2, H, S, D], or the scales of one [L, rows, H, S] (layers.h).
+    count = sum(b.shape[0] if kv and b.ndim in (4, 6) else 1 for b in buffers)
     if count > validate.MAX_LAYERS:
         raise ValueError(f"{op}: at most {validate.MAX_LAYERS} layers per launch, got {count}")
     for i, b in enumerate(buffers):
         if kv:
-            *_, h, s, d = b.shape
+            h, s, d = (*b.shape[-2:], 1) if b.ndim in (3, 4) else b.shape[-3:]
             validate.kv_geometry(op, f"layer {i}", h, s, d * b.dtype.itemsize)
 
 
@@ -69,8 +70,9 @@ def compact_buffers(
 ) -> tuple[Any, list[jax.Array]]:
     """The one FFI call behind every compaction (arguments already validated).
 
-    ``buffers``: KV layers ``[rows, 2, H, S, D]`` or stacks ``[L, rows, 2, H, S, D]`` when ``kv``,
-    else plain ``[rows, ...]`` tensors moved whole. Returns (new lengths or None, new buffers).
+    ``buffers``: KV layers ``[rows, 2, H, S, D]`` or stacks ``[L, rows, 2, H, S, D]`` when ``kv``
+    (and the scales of 8-bit ones, ``[(L,) rows, H, S]``), else plain ``[rows, ...]`` tensors moved
+    whole. Returns (new lengths or None, new buffers).
     """
     _check_one_launch(buffers, kv=kv, rows=rows, op=op)
     n = len(buffers)

@@ -18,9 +18,11 @@ from . import _lengths
 from . import _validate as validate
 from . import ops
 from . import paged_ops
+from . import quantization
 from ._checks import check, elsewhere
 from ._validate import INT32_MAX
-from .layout import KV, KV_LAYERS, LAYER, LAYOUTS, POOL, ROWS, pool_geometry, pool_shape
+from .layout import (KV, KV_LAYERS, LAYER, LAYOUTS, POOL, REPLICATED, ROWS, pool_geometry,
+                     pool_shape)
 from .paged_ops import NO_PAGE
 from .sharding import (CacheSharding, Combined, Destinations, Ids, Role, create, per_shard,
                        row_ids, rows_of, same_shard)
@@ -58,12 +60,18 @@ class PagedKVCache:
     layout: str = dataclasses.field(default="HND", metadata=dict(static=True))
     # Sharded: pools, tables and allocator split per batch shard, local page ids (docs/sharding.md)
     sharding: CacheSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # 8-bit caches (jaxkv.quantization): float32 pools without D (HND [L, H, P, S], NHD
+    # [L, P, S, H]) per token and head, or [num_layers] per tensor
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
+    scaling: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def leaf_roles(self) -> dict:
         """Where each leaf keeps its rows, pages and heads (``jaxkv.layout``)."""
         pool = POOL[self.layout]
+        scales = pool[:4] if self.scaling == "per_token_head" else REPLICATED
         return dict(k_pages=pool, v_pages=pool, page_table=ROWS, lengths=ROWS, ref_counts=ROWS,
-                    new_tokens=ROWS)
+                    new_tokens=ROWS, k_scales=scales, v_scales=scales)
 
     @classmethod
     def create(
@@ -78,6 +86,9 @@ class PagedKVCache:
         dtype=jnp.bfloat16,
         layout: str = "HND",
         sharding: CacheSharding | None = None,
+        scaling: str | None = None,
+        k_scale=None,
+        v_scale=None,
     ) -> "PagedKVCache":
         """An empty cache: every page free, every page-table entry ``NO_PAGE``, lengths 0.
 
@@ -93,6 +104,10 @@ class PagedKVCache:
 
         With ``sharding`` (a ``jaxkv.CacheSharding``) every leaf is created already placed, each
         batch shard owning ``num_pages / batch_shards`` pages (docs/sharding.md).
+
+        ``scaling``, ``k_scale``, ``v_scale``: as for ``LinearKVCache.create``; per token and head
+        ``k_scales`` and ``v_scales`` are pools without D: ``[L, H, P, S]`` (HND) or
+        ``[L, P, S, H]`` (NHD).
         """
         op = "PagedKVCache.create"
         dims = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
@@ -113,9 +128,13 @@ class PagedKVCache:
         leaves = dict(k_pages=(shape, dtype, 0), v_pages=(shape, dtype, 0),
                       page_table=((max_batch, max_pages_per_seq), jnp.int32, NO_PAGE),
                       lengths=rows, ref_counts=((num_pages,), jnp.int32, 0), new_tokens=rows)
+        scaling = quantization.scaling_of(op, dtype, scaling)
+        leaves.update(quantization.scale_leaves(op, scaling, num_layers, shape[:4] if layout ==
+                                                "HND" else shape[:3] + shape[3:4], k_scale,
+                                                v_scale))
         divides = dict(max_batch=(max_batch, "batch"), num_pages=(num_pages, "batch"),
                        num_kv_heads=(num_kv_heads, "heads"))
-        return create(cls, op, sharding, leaves, divides, layout=layout)
+        return create(cls, op, sharding, leaves, divides, layout=layout, scaling=scaling)
 
     # Static configuration, read off the shapes.
     def _geometry(self) -> dict:
@@ -166,6 +185,10 @@ class PagedKVCache:
     def empty(self) -> jax.Array:
         """bool ``[]``: no sequence holds a token (the seed's empty_cache)."""
         return jnp.all(self.lengths == 0)
+
+    def with_scales(self, k_scale=None, v_scale=None) -> "PagedKVCache":
+        """A per-tensor cache with new scales; see ``LinearKVCache.with_scales``."""
+        return quantization.with_scales(self, "PagedKVCache.with_scales", k_scale, v_scale)
 
     def cache_length(self, b: IntOrArray) -> jax.Array:
         """int32 ``[]``: tokens stored for sequence ``b``."""
@@ -331,13 +354,8 @@ class PagedKVCache:
         ref_counts = ref_counts.at[shared].add(jnp.sum(served, dtype=jnp.int32), mode="drop")
         last = src_row[jnp.clip(full, 0, self.max_pages_per_seq - 1)]
         copy_src = jnp.where(new_page >= 0, last, NO_PAGE)
-        k_pages, v_pages = paged_ops.copy_pages(
-            cache.k_pages, cache.v_pages, copy_src, new_page, layout=self.layout
-        )
         cache = dataclasses.replace(
-            cache,
-            k_pages=k_pages,
-            v_pages=v_pages,
+            cache._copied(copy_src, new_page),
             page_table=page_table,
             lengths=jnp.where(served, length, cache.lengths),
             ref_counts=ref_counts,
@@ -356,10 +374,20 @@ class PagedKVCache:
     def copy_pages(self, src_pages: jax.Array, dst_pages: jax.Array) -> "PagedKVCache":
         """Copies physical pages ``src_pages[i]`` -> ``dst_pages[i]`` (every layer, K and V, one
         launch); see ``jaxkv.paged_ops.copy_pages``. The page table is not changed."""
+        return self._copied(src_pages, dst_pages)
+
+    def _copied(self, src_pages, dst_pages) -> "PagedKVCache":
+        """Pages copied with their per-token scales (a pool of one-value tokens: a second launch
+        of the same kernel, on a view of the scales with D = 1)."""
         k_pages, v_pages = paged_ops.copy_pages(
             self.k_pages, self.v_pages, src_pages, dst_pages, layout=self.layout
         )
-        return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+        fields = {}
+        if self.scaling == "per_token_head":
+            ks, vs = paged_ops.copy_pages(self.k_scales[..., None], self.v_scales[..., None],
+                                          src_pages, dst_pages, layout=self.layout)
+            fields = dict(k_scales=ks[..., 0], v_scales=vs[..., 0])
+        return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages, **fields)
 
     # Data.
     @per_shard(k=Role(KV), v=Role(KV), new_lengths=Role(ROWS))
@@ -375,11 +403,14 @@ class PagedKVCache:
         for name, x in (("k", k), ("v", v)):
             validate.array(op, name, x)
             validate.rank(op, name, x, 4, "[max_batch, num_kv_heads, T, head_dim]")
-        k_pages, v_pages = paged_ops.paged_append(
-            self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, k, v,
-            new_lengths, layout=self.layout,
-        )
-        return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+        return self._appended(op, layer_idx, k, v, new_lengths)
+
+    def _appended(self, op, layer_idx, k, v, new_lengths) -> "PagedKVCache":
+        k_pages, v_pages, k_scales, v_scales = paged_ops.append_tokens(
+            op, self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, k, v,
+            new_lengths, self.layout, quantization.scales_of(self))
+        scales = dict(k_scales=k_scales, v_scales=v_scales) if self.scaling else {}
+        return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages, **scales)
 
     @per_shard(k=Role(KV_LAYERS), v=Role(KV_LAYERS), new_lengths=Role(ROWS))
     def append_layers(self, k: jax.Array, v: jax.Array, new_lengths=None):
@@ -388,11 +419,7 @@ class PagedKVCache:
         for name, x in (("k", k), ("v", v)):
             validate.array(op, name, x)
             validate.rank(op, name, x, 5, "[num_layers, max_batch, num_kv_heads, T, head_dim]")
-        k_pages, v_pages = paged_ops.paged_append(
-            self.k_pages, self.v_pages, self.page_table, self.lengths, 0, k, v, new_lengths,
-            layout=self.layout,
-        )
-        return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+        return self._appended(op, 0, k, v, new_lengths)
 
     @per_shard(num_new_tokens=Role(ROWS))
     def commit(self, num_new_tokens: IntOrArray) -> "PagedKVCache":
@@ -408,14 +435,25 @@ class PagedKVCache:
         return dataclasses.replace(self, lengths=_lengths.grow(op, self.lengths, n, capacity))
 
     @per_shard(out=lambda args: (Role(KV), Role(KV)) if args["split"] else Role(LAYER))
-    def gather(self, layer_idx: IntOrArray, max_len: int, *, split: bool = False):
+    def gather(self, layer_idx: IntOrArray, max_len: int, *, split: bool = False, dtype=None):
         """Layer ``layer_idx``'s tokens in dense memory: ``[max_batch, 2, H, max_len, D]``, or with
         ``split`` a ``(k, v)`` pair of ``[max_batch, H, max_len, D]``. Positions at or past a
-        sequence's length are zeros."""
-        return paged_ops.paged_gather(
+        sequence's length are zeros.
+
+        ``dtype``: the result's dtype. An 8-bit cache gives its values dequantized
+        (``float32(q) * scale``), in float32 unless ``dtype`` names another float dtype; any
+        other cache gives its own dtype, converted to ``dtype`` if given."""
+        op = "PagedKVCache.gather"
+        gathered = paged_ops.paged_gather(
             self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, max_len,
-            layout=self.layout, split=split,
+            layout=self.layout, split=split or self.scaling is not None,
         )
+        if self.scaling is None:
+            if dtype is None:
+                return gathered
+            return jax.tree.map(lambda x: x.astype(quantization.float_dtype(op, dtype)), gathered)
+        k, v = _dequantized(op, self, gathered, layer_idx, max_len, dtype)
+        return (k, v) if split else jnp.stack((k, v), axis=1)
 
 
 def _allocate(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array):
@@ -436,3 +474,20 @@ def _allocate(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array):
     total = jnp.sum(take)
     taken = jnp.where(jnp.arange(num_pages) < total, free_ids, num_pages)
     return ref_counts.at[taken].set(1, mode="drop"), served, first.astype(jnp.int32), free_ids
+
+
+def _dequantized(op: str, cache, gathered, layer_idx, max_len: int, dtype):
+    """The gathered ``(k, v)`` ``[B, H, max_len, D]`` of a paged 8-bit cache as values:
+    ``float32(q) * scale`` in ``dtype`` (default float32). Per token and head, the scales are
+    gathered by the same kernel from the scale pools seen as pools of one-value tokens."""
+    dtype = quantization.float_dtype(op, jnp.float32 if dtype is None else dtype)
+    k, v = gathered
+    if cache.scaling == "per_token_head":
+        ks, vs = paged_ops.paged_gather(cache.k_scales[..., None], cache.v_scales[..., None],
+                                        cache.page_table, cache.lengths, layer_idx, max_len,
+                                        layout=cache.layout, split=True)
+        ks, vs = ks[..., 0], vs[..., 0]
+    else:
+        layer = jnp.clip(jnp.asarray(layer_idx, jnp.int32), 0, cache.num_layers - 1)
+        ks, vs = cache.k_scales[layer], cache.v_scales[layer]
+    return (quantization.dequantize(k, ks, dtype), quantization.dequantize(v, vs, dtype))

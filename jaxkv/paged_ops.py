@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from . import _ffi
 from . import _validate as validate
+from . import quantization
 from ._checks import check
 from ._lifecycle import append_counts
 from .layout import KV, KV_LAYERS, LAYER, LAYOUTS, POOL, ROWS, pool_geometry
@@ -110,7 +111,16 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_len
     With ``sharding`` (a ``jaxkv.CacheSharding``): pools, table and tokens split as a
     PagedKVCache's; each shard's table holds page ids local to its share (docs/sharding.md).
     """
-    op = "paged_append"
+    out = append_tokens("paged_append", k_pages, v_pages, page_table, lengths, layer_idx, k, v,
+                        new_lengths, layout)
+    return out[:2]
+
+
+def append_tokens(op, k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_lengths,
+                  layout: str, scales=None):
+    """``paged_append``'s checks and its one FFI call; ``scales``: ``(k_scales, v_scales,
+    per_token)`` of an 8-bit cache, whose append quantizes float K/V on the way in. Returns
+    ``(k_pages, v_pages, k_scales, v_scales)`` (None, None unscaled)."""
     g = _check_pools(op, k_pages, v_pages, layout)
     batch = _check_table(op, page_table, lengths)
     all_layers = getattr(k, "ndim", None) == 5
@@ -120,12 +130,14 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_len
     for name, x in (("k", k), ("v", v)):
         validate.array(op, name, x)
         validate.rank(op, name, x, len(lead) + 4, "[B, H, T, D] or [L, B, H, T, D]")
-        if x.dtype != k_pages.dtype:
+        if x.dtype != k_pages.dtype and scales is None:
             raise TypeError(f"{op}: {name} has dtype {x.dtype}, the pools hold {k_pages.dtype}")
         expected = lead + (batch, g["num_kv_heads"], x.shape[-2], g["head_dim"])
         validate.shape(op, name, x, expected, "[(L,) B, H, T, D]")
-    if k.shape != v.shape:
-        raise ValueError(f"{op}: k and v shapes differ: {k.shape} vs {v.shape}")
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"{op}: k and v differ: {k.dtype}{k.shape} vs {v.dtype}{v.shape}")
+    if scales is not None:
+        quantization.check_inputs(op, k, v)
     tokens = k.shape[-2]
     validate.int32_dims(op, "k", k)
     spans = (g["num_layers"] if all_layers else 1) * batch * g["num_kv_heads"]
@@ -139,13 +151,18 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_len
         f"{op}: tokens past a row's reserved pages are dropped: no page of this pool holds them "
         "(reserve first)",
     )
-    return _ffi.call(
+    if scales is not None:
+        k_scales, v_scales, per_token = scales
+        return quantization.append_paged(k_pages, v_pages, k_scales, v_scales, per_token,
+                                         page_table, lengths, k, v, counts_in, layer_idx,
+                                         layout == "NHD")
+    return *_ffi.call(
         "jaxkv_paged_append",
         (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),) * 2,
         k, v, page_table, lengths, counts_in, layer_idx, k_pages, v_pages,
         input_output_aliases={6: 0, 7: 1},
         nhd=layout == "NHD",
-    )
+    ), None, None
 
 
 @per_shard(k_pages=_pool, v_pages=_pool, page_table=Role(ROWS), lengths=Role(ROWS),

@@ -216,3 +216,39 @@ def prefill_attention(q, k, v, lengths, q_lengths, scale=None, k_scale=1.0, v_sc
     """q [B, T, Hq, D] at positions lengths[b] + t (t < q_lengths[b]): causal over k, v
     [B, Hkv, S, D], which already hold the new tokens. float32 [B, T, Hq, D]."""
     return attention(q, k, v, lengths, q_lengths, scale, k_scale, v_scale)
+
+
+# 8-bit caches (jaxkv.quantization): the definition the quantizing kernels match bit for bit.
+QMAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "int8": 127.0}
+
+
+def quantize(x: jax.Array, dtype, scale=None):
+    """``(q, scale)``: ``x`` (float, ``[..., D]``) in 8 bits.
+
+    ``scale=None``: one float32 scale per vector over the last axis, ``max|x| / QMAX``;
+    otherwise the given float32 scale (broadcast against ``x[..., 0]``). The stored value is
+    ``x / scale`` in float32, clipped to ``[-QMAX, QMAX]`` and rounded to nearest even into
+    ``dtype``; a zero scale stores zeros."""
+    dtype = jnp.dtype(dtype)
+    qmax = jnp.float32(QMAX[dtype.name])
+    x = x.astype(jnp.float32)
+    if scale is None:
+        scale = _divide(jnp.max(jnp.abs(x), axis=-1), qmax)
+    scale = jnp.asarray(scale, jnp.float32)
+    s = jnp.broadcast_to(scale, x.shape[:-1])[..., None]
+    v = jnp.clip(jnp.where(s > 0, _divide(x, jnp.where(s > 0, s, 1)), 0), -qmax, qmax)
+    if dtype == jnp.int8:
+        v = jnp.round(v)  # to nearest even, as the float formats round
+    return v.astype(dtype), jnp.broadcast_to(scale, x.shape[:-1])
+
+
+def _divide(a, b):
+    """``a / b`` in float32, correctly rounded. XLA turns a division by a broadcast value (a
+    constant, a scale per vector) into a multiplication by its reciprocal, which rounds
+    differently; a divisor of ``a``'s full shape behind a barrier stays a division."""
+    return a / jax.lax.optimization_barrier(jnp.broadcast_to(b, a.shape))
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """``float32(q) * scale`` (``scale`` per vector over the last axis), in ``dtype``."""
+    return (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)[..., None]).astype(dtype)

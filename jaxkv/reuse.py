@@ -38,22 +38,27 @@ class SavedKV:
 
     layers: tuple[jax.Array, ...]  # per layer [2, num_kv_heads_i, T, head_dim_i]
     length: jax.Array  # int32 []: tokens of the prompt, the reuse length to pass to reset (T)
+    # From an 8-bit cache: per layer float32 [num_kv_heads_i, T] (per token and head) or []
+    k_scales: tuple[jax.Array, ...] | None = None
+    v_scales: tuple[jax.Array, ...] | None = None
+    scaling: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     num_layers = property(lambda self: len(self.layers), doc="Layers saved (static).")
     tokens = property(lambda self: self.layers[0].shape[2], doc="Tokens saved, T (static).")
 
-    @staticmethod
-    def leaf_roles() -> dict:
+    def leaf_roles(self) -> dict:
         """Where each leaf keeps its heads (``jaxkv.layout``): a saved prompt has no rows."""
-        return dict(layers=SAVED, length=REPLICATED)
+        scales = ("heads", None) if self.scaling == "per_token_head" else REPLICATED
+        return dict(layers=SAVED, length=REPLICATED, k_scales=scales, v_scales=scales)
 
 
 def _described(op: str, buffers: Sequence[jax.Array], names: Sequence[str]):
-    """(name, [max_batch, 2, H, S, D] shape, dtype) of every layer the kernel sees, in order:
-    a rank-6 stack [L, max_batch, 2, H, S, D] is L layers."""
+    """(name, shape, dtype) of every layer the kernel sees, in order: a KV layer
+    [max_batch, 2, H, S, D] or its scales [max_batch, H, S]; a stack (rank 6, scales rank 4)
+    [L, ...] is L layers."""
     out = []
     for buf, name in zip(buffers, names):
-        if buf.ndim == 6:
+        if buf.ndim in (4, 6):
             out += [(f"{name}[{l}]", buf.shape[1:], buf.dtype) for l in range(buf.shape[0])]
         else:
             out.append((name, buf.shape, buf.dtype))
@@ -96,11 +101,13 @@ def save_buffers(op, buffers, names, batch_idx, seq_len) -> list[jax.Array]:
     rows = buffers[0].shape[-5]
     layers = _described(op, buffers, names)
     seq_len = validate.static_int(op, "seq_len", seq_len, lo=0)
-    for name, (_, _, h, s, d), _ in layers:
-        if seq_len > s:
-            raise ValueError(f"{op}: seq_len {seq_len} exceeds max_seq_len {s} of {name}")
+    for name, shape, _ in layers:
+        if seq_len > shape[-2 if len(shape) == 5 else -1]:
+            raise ValueError(f"{op}: seq_len {seq_len} exceeds max_seq_len "
+                             f"{shape[-2 if len(shape) == 5 else -1]} of {name}")
     slots = _slots(op, batch_idx, rows, allow_many=False)
-    results = [jax.ShapeDtypeStruct((2, h, seq_len, d), dt) for _, (_, _, h, _, d), dt in layers]
+    results = [jax.ShapeDtypeStruct((2, shape[2], seq_len, shape[4]) if len(shape) == 5
+                                    else (shape[1], seq_len), dt) for _, shape, dt in layers]
     out = _ffi.call("jaxkv_copy_prefix", results, slots, *buffers, to_cache=False, rows=rows)
     return list(out)
 
@@ -114,8 +121,16 @@ def instantiate_buffers(op, buffers, names, saved, saved_names, batch_idx) -> li
     layers = _described(op, buffers, names)
     if len(saved) != len(layers):
         raise ValueError(f"{op}: {len(saved)} saved tensors for {len(layers)} cache layers")
-    for (name, (_, _, h, s, d), dt), x, sname in zip(layers, saved, saved_names):
+    for (name, shape, dt), x, sname in zip(layers, saved, saved_names):
         validate.array(op, sname, x)
+        if len(shape) == 3:  # the scales of a layer: [H, T]
+            _, h, s = shape
+            validate.rank(op, sname, x, 2, "[num_kv_heads, T]")
+            if x.dtype != dt or x.shape[0] != h or x.shape[1] > s:
+                raise ValueError(f"{op}: {sname} must be float32 [{h}, T <= {s}] to fit {name}, "
+                                 f"got {x.dtype}{x.shape}")
+            continue
+        _, _, h, s, d = shape
         validate.rank(op, sname, x, 4, "[2, num_kv_heads, T, head_dim]")
         if x.dtype != dt:
             raise TypeError(f"{op}: {sname} has dtype {x.dtype} but {name} holds {dt}")
@@ -228,15 +243,59 @@ def instantiate_kv_cache(layers: Layers, saved: Layers, batch_idx: IntOrArray, s
     return _like(layers, out)
 
 
-def save_saved_kv(op, buffers, names, batch_idx, seq_len) -> SavedKV:
-    """``save`` of the cache classes: a SavedKV of every layer of ``buffers``."""
-    out = save_buffers(op, buffers, names, batch_idx, seq_len)
-    return SavedKV(layers=tuple(out), length=jnp.asarray(seq_len, jnp.int32))
+def save_saved_kv(op, buffers, names, batch_idx, seq_len, scales=None) -> SavedKV:
+    """``save`` of the cache classes: a SavedKV of every layer of ``buffers``, with the scales of
+    an 8-bit cache (``scales``: ``quantization.scales_of``) in the same launch."""
+    k_scales, v_scales, per_token = scales if scales is not None else (None, None, False)
+    n = len(_described(op, buffers, names))
+    extra, extra_names = (_scale_buffers(k_scales, v_scales) if per_token else ([], []))
+    out = save_buffers(op, [*buffers, *extra], [*names, *extra_names], batch_idx, seq_len)
+    if per_token:
+        saved_k, saved_v = tuple(out[n:2 * n]), tuple(out[2 * n:])
+    elif scales is not None:  # per tensor: each layer's scale
+        saved_k, saved_v = tuple(k_scales), tuple(v_scales)
+    else:
+        saved_k = saved_v = None
+    return SavedKV(layers=tuple(out[:n]), length=jnp.asarray(seq_len, jnp.int32),
+                   k_scales=saved_k, v_scales=saved_v,
+                   scaling=None if scales is None else ("per_token_head" if per_token
+                                                        else "per_tensor"))
 
 
-def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx) -> list[jax.Array]:
-    """``instantiate`` of the cache classes: ``saved`` into every layer of ``buffers``."""
+def _scale_buffers(k_scales, v_scales):
+    """The per-token scale leaves as kernel layers, and their names."""
+    if isinstance(k_scales, tuple):
+        n = len(k_scales)
+        return ([*k_scales, *v_scales],
+                [f"k_scales[{i}]" for i in range(n)] + [f"v_scales[{i}]" for i in range(n)])
+    return [k_scales, v_scales], ["k_scales", "v_scales"]
+
+
+def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx, scales=None):
+    """``instantiate`` of the cache classes: ``saved`` into every layer of ``buffers`` (and, an
+    8-bit cache's, its scales, in the same launch). Returns (buffers, the moved scale leaves)."""
     if not isinstance(saved, SavedKV):
         raise TypeError(f"{op}: saved must be a SavedKV, got {type(saved).__name__}")
+    k_scales, v_scales, per_token = scales if scales is not None else (None, None, False)
+    scaling = None if scales is None else ("per_token_head" if per_token else "per_tensor")
+    if saved.scaling != scaling:
+        raise ValueError(
+            f"{op}: saved was saved from a cache with scaling={saved.scaling!r}, this cache has "
+            f"scaling={scaling!r}: a prefix instantiates into a cache of its own kind (quantizing "
+            "an unquantized prefix on the way in is not supported yet)")
     names_saved = [f"saved.layers[{i}]" for i in range(saved.num_layers)]
-    return instantiate_buffers(op, buffers, names, list(saved.layers), names_saved, batch_idx)
+    items, saved_items = list(buffers), list(saved.layers)
+    if per_token:
+        extra, extra_names = _scale_buffers(k_scales, v_scales)
+        items += extra
+        names = [*names, *extra_names]
+        saved_items += [*saved.k_scales, *saved.v_scales]
+        names_saved += [f"saved.k_scales[{i}]" for i in range(saved.num_layers)]
+        names_saved += [f"saved.v_scales[{i}]" for i in range(saved.num_layers)]
+    elif scales is not None:
+        same = [jnp.all(a == b) for a, b in zip((*saved.k_scales, *saved.v_scales),
+                                               (*k_scales, *v_scales))]
+        check(jnp.all(jnp.asarray(same)),
+              f"{op}: saved's per-tensor scales differ from the cache's (its bytes read otherwise)")
+    out = instantiate_buffers(op, items, names, saved_items, names_saved, batch_idx)
+    return out[:len(buffers)], out[len(buffers):]

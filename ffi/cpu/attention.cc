@@ -6,77 +6,27 @@
 #include <vector>
 
 #include "jaxkv/attention.h"
+#include "jaxkv/numerics.h"
 #include "jaxkv/registry.h"
 
 namespace jaxkv {
 namespace {
 
-float bits_to_float(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-uint32_t float_to_bits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return bits;
-}
-
-// A minifloat with `mbits` mantissa bits and exponent bias `bias` (no infinities are produced by
-// the dtypes read here; e4m3fn's NaN is exponent and mantissa all ones, e5m2's is IEEE).
-float minifloat(uint32_t x, int ebits, int mbits, int bias, bool ieee_special) {
-  const uint32_t sign = x >> (ebits + mbits);
-  const uint32_t e = (x >> mbits) & ((1u << ebits) - 1);
-  const uint32_t m = x & ((1u << mbits) - 1);
-  float v;
-  if (ieee_special && e == (1u << ebits) - 1) {
-    v = m ? NAN : INFINITY;
-  } else if (!ieee_special && e == (1u << ebits) - 1 && m == (1u << mbits) - 1) {
-    v = NAN;
-  } else if (e == 0) {
-    v = std::ldexp(static_cast<float>(m), 1 - bias - mbits);
-  } else {
-    v = std::ldexp(static_cast<float>(m | (1u << mbits)), static_cast<int>(e) - bias - mbits);
-  }
-  return sign ? -v : v;
-}
-
+// An element of a cache or query as float32 (numerics.h).
 float load(const char* p, ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: {
-      float f;
-      std::memcpy(&f, p, 4);
-      return f;
-    }
-    case ffi::DataType::BF16: {
-      uint16_t h;
-      std::memcpy(&h, p, 2);
-      return bits_to_float(uint32_t{h} << 16);
-    }
-    case ffi::DataType::F16: {
-      uint16_t h;
-      std::memcpy(&h, p, 2);
-      return minifloat(h, 5, 10, 15, true);
-    }
-    case ffi::DataType::F8E4M3FN:
-      return minifloat(static_cast<uint8_t>(*p), 4, 3, 7, false);
-    case ffi::DataType::F8E5M2:
-      return minifloat(static_cast<uint8_t>(*p), 5, 2, 15, true);
-    default:
-      return 0.f;  // make_attention accepts only the dtypes above
-  }
+  Format f;
+  return format_of(t, &f) ? load_float(p, 0, f) : 0.f;  // make_attention accepts only these
 }
 
 // Round to nearest even, as XLA converts.
 uint16_t to_bf16(float f) {
-  const uint32_t b = float_to_bits(f);
+  const uint32_t b = float_bits(f);
   if (std::isnan(f)) return static_cast<uint16_t>((b >> 16) | 0x40);
   return static_cast<uint16_t>((b + 0x7fff + ((b >> 16) & 1)) >> 16);
 }
 
 uint16_t to_f16(float f) {
-  const uint32_t b = float_to_bits(f);
+  const uint32_t b = float_bits(f);
   const uint16_t sign = static_cast<uint16_t>((b >> 16) & 0x8000);
   if (std::isnan(f)) return sign | 0x7e00;
   const float a = std::fabs(f);
@@ -98,14 +48,15 @@ void store(char* p, ffi::DataType t, float f) {
   }
 }
 
-// Row b, KV head kvh: its live keys and values are converted to float once, then every query of
-// the row and every q head of the group reads them.
+// Row b, KV head kvh: its live keys and values are converted to float once (dequantized by their
+// scales, an 8-bit cache's), then every query of the row and every q head of the group reads them.
 void attend(const AttentionProblem& p) {
   const int64_t qe = p.q_type == ffi::DataType::F32 ? 4 : 2;
-  const int64_t ke = p.kv_type == ffi::DataType::F32 ? 4
-                     : (p.kv_type == ffi::DataType::BF16 || p.kv_type == ffi::DataType::F16) ? 2
-                                                                                           : 1;
-  const KVReadView& c = p.kv;
+  Format kf;
+  format_of(p.kv_type, &kf);
+  const int64_t ke = format_bytes(kf);
+  const KVView& sc = p.scales;
+  const KVView& c = p.kv;
   const bool layer_ok = p.layer_ok();
   const float k_scale = *p.k_scale, v_scale = *p.v_scale;
   const int64_t D = p.head_dim;
@@ -122,9 +73,14 @@ void attend(const AttentionProblem& p) {
         const int64_t off = c.offset(*p.layer, b, kvh, s);
         if (off < 0) continue;  // no page: never read
         present[s] = 1;
+        float ks = 1.f, vs = 1.f;
+        if (sc.k) {
+          const int64_t so = sc.offset(*p.layer, b, kvh, s);
+          ks = sc.k_float(so), vs = sc.v_float(so);
+        }
         for (int64_t d = 0; d < D; ++d) {
-          keys[s * D + d] = load(c.k + off + d * ke, p.kv_type);
-          values[s * D + d] = load(c.v + off + d * ke, p.kv_type);
+          keys[s * D + d] = load(c.k + off + d * ke, p.kv_type) * ks;
+          values[s * D + d] = load(c.v + off + d * ke, p.kv_type) * vs;
         }
       }
       for (int32_t t = 0; t < p.tokens; ++t) {
@@ -161,10 +117,11 @@ ffi::Error attention_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> starts,
                          ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> layer,
                          ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                         ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>>,
                          float scale, int32_t layout) {
-  auto p = make_attention("attention", q, k, v, table, starts, counts, layer, k_scale, v_scale, out,
-                          scale, layout);
+  auto p = make_attention("attention", q, k, v, table, starts, counts, layer, k_scale, v_scale,
+                          k_scales, v_scales, out, scale, layout);
   if (p.has_error()) return p.error();
   attend(*p);
   return ffi::Error::Success();

@@ -3,7 +3,8 @@
 // Block (query row r = (b, t), KV head group, split) attends the keys [split * keys_per_split, ...)
 // of its row that are live (below AttentionProblem::keys). Two kernels share that grid and the
 // workspace: attention_tc_kernel below (tensor cores) for bf16 / f16 caches with head dims 64 and
-// 128, and attention_kernel (CUDA cores) for the rest (f32, fp8, other head dims).
+// 128, and attention_kernel (CUDA cores) for the rest (f32, 8-bit, other head dims), which applies
+// an 8-bit cache's per-token scales: the key's to its score, the value's to its weight.
 // attention_kernel takes up to kMaxHeads q heads of one KV head (the GQA group shares every K/V
 // load). A warp takes kTokensPerWarp tokens at a time, each over kLanesPerToken lanes with 16-byte
 // loads (8 for fp8), kUnroll groups of tokens in flight; scores and the softmax run in float32,
@@ -97,8 +98,18 @@ template <__nv_fp8_interpretation_t kKind> struct Fp8 {
 };
 struct E4M3 {};
 struct E5M2 {};
+struct S8 {};
 template <> struct Elem<E4M3> : Fp8<__NV_E4M3> {};
 template <> struct Elem<E5M2> : Fp8<__NV_E5M2> {};
+template <> struct Elem<S8> {
+  using W = uint2;
+  static constexpr int kElems = 8;
+  __device__ static void to_float(const W& w, float* f) {
+    const uint32_t u[2] = {w.x, w.y};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(static_cast<int8_t>(u[i / 4] >> (8 * (i % 4))));
+  }
+};
 
 template <int kD, class KT>
 struct Geometry {
@@ -190,14 +201,22 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = 0; i < G::kPerLane; ++i) acc[g][i] = 0.f;
   }
 
+  const bool token_scales = p.scales.k != nullptr;  // an 8-bit cache scaled per token and head
   for (int32_t it = k0; it < k1; it += G::kStep * kUnroll) {
     W kw[kUnroll][G::kVecsPerLane], vw[kUnroll][G::kVecsPerLane];
     bool live[kUnroll];
+    float ks[kUnroll], vs[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int32_t j = it + u * G::kStep + warp * G::kTokensPerWarp + sub;
-      const int64_t off = j < k1 ? p.kv.offset(layer, b, kvh, j) : -1;
+      const int32_t page = j < k1 ? p.kv.page(b, j) : -1;
+      const int64_t off = page < 0 ? -1 : p.kv.at(layer, page, kvh, j);
       live[u] = off >= 0;
+      ks[u] = vs[u] = 1.f;
+      if (token_scales && live[u]) {
+        const int64_t so = p.scales.at(layer, page, kvh, j);
+        ks[u] = p.scales.k_float(so), vs[u] = p.scales.v_float(so);
+      }
 #pragma unroll
       for (int v = 0; v < G::kVecsPerLane; ++v) {
         const int64_t o = off + int64_t{(v * G::kLanes + part)} * sizeof(W);
@@ -218,7 +237,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int i = 0; i < G::kPerLane; ++i) dot = fmaf(q[g][i], kf[i], dot);
 #pragma unroll
         for (int o = G::kLanes / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-        s[u][g] = live[u] ? dot : -INFINITY;
+        s[u][g] = live[u] ? dot * ks[u] : -INFINITY;
       }
     }
 #pragma unroll
@@ -237,11 +256,12 @@ __global__ void __launch_bounds__(kThreads)
       for (int u = 0; u < kUnroll; ++u) {
         const float pr = exp2f(s[u][g] - mx);
         l[g] += pr;
+        const float pv = pr * vs[u];  // V's scale folded into the weight
         float vf[G::kPerLane];
 #pragma unroll
         for (int v = 0; v < G::kVecsPerLane; ++v) Elem<KT>::to_float(vw[u][v], vf + v * G::kElems);
 #pragma unroll
-        for (int i = 0; i < G::kPerLane; ++i) acc[g][i] = fmaf(pr, vf[i], acc[g][i]);
+        for (int i = 0; i < G::kPerLane; ++i) acc[g][i] = fmaf(pv, vf[i], acc[g][i]);
       }
     }
   }
@@ -906,10 +926,11 @@ ffi::Error attention_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                           ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> starts,
                           ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> layer,
                           ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                          ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> work,
                           float scale, int32_t layout) {
-  auto p = make_attention("attention", q, k, v, table, starts, counts, layer, k_scale, v_scale, out,
-                          scale, layout);
+  auto p = make_attention("attention", q, k, v, table, starts, counts, layer, k_scale, v_scale,
+                          k_scales, v_scales, out, scale, layout);
   if (p.has_error()) return p.error();
   if (p->batch == 0 || p->tokens == 0 || p->q_heads == 0) return ffi::Error::Success();
   auto wd = work->dimensions();
@@ -942,6 +963,8 @@ ffi::Error attention_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   if (qt == D::BF16 && kt == D::F8E5M2) return launch_types<__nv_bfloat16, E5M2>(stream, *p, splits, w);
   if (qt == D::F16 && kt == D::F8E4M3FN) return launch_types<__half, E4M3>(stream, *p, splits, w);
   if (qt == D::F16 && kt == D::F8E5M2) return launch_types<__half, E5M2>(stream, *p, splits, w);
+  if (qt == D::BF16 && kt == D::S8) return launch_types<__nv_bfloat16, S8>(stream, *p, splits, w);
+  if (qt == D::F16 && kt == D::S8) return launch_types<__half, S8>(stream, *p, splits, w);
   return invalid("attention", "unsupported dtypes of q and the cache");
 }
 

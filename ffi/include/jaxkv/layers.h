@@ -38,9 +38,23 @@ inline LayerSpan kv_layer_span(char* base, int64_t rows, int64_t h, int64_t s, i
   return l;
 }
 
+// Geometry of the scales [.., H, S] of a KV layer starting at `base`: one value per token and head.
+inline LayerSpan scale_layer_span(char* base, int64_t h, int64_t s, int64_t elem) {
+  LayerSpan l;
+  l.base = base;
+  l.token_bytes = static_cast<int32_t>(elem);
+  l.capacity = static_cast<int32_t>(s);
+  l.heads = static_cast<int32_t>(h);
+  l.head_stride = s * elem;
+  l.row_stride = h * l.head_stride;
+  return l;
+}
+
 // Describes every layer of a buffer list. Each buffer is one layer [rows, 2, H, S, D], or a stack
-// of layers [L, rows, 2, H, S, D] (LinearKVCache), or, when `kv` is false, a plain [rows, ...]
-// tensor compacted row by row. Returns the number of layers written to `out`.
+// of layers [L, rows, 2, H, S, D] (LinearKVCache), or the per-token scales of an 8-bit cache,
+// [rows, H, S] or [L, rows, H, S] (heads = H spans of S one-value tokens, moved with their data);
+// or, when `kv` is false, a plain [rows, ...] tensor compacted row by row. Returns the number of
+// layers written to `out`.
 template <class Buffers>
 ffi::ErrorOr<int> describe_layers(const char* op, const Buffers& buffers, size_t count, bool kv,
                                   int64_t rows, LayerSpan* out) {
@@ -60,14 +74,18 @@ ffi::ErrorOr<int> describe_layers(const char* op, const Buffers& buffers, size_t
       out[n++] = LayerSpan{base, row_bytes, row_bytes, 1, 1, static_cast<int32_t>(row_bytes)};
       continue;
     }
-    const bool stacked = dims.size() == 6;
-    if (!stacked && dims.size() != 5) return ffi::Unexpected(invalid(op, "a KV layer must have rank 5 or 6"));
+    const bool scales = dims.size() == 3 || dims.size() == 4;
+    const bool stacked = dims.size() == (scales ? 4 : 6);
+    if (!scales && !stacked && dims.size() != 5)
+      return ffi::Unexpected(invalid(op, "a KV layer must have rank 5 or 6, its scales 3 or 4"));
     const int64_t num = stacked ? dims[0] : 1;
     const int64_t o = stacked ? 1 : 0;
-    if (dims[o] != rows || dims[o + 1] != 2) return ffi::Unexpected(invalid(op, "KV layer shape mismatch"));
+    if (dims[o] != rows || (!scales && dims[o + 1] != 2))
+      return ffi::Unexpected(invalid(op, "KV layer shape mismatch"));
     for (int64_t l = 0; l < num; ++l) {
       if (n >= kMaxLayers) return ffi::Unexpected(invalid(op, "too many layers for one launch"));
-      LayerSpan s = kv_layer_span(base, rows, dims[o + 2], dims[o + 3], dims[o + 4], *elem);
+      LayerSpan s = scales ? scale_layer_span(base, dims[o + 1], dims[o + 2], *elem)
+                           : kv_layer_span(base, rows, dims[o + 2], dims[o + 3], dims[o + 4], *elem);
       s.base = base + l * rows * s.row_stride;
       out[n++] = s;
     }

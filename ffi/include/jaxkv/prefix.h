@@ -1,7 +1,8 @@
 // Prompt KV reuse, shared by the CPU and CUDA handlers: copying the first T tokens of cache rows
 // to or from saved tensors, every layer in one call.
 //
-// A cache layer is [rows, 2, H, S, D] (or a stack of them); its saved prefix is [2, H, T, D]. For
+// A cache layer is [rows, 2, H, S, D] (or a stack of them); its saved prefix is [2, H, T, D]. The
+// per-token scales of an 8-bit cache, [rows, H, S], are layers too; their saved prefix is [H, T]. For
 // each (layer, slot, K/V head) the copy is one contiguous run of T * token_bytes bytes on both
 // sides, so the whole op is a set of spans. save reads one slot into fresh saved tensors;
 // instantiate writes the same saved tensors into every slot of a list. Slots outside [0, rows)
@@ -93,14 +94,19 @@ ffi::ErrorOr<PrefixArgs> describe_prefix(ffi::Buffer<ffi::S32>& slots, const Arg
     if (elem.has_error()) return ffi::Unexpected(elem.error());
     auto d = s->dimensions();
     const LayerSpan& c = spans[i];
-    if (d.size() != 4 || d[0] != 2 || 2 * d[1] != c.heads || d[3] * *elem != c.token_bytes ||
-        d[2] > c.capacity)
+    // A KV layer's saved prefix is [2, H, T, D]; its scales' is [H, T].
+    const bool kv = d.size() == 4;
+    const int64_t heads = kv ? 2 * d[1] : (d.size() == 2 ? d[0] : -1);
+    const int64_t tokens = kv ? d[2] : d[d.size() - 1];
+    const int64_t token_bytes = kv ? d[3] * *elem : *elem;
+    if ((kv && d[0] != 2) || heads != c.heads || token_bytes != c.token_bytes ||
+        tokens > c.capacity)
       return ffi::Unexpected(
           invalid(op, "saved tensor " + std::to_string(i) + " does not fit its layer"));
     PrefixLayer& l = out[i];
     l.cache = c;
     l.saved = static_cast<char*>(s->untyped_data());
-    l.span_bytes = d[2] * c.token_bytes;
+    l.span_bytes = tokens * c.token_bytes;
     l.width = vector_width(std::gcd(c.head_stride, l.span_bytes));
   }
   return PrefixArgs{*num, slots.typed_data(), static_cast<int32_t>(slots.element_count())};

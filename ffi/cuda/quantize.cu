@@ -1,0 +1,93 @@
+// CUDA handlers of the quantizing appends (dense and paged): one warp per (layer, row, K/V, head,
+// token) vector. The lanes read the head_dim values, reduce max |x| with shuffles, lane 0 writes the
+// scale, and each lane writes its bytes: one pass over the input, no temporary.
+#include <algorithm>
+
+#include "jaxkv/cuda_launch.h"
+#include "jaxkv/quantize.h"
+#include "jaxkv/registry.h"
+
+namespace jaxkv {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kMaxValuesPerLane = 8;  // head_dim <= 256 (the Python side checks)
+
+__global__ void __launch_bounds__(kWarps * 32) quantize_kernel(const QuantAppend p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t{gridDim.x} * kWarps;
+  for (int64_t i = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32; i < p.vectors(); i += warps) {
+    QuantTarget t;
+    if (!quant_target(p, i, &t)) continue;  // the same for every lane of the warp
+    float x[kMaxValuesPerLane];
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < kMaxValuesPerLane; ++j) {
+      const int d = lane + 32 * j;
+      x[j] = d < p.head_dim ? load_float(t.src, d, p.input) : 0.f;
+      amax = fmaxf(amax, fabsf(x[j]));
+    }
+    float s = t.given;
+    if (t.scale) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      s = amax / format_max(p.format);
+      if (lane == 0) *t.scale = s;
+    }
+#pragma unroll
+    for (int j = 0; j < kMaxValuesPerLane; ++j) {
+      const int d = lane + 32 * j;
+      if (d < p.head_dim) t.dst[d] = static_cast<char>(quantize_value(x[j], s, p.format));
+    }
+  }
+}
+
+ffi::Error launch(cudaStream_t stream, const QuantAppend& p, const char* op) {
+  if (p.head_dim > 32 * kMaxValuesPerLane) return invalid(op, "head_dim above 256");
+  const int64_t blocks = (p.vectors() + kWarps - 1) / kWarps;
+  if (blocks == 0) return ffi::Error::Success();
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(blocks, 1 << 20));
+  quantize_kernel<<<grid, kWarps * 32, 0, stream>>>(p);
+  return cuda_status(op);
+}
+
+ffi::Error append_quantized_cuda(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                 ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> counts,
+                                 ffi::Buffer<ffi::S32> active, ffi::Buffer<ffi::S32> layer,
+                                 ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                                 ffi::Result<ffi::AnyBuffer> cache,
+                                 ffi::Result<ffi::AnyBuffer> k_scales,
+                                 ffi::Result<ffi::AnyBuffer> v_scales, bool per_token) {
+  auto p = make_quant_append("append_quantized", 0, k, v, nullptr, lengths, counts, &active, layer,
+                             *cache, *cache, *k_scales, *v_scales, per_token);
+  if (p.has_error()) return p.error();
+  return launch(stream, *p, "append_quantized");
+}
+
+ffi::Error paged_append_quantized_cuda(
+    cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> table,
+    ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> layer,
+    ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+    ffi::Result<ffi::AnyBuffer> k_pages, ffi::Result<ffi::AnyBuffer> v_pages,
+    ffi::Result<ffi::AnyBuffer> k_scales, ffi::Result<ffi::AnyBuffer> v_scales, bool per_token,
+    bool nhd) {
+  auto p = make_quant_append("paged_append_quantized", nhd ? 2 : 1, k, v, &table, lengths, counts,
+                             nullptr, layer, *k_pages, *v_pages, *k_scales, *v_scales, per_token);
+  if (p.has_error()) return p.error();
+  return launch(stream, *p, "paged_append_quantized");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxkv_append_quantized_cuda, append_quantized_cuda,
+    bind_append_quantized(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    JAXKV_CUDA_TRAITS);
+JAXKV_REGISTER_TARGET("jaxkv_append_quantized", "CUDA", jaxkv_append_quantized_cuda);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxkv_paged_append_quantized_cuda, paged_append_quantized_cuda,
+    bind_paged_append_quantized(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    JAXKV_CUDA_TRAITS);
+JAXKV_REGISTER_TARGET("jaxkv_paged_append_quantized", "CUDA", jaxkv_paged_append_quantized_cuda);
+
+}  // namespace jaxkv

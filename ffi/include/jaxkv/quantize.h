@@ -1,0 +1,182 @@
+// Quantizing K/V on their way into an 8-bit cache (fp8 e4m3 / e5m2, int8), shared by the CPU and
+// CUDA handlers of the dense and the paged append.
+//
+// Each (layer, row, K/V, head, token) vector of head_dim values becomes head_dim bytes. Scaled per
+// token and head, its scale is s = max|x| / QMAX (float32), written beside the data, and the bytes
+// are x / s clipped to [-QMAX, QMAX] and rounded to nearest even (a vector of zeros: scale 0 and
+// zeros). Scaled per tensor, s is the layer's given scale and nothing but the data is written. The
+// source is float32, bfloat16 or float16 [n, B, H, T, D]; data and scales go in one launch.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "jaxkv/kv_view.h"
+#include "jaxkv/numerics.h"
+
+namespace jaxkv {
+
+struct QuantAppend {
+  KVView cache;                 // the 8-bit data
+  KVView scales;                // per token and head: where the scales go
+  const float* tensor_k_scale;  // per tensor: the [L] scales of K and of V; else null
+  const float* tensor_v_scale;
+  const char* k;                // [n, B, H, T, D] in `input`
+  const char* v;
+  Format input, format;
+  const int32_t* lengths;       // [B]: position of token 0 of each row
+  const int32_t* counts;        // [B]: tokens of each row to write, or null: all T
+  const int32_t* active;        // []: rows [0, active) are written, or null: every row
+  const int32_t* layer;         // []: the cache layer of source layer 0
+  int32_t layers, batch, heads, tokens, head_dim;
+
+  JAXKV_HD int64_t vectors() const { return int64_t{layers} * batch * 2 * heads * tokens; }
+};
+
+// Where vector i = (n, b, K/V, h, t) (t fastest) comes from and goes.
+struct QuantTarget {
+  const char* src;  // its first value
+  char* dst;        // its first byte
+  float* scale;     // where its scale goes (null per tensor)
+  float given;      // per tensor: the scale to use
+};
+
+// False when nothing is written: an inactive row, a layer out of range, a token past the row's
+// count, a position past the capacity or without a page.
+JAXKV_HD bool quant_target(const QuantAppend& p, int64_t i, QuantTarget* t) {
+  const int32_t tk = static_cast<int32_t>(i % p.tokens);
+  i /= p.tokens;
+  const int32_t h = static_cast<int32_t>(i % p.heads);
+  i /= p.heads;
+  const bool is_v = i % 2;
+  i /= 2;
+  const int32_t b = static_cast<int32_t>(i % p.batch);
+  const int64_t n = i / p.batch;
+  if (p.active && b >= *p.active) return false;
+  const int64_t layer = int64_t{*p.layer} + n;
+  if (layer < 0 || layer >= p.cache.num_layers) return false;
+  if (tk >= (p.counts ? p.counts[b] : p.tokens)) return false;
+  const int64_t pos = int64_t{p.lengths[b]} + tk;
+  if (pos < 0 || pos >= p.cache.capacity) return false;
+  const int64_t off = p.cache.offset(layer, b, h, static_cast<int32_t>(pos));
+  if (off < 0) return false;
+  const int64_t src = (((n * p.batch + b) * p.heads + h) * p.tokens + tk) * p.head_dim;
+  t->src = (is_v ? p.v : p.k) + src * format_bytes(p.input);
+  t->dst = (is_v ? p.cache.v : p.cache.k) + off;
+  if (p.tensor_k_scale) {
+    t->scale = nullptr;
+    t->given = (is_v ? p.tensor_v_scale : p.tensor_k_scale)[layer];
+  } else {
+    const int64_t s = p.scales.offset(layer, b, h, static_cast<int32_t>(pos));
+    t->scale = reinterpret_cast<float*>((is_v ? p.scales.v : p.scales.k) + s);
+  }
+  return true;
+}
+
+// The stored bits of value x under scale s (jaxkv.reference.quantize).
+JAXKV_HD uint8_t quantize_value(float x, float s, Format f) {
+  return encode(s > 0.f ? x / s : 0.f, f);
+}
+
+// Builds the problem from the buffers; `table`: null for a dense cache, `active`: null for every
+// row; `k_scales` / `v_scales` [L] per tensor.
+inline ffi::ErrorOr<QuantAppend> make_quant_append(
+    const char* op, int32_t layout, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::Buffer<ffi::S32>* table, ffi::Buffer<ffi::S32>& lengths, ffi::Buffer<ffi::S32>& counts,
+    ffi::Buffer<ffi::S32>* active, ffi::Buffer<ffi::S32>& layer, ffi::AnyBuffer k_cache,
+    ffi::AnyBuffer v_cache, ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales, bool per_token) {
+  auto bad = [op](const std::string& what) { return ffi::Unexpected(invalid(op, what)); };
+  QuantAppend p;
+  if (!format_of(k.element_type(), &p.input) || p.input > Format::kF16 ||
+      v.element_type() != k.element_type())
+    return bad("k and v must be float32, bfloat16 or float16");
+  if (!format_of(k_cache.element_type(), &p.format) || p.format < Format::kE4M3)
+    return bad("the cache must be float8_e4m3fn, float8_e5m2 or int8");
+  if (k_scales.element_type() != ffi::DataType::F32 ||
+      v_scales.element_type() != ffi::DataType::F32)
+    return bad("scales must be float32");
+  auto kd = k.dimensions();
+  if ((kd.size() != 4 && kd.size() != 5) || k.size_bytes() != v.size_bytes())
+    return bad("k and v must be [(L,) B, H, T, D]");
+  const size_t o = kd.size() - 4;
+  p.layers = o ? static_cast<int32_t>(kd[0]) : 1;
+  p.batch = static_cast<int32_t>(kd[o]);
+  p.heads = static_cast<int32_t>(kd[o + 1]);
+  p.tokens = static_cast<int32_t>(kd[o + 2]);
+  p.head_dim = static_cast<int32_t>(kd[o + 3]);
+  int64_t d = 0;
+  auto cache = make_kv_view(op, layout, false, k_cache, v_cache, table, p.batch, &d);
+  if (cache.has_error()) return ffi::Unexpected(cache.error());
+  p.cache = *cache;
+  if (d != p.head_dim || p.cache.heads != p.heads) return bad("k and v do not fit the cache");
+  if (per_token) {
+    int64_t one = 0;
+    auto scales = make_kv_view(op, layout, true, k_scales, v_scales, table, p.batch, &one);
+    if (scales.has_error()) return ffi::Unexpected(scales.error());
+    p.scales = *scales;
+    if (p.scales.heads != p.heads || p.scales.capacity != p.cache.capacity ||
+        p.scales.num_layers != p.cache.num_layers)
+      return bad("scales do not fit the cache");
+    p.tensor_k_scale = p.tensor_v_scale = nullptr;
+  } else {
+    if (static_cast<int64_t>(k_scales.element_count()) != p.cache.num_layers ||
+        v_scales.element_count() != k_scales.element_count())
+      return bad("per-tensor scales must be [num_layers]");
+    p.scales = p.cache;
+    p.tensor_k_scale = static_cast<const float*>(k_scales.untyped_data());
+    p.tensor_v_scale = static_cast<const float*>(v_scales.untyped_data());
+  }
+  if (static_cast<int64_t>(lengths.element_count()) != p.batch ||
+      (counts.element_count() != 0 && static_cast<int64_t>(counts.element_count()) != p.batch) ||
+      layer.element_count() != 1 || (active && active->element_count() != 1))
+    return bad("lengths / counts must be [B], layer_idx []");
+  p.k = static_cast<const char*>(k.untyped_data());
+  p.v = static_cast<const char*>(v.untyped_data());
+  p.lengths = lengths.typed_data();
+  p.counts = counts.element_count() ? counts.typed_data() : nullptr;
+  p.active = active ? active->typed_data() : nullptr;
+  p.layer = layer.typed_data();
+  return p;
+}
+
+// Bindings after the platform's context. Dense: the cache [(L,) B, 2, H, S, D] holds K and V.
+template <class Binding>
+auto bind_append_quantized(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()          // k [B, H, T, D], float
+      .template Arg<ffi::AnyBuffer>()          // v
+      .template Arg<ffi::Buffer<ffi::S32>>()   // lengths [B]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // counts [B], or [0]: all T
+      .template Arg<ffi::Buffer<ffi::S32>>()   // active_batch_size []
+      .template Arg<ffi::Buffer<ffi::S32>>()   // layer_idx []
+      .template Arg<ffi::AnyBuffer>()          // cache (aliased)
+      .template Arg<ffi::AnyBuffer>()          // k_scales [(L,) B, H, S], or [L] per tensor (aliased)
+      .template Arg<ffi::AnyBuffer>()          // v_scales (aliased)
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<bool>("per_token");
+}
+
+template <class Binding>
+auto bind_paged_append_quantized(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()          // k [(L,) B, H, T, D], float
+      .template Arg<ffi::AnyBuffer>()          // v
+      .template Arg<ffi::Buffer<ffi::S32>>()   // page_table [B, max_pages]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // lengths [B]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // counts [B], or [0]: all T
+      .template Arg<ffi::Buffer<ffi::S32>>()   // layer_idx []
+      .template Arg<ffi::AnyBuffer>()          // k_pages (aliased)
+      .template Arg<ffi::AnyBuffer>()          // v_pages (aliased)
+      .template Arg<ffi::AnyBuffer>()          // k_scales: the pools without D, or [L] (aliased)
+      .template Arg<ffi::AnyBuffer>()          // v_scales (aliased)
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<bool>("per_token")
+      .template Attr<bool>("nhd");
+}
+
+}  // namespace jaxkv
