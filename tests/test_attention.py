@@ -80,8 +80,11 @@ def make_case(kind, dtype, head_dim, page_size, lengths) -> Case:
         need = -(-np.minimum(lengths, cap) // page_size)
         table = np.where(np.arange(max_pages)[None] < need[:, None], perm, jaxkv.NO_PAGE)
         shape = cache.k_pages.shape
+        # 8-bit pools of raw bytes read with the call's k_scale / v_scale (test_quantized.py
+        # covers caches with scales of their own).
         cache = dataclasses.replace(cache, k_pages=normal(shape, dtype), v_pages=normal(shape, dtype),
-                                    page_table=jnp.asarray(table, jnp.int32))
+                                    page_table=jnp.asarray(table, jnp.int32), scaling=None,
+                                    k_scales=None, v_scales=None)
     elif kind == "linear":
         cap = 48
         cache = jaxkv.LinearKVCache(buffer=normal((L, B, 2, HKV, cap, head_dim), dtype),

@@ -41,8 +41,9 @@ struct QuantTarget {
   float given;      // per tensor: the scale to use
 };
 
-// False when nothing is written: an inactive row, a layer out of range, a token past the row's
-// count, a position past the capacity or without a page.
+// False when nothing is written: an inactive row, a layer out of range, a row whose length is
+// negative (as the copying appends: the whole row), a token past the row's count, a position past
+// the capacity or without a page.
 JAXKV_HD bool quant_target(const QuantAppend& p, int64_t i, QuantTarget* t) {
   const int32_t tk = static_cast<int32_t>(i % p.tokens);
   i /= p.tokens;
@@ -56,8 +57,9 @@ JAXKV_HD bool quant_target(const QuantAppend& p, int64_t i, QuantTarget* t) {
   const int64_t layer = int64_t{*p.layer} + n;
   if (layer < 0 || layer >= p.cache.num_layers) return false;
   if (tk >= (p.counts ? p.counts[b] : p.tokens)) return false;
+  if (p.lengths[b] < 0) return false;
   const int64_t pos = int64_t{p.lengths[b]} + tk;
-  if (pos < 0 || pos >= p.cache.capacity) return false;
+  if (pos >= p.cache.capacity) return false;
   const int64_t off = p.cache.offset(layer, b, h, static_cast<int32_t>(pos));
   if (off < 0) return false;
   const int64_t src = (((n * p.batch + b) * p.heads + h) * p.tokens + tk) * p.head_dim;
