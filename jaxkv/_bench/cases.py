@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 
 import jaxkv
+from jaxkv import reference
 
 from . import timing
 
@@ -390,18 +391,24 @@ def _cache(pools, rest):
 
 
 def _paged_append(label, B, H, D, T, page, layout, lengths, counts, num_layers, rounds,
-                  all_layers, pages_per_seq, iters, target, series, panel, note) -> Case:
+                  all_layers, pages_per_seq, iters, target, series, panel, note,
+                  dtype=None) -> Case:
     """A paged-append case on pools of ``num_layers`` layers with shuffled pages: per loop step
     ``rounds`` appends of one layer each (round r into layer r % num_layers), each from its own
     k/v set [B, H, T, D]; or, ``all_layers``, one ``append_layers`` of every layer at once
     (k/v [L, B, H, T, D]), counted as ``num_layers`` ops (one per layer) of one launch.
-    Row b writes its first ``counts[b]`` tokens (None: all T) at positions lengths[b] ..."""
-    token = 2 * H * D * BF16.itemsize
+    Row b writes its first ``counts[b]`` tokens (None: all T) at positions lengths[b] ...
+    ``dtype``: an 8-bit cache with per-token-head scales, quantizing bf16 K/V on the way in."""
+    elem, scale = _scale_bytes(dtype)
+    token = 2 * H * D * BF16.itemsize  # the bf16 K/V read
+    written = 2 * H * (D * elem + scale)
     tokens = int(np.sum(counts)) if counts is not None else B * T
     ops = num_layers if all_layers else rounds
+    carried = ("k_pages", "v_pages") + (("k_scales", "v_scales") if dtype is not None else ())
 
     def build():
-        cache = _paged_pools(num_layers, B, pages_per_seq, page, H, D, lengths, layout, 60)
+        cache = quantized(_paged_pools(num_layers, B, pages_per_seq, page, H, D, lengths, layout,
+                                       60), dtype)
         rest = {f: getattr(cache, f) for f in ("page_table", "lengths", "ref_counts", "new_tokens")}
         shape = (num_layers, B, H, T, D) if all_layers else (B, H, T, D)
         sets = 1 if all_layers else rounds
@@ -410,44 +417,56 @@ def _paged_append(label, B, H, D, T, page, layout, lengths, counts, num_layers, 
                       v=[rand(shape, BF16, 81 + r) for r in range(sets)])
 
         def kernel(i, pools, c):
-            cache = jaxkv.PagedKVCache(k_pages=pools[0], v_pages=pools[1], layout=layout,
+            cache = jaxkv.PagedKVCache(**dict(zip(carried, pools)), layout=layout,
+                                       scaling=None if dtype is None else "per_token_head",
                                        **c["rest"])
             if all_layers:
                 cache = cache.append_layers(c["k"][0], c["v"][0], c["new"])
             for r in range(0 if all_layers else rounds):
                 cache = cache.append(r % num_layers, c["k"][r], c["v"][r], c["new"])
-            return cache.k_pages, cache.v_pages
+            return tuple(getattr(cache, f) for f in carried)
 
         def scatter(i, pools, c):
             table, start = c["rest"]["page_table"], c["rest"]["lengths"]
             for r in range(len(c["k"])):
                 layer = None if all_layers else r % num_layers
+                news = (c["k"][r], c["v"][r])
+                if dtype is not None:  # quantized by XLA, then scattered: data and scales
+                    (kq, ks), (vq, vs) = (_quantize(x, dtype) for x in news)
+                    news = (kq, vq, ks[..., None], vs[..., None])
+                    pools = pools[:2] + tuple(x[..., None] for x in pools[2:])
                 pools = tuple(_xla_paged_append(x, layer, table, start, new, c["new"], page, layout)
-                              for x, new in zip(pools, (c["k"][r], c["v"][r])))
+                              for x, new in zip(pools, news))
+                if dtype is not None:
+                    pools = pools[:2] + tuple(x[..., 0] for x in pools[2:])
             return pools
 
-        return (cache.k_pages, cache.v_pages), consts, kernel, {"scatter": scatter}
+        return tuple(getattr(cache, f) for f in carried), consts, kernel, {"scatter": scatter}
 
-    return Case("paged_append", label, build, 2 * token * tokens,
-                num_layers * B * pages_per_seq * page * token, iters, per_step=ops,
+    return Case("paged_append", label, build, (token + written) * tokens,
+                num_layers * B * pages_per_seq * page * written, iters, per_step=ops,
                 target=target, requires=("PagedKVCache",), series=series, panel=panel,
                 note=note, per_launch=ops if all_layers else 1, peer="paged_append",
                 params=dict(layout=layout, page=page, lengths=lengths, counts=counts,
                             layers=[r % num_layers for r in range(rounds)], all_layers=all_layers))
 
 
-def paged_append(B, T, tokens, H, D, page, rounds, iters, target=None, layout="HND") -> Case:
+def paged_append(B, T, tokens, H, D, page, rounds, iters, target=None, layout="HND",
+                 dtype=None) -> Case:
     """Ragged prefill of ``tokens`` tokens (at most T per sequence) after random lengths,
     ``rounds`` appends per loop step into layer 0."""
     new_lengths = split(tokens, B, T, seed=8)
     start = np.random.default_rng(7).integers(0, T, B)
-    return _paged_append(f"prefill {tokens} tokens H{H} D{D} page {page} {layout}", B, H, D, T,
-                         page, layout, start, new_lengths, 1, rounds, False, -(-(2 * T) // page),
-                         iters, target, f"page {page} {layout}", "paged_append (prefill)",
-                         f"B{B}, at most {T} new tokens each, after random lengths")
+    label = "" if dtype is None else f" into {np.dtype(dtype).name}"
+    return _paged_append(f"prefill {tokens} tokens H{H} D{D} page {page} {layout}{label}", B, H,
+                         D, T, page, layout, start, new_lengths, 1, rounds, False,
+                         -(-(2 * T) // page), iters, target, f"page {page} {layout}{label}",
+                         "paged_append (prefill)",
+                         f"B{B}, at most {T} new tokens each, after random lengths", dtype)
 
 
-def paged_decode_append(B, H, D, page, layout, rounds, iters, target=None, layers=0) -> Case:
+def paged_decode_append(B, H, D, page, layout, rounds, iters, target=None, layers=0,
+                        dtype=None) -> Case:
     """One decode step's append: one token per row after random lengths in [0, 2 * page).
 
     ``layers`` 0: ``rounds`` single-layer appends per loop step into layers 0..rounds-1, as a
@@ -456,12 +475,13 @@ def paged_decode_append(B, H, D, page, layout, rounds, iters, target=None, layer
     rows."""
     lengths = np.random.default_rng(12).integers(0, 2 * page, B)
     kind = f"{layers} layers in one launch, per layer" if layers else "one layer"
+    label = "" if dtype is None else f", into {np.dtype(dtype).name}"
     return _paged_append(
-        f"decode B{B} H{H} D{D} page {page} {layout}, {kind}", B, H, D, 1, page, layout, lengths,
-        None, layers or rounds, 1 if layers else rounds, bool(layers), 2, iters, target,
-        f"{'append_layers' if layers else 'one layer'} page {page} {layout}",
+        f"decode B{B} H{H} D{D} page {page} {layout}, {kind}{label}", B, H, D, 1, page, layout,
+        lengths, None, layers or rounds, 1 if layers else rounds, bool(layers), 2, iters, target,
+        f"{'append_layers' if layers else 'one layer'} page {page} {layout}{label}",
         "paged_append (decode)", "latency-bound: the loop time includes 1/" +
-        (f"{layers} of a step's loop cost" if layers else f"{rounds} of the loop's cost"))
+        (f"{layers} of a step's loop cost" if layers else f"{rounds} of the loop's cost"), dtype)
 
 
 def _xla_paged_append(pool, layer, table, lengths, x, counts, page, layout):
@@ -558,8 +578,10 @@ def _dense_attention(q, k, v, lengths, layer_start=None):
     return jnp.einsum("bkgts,bksd->btkgd", p, v).reshape(B, T, Hq, D)
 
 
-def _kv_bytes(lengths, H, D) -> int:
-    return int(np.sum(lengths)) * 2 * H * D * BF16.itemsize
+def _kv_bytes(lengths, H, D, dtype=None) -> int:
+    """K and V bytes of the live tokens (an 8-bit cache's: data and per-token-head scales)."""
+    elem, scale = _scale_bytes(dtype)
+    return int(np.sum(lengths)) * 2 * H * (D * elem + scale)
 
 
 def _paged_pools(L, B, pages_per_seq, page, H, D, lengths, layout, seed):
@@ -574,53 +596,95 @@ def _paged_pools(L, B, pages_per_seq, page, H, D, lengths, layout, seed):
         new_tokens=i32(np.zeros(B)), layout=layout)
 
 
+def quantized(cache, dtype):
+    """``cache`` (bf16, random values) as an 8-bit cache with per-token-head scales: its values
+    quantized as ``append`` would (jaxkv.reference.quantize), same geometry and page table."""
+    if dtype is None:
+        return cache
+    if isinstance(cache, jaxkv.PagedKVCache):
+        (kq, ks), (vq, vs) = (_quantize(x, dtype) for x in (cache.k_pages, cache.v_pages))
+        return dataclasses.replace(cache, k_pages=kq, v_pages=vq, k_scales=ks, v_scales=vs,
+                                   scaling="per_token_head")
+    q, s = _quantize(cache.buffer, dtype)  # [L, B, 2, H, S, D], scales [L, B, 2, H, S]
+    half = s.shape[:2] + s.shape[3:]
+    if isinstance(s, jax.ShapeDtypeStruct):
+        ks = vs = jax.ShapeDtypeStruct(half, s.dtype)
+    else:
+        ks, vs = s[:, :, 0], s[:, :, 1]
+    return dataclasses.replace(cache, buffer=q, k_scales=ks, v_scales=vs, scaling="per_token_head")
+
+
+def _quantize(x, dtype):
+    """``reference.quantize``, abstract for abstract ``x`` (the trace test's inputs)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.eval_shape(lambda x: reference.quantize(x, dtype), x)
+    return _quantize_jit(x, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_jit(x, dtype):
+    return reference.quantize(x, dtype)
+
+
+def _scale_bytes(dtype) -> tuple[int, int]:
+    """(bytes of a K/V element, bytes of scales per token and head) of a cache dtype."""
+    return (1, 4) if dtype is not None else (BF16.itemsize, 0)
+
+
 def _own_kernel(layout, fn) -> dict:
     """jaxkv's own attention kernel as an extra row where the default call goes to cuDNN (bf16
     paged pools on a GPU, either layout: jaxkv/_cudnn.py)."""
     return {"jaxkv kernel": fn} if jax.default_backend() == "gpu" else {}
 
 
-def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None) -> Case:
+def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None, dtype=None) -> Case:
     """One decode step of attention per op over a paged pool of 2 layers (layer i % 2), every
-    row N tokens. The output is the next op's query, so nothing is loop-invariant."""
+    row N tokens. The output is the next op's query, so nothing is loop-invariant. ``dtype``: an
+    8-bit cache (per-token-head scales) in place of bf16."""
     pages_per_seq = -(-N // page)
     num_pages = B * pages_per_seq
     lengths = np.full(B, N)
 
     def build():
-        cache = _paged_pools(2, B, pages_per_seq, page, H, D, lengths, layout, 110)
+        cache = quantized(_paged_pools(2, B, pages_per_seq, page, H, D, lengths, layout, 110),
+                          dtype)
         q = rand((B, Hq, D), BF16, 112)
 
         def kernel(i, q, c):
             return jaxkv.attention.decode(q, c, i % 2)
 
         def gather_dense(i, q, c):
-            k, v = c.gather(i % 2, N, split=True)
+            k, v = c.gather(i % 2, N, split=True, dtype=None if dtype is None else BF16)
             return _dense_attention(q[:, None], k, v, c.lengths - 1)[:, 0]
 
         def own(i, q, c):
             return jaxkv.attention.decode(q, c, i % 2, implementation="jaxkv")
 
-        return q, cache, kernel, {"gather+dense": gather_dense, **_own_kernel(layout, own)}
+        own_row = _own_kernel(layout, own) if dtype is None else {}
+        return q, cache, kernel, {"gather+dense": gather_dense, **own_row}
 
-    token = 2 * H * D * BF16.itemsize
-    return Case("attention_decode", f"paged {layout} B{B} N{N} {Hq}/{H} heads D{D} page {page}",
-                build, _kv_bytes(lengths, H, D) + 2 * B * Hq * D * BF16.itemsize,
+    elem, scale = _scale_bytes(dtype)
+    token = 2 * H * (D * elem + scale)
+    label = "" if dtype is None else f" {np.dtype(dtype).name} per_token_head"
+    return Case("attention_decode", f"paged {layout} B{B} N{N} {Hq}/{H} heads D{D} page {page}"
+                f"{label}", build, _kv_bytes(lengths, H, D, dtype) + 2 * B * Hq * D * BF16.itemsize,
                 2 * num_pages * page * token, iters, target=target,
-                requires=("attention",), series=f"paged {layout}",
-                note="min bytes: the live K/V tokens read once, plus q and the output",
-                peer="attention", params=dict(layout=layout))
+                requires=("attention",), series=f"paged {layout}{label}",
+                note="min bytes: the live K/V tokens read once (8-bit: data and scales), plus q "
+                "and the output", peer="attention" if dtype is None else "",
+                params=dict(layout=layout))
 
 
-def attention_decode_linear(B, S, Hq, H, D, ragged, iters, target=None) -> Case:
+def attention_decode_linear(B, S, Hq, H, D, ragged, iters, target=None, dtype=None) -> Case:
     """Decode attention on one layer of a 2-layer LinearKVCache, read in place; ragged: lengths
-    uniform in [1, S] (mean S/2), so time should follow the live bytes."""
+    uniform in [1, S] (mean S/2), so time should follow the live bytes. ``dtype``: 8-bit."""
     rng = np.random.default_rng(13)
     lengths = rng.integers(1, S + 1, B) if ragged else np.full(B, S)
 
     def build():
         cache = jaxkv.LinearKVCache(buffer=rand((2, B, 2, H, S, D), BF16, 120), lengths=i32(lengths),
                                     active_batch_size=jnp.asarray(B, jnp.int32))
+        cache = quantized(cache, dtype)
         q = rand((B, Hq, D), BF16, 121)
 
         def kernel(i, q, c):
@@ -628,15 +692,23 @@ def attention_decode_linear(B, S, Hq, H, D, ragged, iters, target=None) -> Case:
 
         def dense(i, q, c):
             layer = lax.dynamic_index_in_dim(c.buffer, i % 2, 0, keepdims=False)
-            return _dense_attention(q[:, None], layer[:, 0], layer[:, 1], c.lengths - 1)[:, 0]
+            k, v = layer[:, 0], layer[:, 1]
+            if dtype is not None:  # dequantized by XLA, fused into the attention's reads
+                ks = lax.dynamic_index_in_dim(c.k_scales, i % 2, 0, keepdims=False)
+                vs = lax.dynamic_index_in_dim(c.v_scales, i % 2, 0, keepdims=False)
+                k = (k.astype(jnp.float32) * ks[..., None]).astype(BF16)
+                v = (v.astype(jnp.float32) * vs[..., None]).astype(BF16)
+            return _dense_attention(q[:, None], k, v, c.lengths - 1)[:, 0]
 
         return q, cache, kernel, {"dense": dense}
 
     kind = f"ragged mean {int(np.mean(lengths))}" if ragged else "full"
-    return Case("attention_decode", f"linear B{B} S{S} {kind} {Hq}/{H} heads D{D}", build,
-                _kv_bytes(lengths, H, D) + 2 * B * Hq * D * BF16.itemsize,
-                2 * B * 2 * H * S * D * BF16.itemsize, iters, target=target,
-                requires=("attention",), series="linear",
+    elem, scale = _scale_bytes(dtype)
+    label = "" if dtype is None else f" {np.dtype(dtype).name} per_token_head"
+    return Case("attention_decode", f"linear B{B} S{S} {kind} {Hq}/{H} heads D{D}{label}", build,
+                _kv_bytes(lengths, H, D, dtype) + 2 * B * Hq * D * BF16.itemsize,
+                2 * B * 2 * H * S * (D * elem + scale), iters, target=target,
+                requires=("attention",), series=f"linear{label}",
                 note="min bytes: the live tokens only (not the capacity)")
 
 
@@ -687,7 +759,10 @@ T_PAGED_DECODE = Target("<= the fastest peer", beats_peers=True)
 T_PAGED_COMPACT = Target("O(batch) bytes: no KV data moved", no_kv_bytes=True)
 T_ATTN_DECODE = Target(">= 90% of copy BW on the KV bytes read", copy_frac=0.90)
 T_ATTN_LIVE = Target("reads live tokens only: >= 90% of copy BW on live bytes", copy_frac=0.90)
+T_QUANT_APPEND = Target("within 1.1x of the bf16 append's device time (same shape, row above)")
+T_ATTN_8BIT = Target(">= 85% of copy BW on the bytes read (data + scales)", copy_frac=0.85)
 MIXED = [(8, 128), (4, 256), (16, 64), (2, 128)]
+EIGHT_BIT = (jnp.float8_e4m3fn, jnp.int8)
 
 
 def cases(size: str) -> list[Case]:
@@ -703,10 +778,14 @@ def cases(size: str) -> list[Case]:
             paged_append(4, 64, 160, 2, 64, 16, 2, 3, T_PAGED),
             paged_decode_append(16, 2, 64, 16, "NHD", 2, 20, T_PAGED_DECODE),
             paged_decode_append(16, 2, 64, 16, "HND", 1, 10, T_PAGED_DECODE, layers=4),
+            paged_decode_append(16, 2, 64, 16, "NHD", 2, 20, dtype=jnp.float8_e4m3fn),
+            paged_append(4, 64, 160, 2, 64, 16, 2, 3, layout="NHD", dtype=jnp.int8),
             paged_gather(4, 128, 2, 64, 16, 3, Target(">= 80% of copy BW", copy_frac=0.80)),
             paged_compact(8, 128, 2, 64, 16, 10, T_PAGED_COMPACT),
             attention_decode_paged(4, 128, 8, 2, 64, 16, "HND", 3, T_ATTN_DECODE),
             attention_decode_linear(4, 128, 8, 2, 64, True, 3, T_ATTN_LIVE),
+            attention_decode_paged(4, 128, 8, 2, 64, 16, "NHD", 3, T_ATTN_8BIT,
+                                   dtype=jnp.float8_e4m3fn),
             attention_prefill_paged(2, 32, 32, 8, 2, 64, 16, 2),
         ]
     # The issue's sizes on the H200, and a few smaller points per op for the plot.
@@ -743,6 +822,13 @@ def gpu_cases() -> list[Case]:
           for b in (256, 1024) for page in (16, 128) for layout in ("NHD", "HND")],
         *[paged_decode_append(b, 8, 128, 16, layout, 1, 10, T_PAGED_DECODE, layers=32)
           for b in (256, 1024) for layout in ("NHD", "HND")],
+        # 8-bit caches: quantized on the way in, against the same bf16 rows above.
+        *[paged_decode_append(256, 8, 128, 16, "NHD", 8, 250, T_QUANT_APPEND, dtype=dt)
+          for dt in EIGHT_BIT],
+        *[paged_decode_append(256, 8, 128, 16, "NHD", 1, 10, T_QUANT_APPEND, layers=32, dtype=dt)
+          for dt in EIGHT_BIT],
+        *[paged_append(8, 1024, 5000, 8, 128, 16, 4, 10, T_QUANT_APPEND, "NHD", dtype=dt)
+          for dt in EIGHT_BIT],
         paged_gather(64, 4096, 8, 128, 16, 5, Target(">= 80% of copy BW", copy_frac=0.80)),
         paged_gather(64, 1024, 8, 128, 16, 10, sweep=True),
         paged_compact(64, 4096, 8, 128, 16, 100, T_PAGED_COMPACT),
@@ -750,6 +836,10 @@ def gpu_cases() -> list[Case]:
         attention_decode_paged(64, 4096, 32, 8, 128, 16, "HND", 20, T_ATTN_DECODE),
         attention_decode_linear(64, 4096, 32, 8, 128, False, 20),
         attention_decode_linear(64, 4096, 32, 8, 128, True, 20, T_ATTN_LIVE),
+        *[attention_decode_paged(64, 4096, 32, 8, 128, 16, layout, 20, T_ATTN_8BIT, dtype=dt)
+          for dt in EIGHT_BIT for layout in ("NHD", "HND")],
+        *[attention_decode_linear(64, 4096, 32, 8, 128, False, 20, T_ATTN_8BIT, dtype=dt)
+          for dt in EIGHT_BIT],
         attention_prefill_paged(8, 2048, 2048, 32, 8, 128, 16, 3),
     ]
 
