@@ -217,6 +217,9 @@ def main(argv=None) -> dict:
     if args.peers:
         for row, case in zip(rows, measured):
             add_peers(row, case, args.reps, calibration["copy_gbps"], on_gpu, progress)
+    for row, case in zip(rows, measured):  # targets relative to another row of the run
+        if case.target and case.target.versus and row["status"] == "ok":
+            R.evaluate(row, case.target, on_gpu, rows)
     progress.close()
     if args.explain:
         with open(args.explain) as f:

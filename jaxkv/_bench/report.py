@@ -27,8 +27,9 @@ def device_copy_frac(k: dict) -> float:
     return k.get("kernel_copy_frac") or k["copy_frac"]
 
 
-def evaluate(row: dict, target, on_gpu: bool) -> None:
-    """Sets row["met"] (None off GPU: the targets are the H200's) and row["failed"]."""
+def evaluate(row: dict, target, on_gpu: bool, rows=()) -> None:
+    """Sets row["met"] (None off GPU: the targets are the H200's) and row["failed"]; ``rows``:
+    the run's other rows, for a target relative to one of them."""
     k = row["jaxkv"]
     failed = ["XLA hoisted the op out of the timed loop: time not valid"] if k.get("hoisted") else []
     if target.copy_frac is not None and device_copy_frac(k) < target.copy_frac:
@@ -52,6 +53,14 @@ def evaluate(row: dict, target, on_gpu: bool) -> None:
         peer = row["peers"][best]
         if device_time(k) > peer_time(peer):
             failed.append(f"{fmt_time(device_time(k))} > {best} {fmt_time(peer_time(peer))}")
+    if target.versus is not None:
+        name, ratio = target.versus
+        other = next((r for r in rows if r["case"] == name and r["status"] == "ok"), None)
+        if other is None:
+            failed.append(f"no row {name!r} in this run to compare with")
+        elif device_time(k) > ratio * device_time(other["jaxkv"]):
+            failed.append(f"{fmt_time(device_time(k))} > {ratio:.3g} x {fmt_time(device_time(other['jaxkv']))}"
+                          " of the row compared with")
     mem = k.get("mem_overhead_frac")
     if mem is not None and mem > target.mem_frac:
         failed.append(f"memory +{mem:.1%} of the cache")
