@@ -1,6 +1,8 @@
 // CUDA handlers of the quantizing appends (dense and paged): one warp per (layer, row, K/V, head,
 // token) vector. The lanes read the head_dim values, reduce max |x| with shuffles, lane 0 writes the
-// scale, and each lane writes its bytes: one pass over the input, no temporary.
+// scale, and each lane writes its bytes: one pass over the input, no temporary. For head_dim 32 to
+// 256 (a multiple of 32) the kernel is compiled per input and cache format, each lane reading and
+// writing head_dim / 32 contiguous values in one access; other sizes take the generic kernel.
 #include <algorithm>
 
 #include "jaxkv/cuda_launch.h"
@@ -18,7 +20,7 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_kernel(const QuantAppend
   const int64_t warps = int64_t{gridDim.x} * kWarps;
   for (int64_t i = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32; i < p.vectors(); i += warps) {
     QuantTarget t;
-    if (!quant_target(p, i, &t)) continue;  // the same for every lane of the warp
+    if (!quant_target(p, vector_index(p, i), &t)) continue;  // the same for every lane of the warp
     float x[kMaxValuesPerLane];
     float amax = 0.f;
 #pragma unroll
@@ -42,11 +44,82 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_kernel(const QuantAppend
   }
 }
 
+// The specialized kernel: kPer = head_dim / 32 contiguous values per lane, formats fixed.
+template <Format kIn, Format kOut, int kPer>
+__global__ void __launch_bounds__(kWarps * 32)
+    quantize_kernel_fixed(const QuantAppend p, const VectorDivs divs) {
+  constexpr int kInBytes = kIn == Format::kF32 ? 4 : 2;
+  constexpr int kLaneBytes = kPer * kInBytes;  // up to 32: two 16-byte words
+  constexpr int kWords = kLaneBytes > 16 ? kLaneBytes / 16 : 1;
+  using In = typename Word<kLaneBytes / kWords>::type;
+  using Out = typename Word<kPer>::type;
+  const int lane = threadIdx.x % 32;
+  const uint32_t vectors = static_cast<uint32_t>(p.vectors());
+  const uint32_t warps = gridDim.x * kWarps;
+  for (uint32_t i = blockIdx.x * kWarps + threadIdx.x / 32; i < vectors; i += warps) {
+    QuantTarget t;
+    if (!quant_target(p, vector_index(divs, i), &t)) continue;
+    In words[kWords];
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) words[w] = load_word(reinterpret_cast<const In*>(t.src) + lane * kWords + w);
+    float x[kPer];
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      x[j] = load_float(reinterpret_cast<const char*>(words), j, kIn);
+      amax = fmaxf(amax, fabsf(x[j]));
+    }
+    float s = t.given;
+    if (t.scale) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      s = amax / format_max(kOut);
+      if (lane == 0) *t.scale = s;
+    }
+    Out out;
+    uint8_t* bytes = reinterpret_cast<uint8_t*>(&out);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) bytes[j] = quantize_value(x[j], s, kOut);
+    reinterpret_cast<Out*>(t.dst)[lane] = out;
+  }
+}
+
+template <Format kIn, Format kOut>
+bool launch_fixed(cudaStream_t stream, const QuantAppend& p, unsigned grid, const VectorDivs& d) {
+  switch (p.head_dim) {
+    case 32: quantize_kernel_fixed<kIn, kOut, 1><<<grid, kWarps * 32, 0, stream>>>(p, d); return true;
+    case 64: quantize_kernel_fixed<kIn, kOut, 2><<<grid, kWarps * 32, 0, stream>>>(p, d); return true;
+    case 128: quantize_kernel_fixed<kIn, kOut, 4><<<grid, kWarps * 32, 0, stream>>>(p, d); return true;
+    case 256: quantize_kernel_fixed<kIn, kOut, 8><<<grid, kWarps * 32, 0, stream>>>(p, d); return true;
+    default: return false;
+  }
+}
+
+template <Format kIn>
+bool launch_in(cudaStream_t stream, const QuantAppend& p, unsigned grid, const VectorDivs& d) {
+  switch (p.format) {
+    case Format::kE4M3: return launch_fixed<kIn, Format::kE4M3>(stream, p, grid, d);
+    case Format::kE5M2: return launch_fixed<kIn, Format::kE5M2>(stream, p, grid, d);
+    default: return launch_fixed<kIn, Format::kS8>(stream, p, grid, d);
+  }
+}
+
 ffi::Error launch(cudaStream_t stream, const QuantAppend& p, const char* op) {
   if (p.head_dim > 32 * kMaxValuesPerLane) return invalid(op, "head_dim above 256");
   const int64_t blocks = (p.vectors() + kWarps - 1) / kWarps;
   if (blocks == 0) return ffi::Error::Success();
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(blocks, 1 << 20));
+  if (p.vectors() < (int64_t{1} << 31)) {
+    const VectorDivs d{FastDiv(static_cast<uint32_t>(p.tokens)), FastDiv(static_cast<uint32_t>(p.heads)),
+                       FastDiv(static_cast<uint32_t>(p.batch))};
+    bool done = false;
+    switch (p.input) {
+      case Format::kF32: done = launch_in<Format::kF32>(stream, p, grid, d); break;
+      case Format::kBF16: done = launch_in<Format::kBF16>(stream, p, grid, d); break;
+      default: done = launch_in<Format::kF16>(stream, p, grid, d); break;
+    }
+    if (done) return cuda_status(op);
+  }
   quantize_kernel<<<grid, kWarps * 32, 0, stream>>>(p);
   return cuda_status(op);
 }

@@ -41,18 +41,53 @@ struct QuantTarget {
   float given;      // per tensor: the scale to use
 };
 
+// The five coordinates of vector i (t fastest), with 32-bit divisions by FastDiv where the
+// vectors fit int32 (a 64-bit division is a long instruction sequence on a GPU).
+struct VectorIndex {
+  int32_t n, b, h, t;
+  bool is_v;
+};
+
+JAXKV_HD VectorIndex vector_index(const QuantAppend& p, int64_t i) {
+  VectorIndex v;
+  v.t = static_cast<int32_t>(i % p.tokens);
+  i /= p.tokens;
+  v.h = static_cast<int32_t>(i % p.heads);
+  i /= p.heads;
+  v.is_v = i % 2;
+  i /= 2;
+  v.b = static_cast<int32_t>(i % p.batch);
+  v.n = static_cast<int32_t>(i / p.batch);
+  return v;
+}
+
+struct VectorDivs {  // FastDiv by tokens, heads and batch: vectors < 2^31 only
+  FastDiv tokens, heads, batch;
+};
+
+JAXKV_HD VectorIndex vector_index(const VectorDivs& d, uint32_t i) {
+  VectorIndex v;
+  uint32_t q = d.tokens.div(i);
+  v.t = static_cast<int32_t>(i - q * d.tokens.d);
+  i = q;
+  q = d.heads.div(i);
+  v.h = static_cast<int32_t>(i - q * d.heads.d);
+  i = q;
+  v.is_v = i & 1;
+  i >>= 1;
+  q = d.batch.div(i);
+  v.b = static_cast<int32_t>(i - q * d.batch.d);
+  v.n = static_cast<int32_t>(q);
+  return v;
+}
+
 // False when nothing is written: an inactive row, a layer out of range, a row whose length is
 // negative (as the copying appends: the whole row), a token past the row's count, a position past
 // the capacity or without a page.
-JAXKV_HD bool quant_target(const QuantAppend& p, int64_t i, QuantTarget* t) {
-  const int32_t tk = static_cast<int32_t>(i % p.tokens);
-  i /= p.tokens;
-  const int32_t h = static_cast<int32_t>(i % p.heads);
-  i /= p.heads;
-  const bool is_v = i % 2;
-  i /= 2;
-  const int32_t b = static_cast<int32_t>(i % p.batch);
-  const int64_t n = i / p.batch;
+JAXKV_HD bool quant_target(const QuantAppend& p, const VectorIndex& at, QuantTarget* t) {
+  const int32_t tk = at.t, h = at.h, b = at.b;
+  const int64_t n = at.n;
+  const bool is_v = at.is_v;
   if (p.active && b >= *p.active) return false;
   const int64_t layer = int64_t{*p.layer} + n;
   if (layer < 0 || layer >= p.cache.num_layers) return false;
