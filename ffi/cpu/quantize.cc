@@ -10,7 +10,8 @@ namespace {
 void quantize_all(const QuantAppend& p) {
   for (int64_t i = 0; i < p.vectors(); ++i) {
     QuantTarget t;
-    if (!quant_target(p, vector_index(p, i), &t)) continue;
+    const VectorIndex at = vector_index(p, i);
+    if (!quant_target(p, at, row_facts(p, at.b), &t)) continue;
     float s = t.given;
     if (t.scale) {
       float amax = 0.f;

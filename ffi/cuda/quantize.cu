@@ -20,7 +20,8 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_kernel(const QuantAppend
   const int64_t warps = int64_t{gridDim.x} * kWarps;
   for (int64_t i = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32; i < p.vectors(); i += warps) {
     QuantTarget t;
-    if (!quant_target(p, vector_index(p, i), &t)) continue;  // the same for every lane of the warp
+    const VectorIndex at = vector_index(p, i);
+    if (!quant_target(p, at, row_facts(p, at.b), &t)) continue;  // the same for every lane
     float x[kMaxValuesPerLane];
     float amax = 0.f;
 #pragma unroll
@@ -57,11 +58,18 @@ __global__ void __launch_bounds__(kWarps * 32)
   const uint32_t vectors = static_cast<uint32_t>(p.vectors());
   const uint32_t warps = gridDim.x * kWarps;
   for (uint32_t i = blockIdx.x * kWarps + threadIdx.x / 32; i < vectors; i += warps) {
-    QuantTarget t;
-    if (!quant_target(p, vector_index(divs, i), &t)) continue;
+    // Every load that depends on nothing goes first: the values and the row's metadata, in
+    // flight together; only the page-table entry waits (on the length).
+    const VectorIndex at = vector_index(divs, i);
+    const In* src = reinterpret_cast<const In*>(quant_source(p, at)) + lane * kWords;
     In words[kWords];
 #pragma unroll
-    for (int w = 0; w < kWords; ++w) words[w] = load_word(reinterpret_cast<const In*>(t.src) + lane * kWords + w);
+    for (int w = 0; w < kWords; ++w) words[w] = load_word(src + w);
+    const RowFacts row{__ldg(p.layer), __ldg(p.lengths + at.b),
+                       p.counts ? __ldg(p.counts + at.b) : p.tokens,
+                       p.active ? __ldg(p.active) : p.batch};
+    QuantTarget t;
+    if (!quant_target(p, at, row, &t)) continue;
     float x[kPer];
     float amax = 0.f;
 #pragma unroll

@@ -81,31 +81,47 @@ JAXKV_HD VectorIndex vector_index(const VectorDivs& d, uint32_t i) {
   return v;
 }
 
-// False when nothing is written: an inactive row, a layer out of range, a row whose length is
-// negative (as the copying appends: the whole row), a token past the row's count, a position past
-// the capacity or without a page.
-JAXKV_HD bool quant_target(const QuantAppend& p, const VectorIndex& at, QuantTarget* t) {
-  const int32_t tk = at.t, h = at.h, b = at.b;
-  const int64_t n = at.n;
-  const bool is_v = at.is_v;
-  if (p.active && b >= *p.active) return false;
-  const int64_t layer = int64_t{*p.layer} + n;
-  if (layer < 0 || layer >= p.cache.num_layers) return false;
-  if (tk >= (p.counts ? p.counts[b] : p.tokens)) return false;
-  if (p.lengths[b] < 0) return false;
-  const int64_t pos = int64_t{p.lengths[b]} + tk;
+// Where vector `at` is read from: its first value (an address that needs no load, so a kernel
+// can start reading the values before it knows where they go).
+JAXKV_HD const char* quant_source(const QuantAppend& p, const VectorIndex& at) {
+  const int64_t i = ((int64_t{at.n} * p.batch + at.b) * p.heads + at.h) * p.tokens + at.t;
+  return (at.is_v ? p.v : p.k) + i * p.head_dim * format_bytes(p.input);
+}
+
+// The metadata of a vector's row, loaded by the caller (all at once, none waiting on another).
+struct RowFacts {
+  int32_t layer;   // *p.layer
+  int32_t length;  // p.lengths[b]
+  int32_t count;   // p.counts[b], or p.tokens
+  int32_t active;  // *p.active, or p.batch
+};
+
+JAXKV_HD RowFacts row_facts(const QuantAppend& p, int32_t b) {
+  return RowFacts{*p.layer, p.lengths[b], p.counts ? p.counts[b] : p.tokens,
+                  p.active ? *p.active : p.batch};
+}
+
+// Where vector `at` goes; false when nothing is written: an inactive row, a layer out of range,
+// a row whose length is negative (as the copying appends: the whole row), a token past the row's
+// count, a position past the capacity or without a page.
+JAXKV_HD bool quant_target(const QuantAppend& p, const VectorIndex& at, const RowFacts& row,
+                           QuantTarget* t) {
+  const int64_t layer = int64_t{row.layer} + at.n;
+  if (at.b >= row.active || layer < 0 || layer >= p.cache.num_layers || at.t >= row.count ||
+      row.length < 0)
+    return false;
+  const int64_t pos = int64_t{row.length} + at.t;
   if (pos >= p.cache.capacity) return false;
-  const int64_t off = p.cache.offset(layer, b, h, static_cast<int32_t>(pos));
-  if (off < 0) return false;
-  const int64_t src = (((n * p.batch + b) * p.heads + h) * p.tokens + tk) * p.head_dim;
-  t->src = (is_v ? p.v : p.k) + src * format_bytes(p.input);
-  t->dst = (is_v ? p.cache.v : p.cache.k) + off;
+  const int32_t page = p.cache.page(at.b, static_cast<int32_t>(pos));
+  if (page < 0) return false;
+  t->src = quant_source(p, at);
+  t->dst = (at.is_v ? p.cache.v : p.cache.k) + p.cache.at(layer, page, at.h, static_cast<int32_t>(pos));
   if (p.tensor_k_scale) {
     t->scale = nullptr;
-    t->given = (is_v ? p.tensor_v_scale : p.tensor_k_scale)[layer];
+    t->given = (at.is_v ? p.tensor_v_scale : p.tensor_k_scale)[layer];
   } else {
-    const int64_t s = p.scales.offset(layer, b, h, static_cast<int32_t>(pos));
-    t->scale = reinterpret_cast<float*>((is_v ? p.scales.v : p.scales.k) + s);
+    const int64_t s = p.scales.at(layer, page, at.h, static_cast<int32_t>(pos));
+    t->scale = reinterpret_cast<float*>((at.is_v ? p.scales.v : p.scales.k) + s);
   }
   return true;
 }
