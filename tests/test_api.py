@@ -70,7 +70,7 @@ def test_a_static_layer_index_out_of_range_is_a_trace_time_error_everywhere():
     with pytest.raises(ValueError, match=r"KVCacheManager.append: layer_idx must be in \[0, 1\]"):
         manager.append(5, k, k)
     paged = jaxkv.PagedKVCache.create(2, 4, 4, 1, 4, 2, 2, dtype=jnp.float32)
-    with pytest.raises(ValueError, match=r"paged_append: layer_idx must be in \[0, 1\], got -1"):
+    with pytest.raises(ValueError, match=r"PagedKVCache.append: layer_idx must be in \[0, 1\], got -1"):
         paged.append(-1, k, k)
     with pytest.raises(ValueError, match=r"paged_gather: layer_idx must be in \[0, 1\], got 2"):
         paged.gather(2, 4)

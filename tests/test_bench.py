@@ -53,7 +53,8 @@ def test_json_has_every_number(run):
         assert k["copy_frac"] == pytest.approx(k["gbps"] / cal["copy_gbps"])
         # Every layer in one launch; none of jaxkv's where jaxkv.attention hands the call to
         # cuDNN (bfloat16 paged pools on a GPU).
-        cudnn = r["op"].startswith("attention") and "paged" in r["case"] and on_gpu()
+        cudnn = (r["op"].startswith("attention") and "paged" in r["case"] and on_gpu()
+                 and "per_token_head" not in r["case"])
         assert k["launches"] == (0 if cudnn else 1)
         # The op's work happens inside the timed loop, not once before it (loop-invariant code
         # motion), on both sides.
@@ -304,6 +305,14 @@ def test_xla_formulations_compute_the_same(case):
             if case.op.startswith("attention"):  # arithmetic: bf16 rounding, not bytes
                 np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32),
                                            rtol=2e-2, atol=2e-2, err_msg=f"{case.name}: {name}")
+            elif " into " in case.name and on_gpu():
+                # XLA's own quantization: on the GPU its float32 division is not always
+                # correctly rounded, so a rare value lands one step off (the kernels match
+                # jaxkv.reference bit for bit: test_quantized.py).
+                a, b = np.asarray(g, np.float32), np.asarray(e, np.float32)
+                step = 1.0 if g.dtype == jnp.int8 else np.abs(b) * 2.0**-2 + 1e-6
+                assert np.all(np.abs(a - b) <= step), f"{case.name}: {name}"
+                assert np.mean(a != b) < 1e-3, f"{case.name}: {name}"
             else:
                 assert_bytes_equal(g, e, f"{case.name}: {name}")
     try:

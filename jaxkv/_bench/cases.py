@@ -448,7 +448,8 @@ def _paged_append(label, B, H, D, T, page, layout, lengths, counts, num_layers, 
     return Case("paged_append", label, build, (token + written) * tokens,
                 num_layers * B * pages_per_seq * page * written, iters, per_step=ops,
                 target=target, requires=("PagedKVCache",), series=series, panel=panel,
-                note=note, per_launch=ops if all_layers else 1, peer="paged_append",
+                note=note, per_launch=ops if all_layers else 1,
+                peer="paged_append" if dtype is None else "",  # no peer quantizes on the way in
                 params=dict(layout=layout, page=page, lengths=lengths, counts=counts,
                             layers=[r % num_layers for r in range(rounds)], all_layers=all_layers))
 
