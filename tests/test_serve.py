@@ -238,3 +238,30 @@ def test_serve_is_a_listed_command(capsys):
     with pytest.raises(SystemExit):
         entry.main(["--help"])
     assert "serve" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+def test_an_8bit_cache_holds_more_sequences_in_the_same_budget(tmp_path, capsys, monkeypatch,
+                                                                kv_dtype):
+    """``--engines paged,paged-8bit``: the 8-bit engine plans about twice the pages of bf16 (4x
+    float32) in the same KV budget, serves every request, and reports its greedy agreement
+    (float32 runs require it of every other engine, not of the 8-bit one)."""
+    monkeypatch.setitem(M.PRESETS, "tiny", CFG)
+    eight = S.kv_bytes_per_token(CFG, S.KV_DTYPES[kv_dtype], scaled=True)
+    assert S.kv_bytes_per_token(CFG, "bfloat16") / eight >= 1.5  # head_dim 16: scales weigh
+    assert S.kv_bytes_per_token(M.PRESETS["8b"], "bfloat16") / S.kv_bytes_per_token(
+        M.PRESETS["8b"], S.KV_DTYPES[kv_dtype], scaled=True) >= 1.9
+    path = tmp_path / "serve.json"
+    rc = entry.main(["serve", "--engines", "paged,paged-8bit", "--kv-dtype", kv_dtype,
+                     "--requests", "6", "--max-seq-len", "40", "--system-len", "5",
+                     "--mean-prompt", "6", "--mean-output", "6", "--kv-gib",
+                     str(2 * 40 * PER_TOKEN / 2**30), "--page-size", "4", "--prefill-chunk", "4",
+                     "--decode-steps", "4", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    doc = json.loads(path.read_text())
+    paged, eight_bit = doc["engines"]["paged"], doc["engines"]["paged-8bit"]
+    # float32 values here: 4 bytes -> 1, plus 4 bytes of scales per head of 16
+    assert eight_bit["num_pages"] >= 3 * paged["num_pages"]
+    assert eight_bit["completed"] == paged["completed"] == 6
+    assert "paged-8bit" in doc["agreement"] and "greedy tokens against paged: paged-8bit" in out

@@ -64,7 +64,9 @@ def _jaxkv_attend(cache, layer, q, new_lengths):
     """The new tokens attend causally over the cache, read in place (jaxkv.attention.prefill)."""
     if new_lengths is None:
         new_lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
-    out = jaxkv.attention.prefill(q.astype(cache.dtype), cache, layer, new_lengths)
+    # An 8-bit cache is read under a 16-bit query (the kernels' pairs), any other under its dtype.
+    q_dtype = jnp.bfloat16 if getattr(cache, "scaling", None) else cache.dtype
+    out = jaxkv.attention.prefill(q.astype(q_dtype), cache, layer, new_lengths)
     return out.astype(q.dtype)
 
 
@@ -307,6 +309,9 @@ class PagedKind:
     # NHD (jaxkv.attention reads bf16 / f16 pools of either layout through cuDNN on a GPU, NHD
     # as one pool of whole pages); HND for JAX's Pallas paged_attention, which reads only that.
     layout: str = "auto"
+    # The cache in 8 bits (jaxkv.quantization, per-token-head scales; jaxkv's ops only): the
+    # model's K/V are quantized on append and the attention reads the scales.
+    kv_dtype: str | None = None
 
     @property
     def pool_layout(self) -> str:
@@ -324,8 +329,9 @@ class PagedKind:
         return jaxkv.PagedKVCache.create(
             num_layers=c.num_layers, num_pages=self.num_pages or rows * pages_per_seq,
             page_size=self.page_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-            max_batch=rows, max_pages_per_seq=pages_per_seq, dtype=jnp.dtype(self.dtype),
-            layout=self.pool_layout, sharding=self.sharding)
+            max_batch=rows, max_pages_per_seq=pages_per_seq,
+            dtype=jnp.dtype(self.kv_dtype or self.dtype), layout=self.pool_layout,
+            sharding=self.sharding)
 
     def _per_shard(self, cache) -> int:
         """Cache rows per batch shard: its share of the batch and its prompt row (the last)."""
@@ -377,7 +383,8 @@ class PagedKind:
                                   lengths=cache.lengths[rows], new_tokens=cache.new_tokens[rows])
         sub = sub.append(layer, k, v, new_lengths)
         out = _jaxkv_attend(sub, layer, q, new_lengths)
-        return out, dataclasses.replace(cache, k_pages=sub.k_pages, v_pages=sub.v_pages)
+        return out, dataclasses.replace(cache, k_pages=sub.k_pages, v_pages=sub.v_pages,
+                                        k_scales=sub.k_scales, v_scales=sub.v_scales)
 
     def append(self, cache, layer, k, v, new_lengths):
         k, v, n = self._pad(k), self._pad(v), self._pad(new_lengths)

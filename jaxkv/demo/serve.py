@@ -54,7 +54,9 @@ ENGINES = {
     "fixed": "fixed slots in pure JAX (no jaxkv): slots of max_seq_len, masked dense attention",
     "linear-xla": "the linear engine's loop with XLA-formulated cache ops (the demo's ops=xla)",
     "paged-xla": "the paged engine's loop with XLA-formulated cache ops (gathers whole rows)",
+    "paged-8bit": "the paged engine with its cache in 8 bits (--kv-dtype), per-token-head scales",
 }
+KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "int8": "int8"}  # --kv-dtype
 DEFAULT_ENGINES = ("paged", "fixed", "linear", "linear-xla")  # the issue's targets first
 
 
@@ -122,8 +124,10 @@ def fresh(requests: list[ServeRequest]) -> list[ServeRequest]:
 # --- engines ---
 
 
-def kv_bytes_per_token(cfg: M.LlamaConfig, dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+def kv_bytes_per_token(cfg: M.LlamaConfig, dtype, scaled: bool = False) -> int:
+    """K and V bytes of one token, every layer (an 8-bit cache's with its float32 scales)."""
+    per_head = cfg.head_dim * jnp.dtype(dtype).itemsize + (4 if scaled else 0)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,11 +151,14 @@ def plan(name: str, kv_bytes: int, per_token: int, max_seq_len: int, page_size: 
     return Plan(name, tokens // max_seq_len)
 
 
-def make_kind(name: str, cfg: M.LlamaConfig, dtype: str, p: Plan, unroll: bool = False):
+def make_kind(name: str, cfg: M.LlamaConfig, dtype: str, p: Plan, unroll: bool = False,
+              kv_dtype: str = "float8_e4m3fn"):
     if name == "fixed":  # unrolled layers: a buffer per layer, as a JAX expert keeps them
         return FixedSlotKind(cfg, dtype, per_layer=unroll)
     base, _, ops = name.partition("-")
     options = dict(page_size=p.page_size, num_pages=p.num_pages) if base == "paged" else {}
+    if ops == "8bit":
+        ops, options = "jaxkv", dict(options, kv_dtype=kv_dtype)
     return caches.make_kind(base, cfg, dtype, ops or "jaxkv", **options)
 
 
