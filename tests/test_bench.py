@@ -307,8 +307,8 @@ def test_xla_formulations_compute_the_same(case):
                                            rtol=2e-2, atol=2e-2, err_msg=f"{case.name}: {name}")
             elif " into " in case.name and on_gpu():
                 # XLA's own quantization: on the GPU its float32 division is not correctly
-                # rounded (about 1-2% of the values of the H200 run of 2026-11-25 landed one
-                # step off); the kernels match jaxkv.reference bit for bit (test_quantized.py).
+                # rounded (a few percent of the values land one step off: docs/perf-notes.md);
+                # the kernels match jaxkv.reference bit for bit (test_quantized.py).
                 a, b = np.asarray(g, np.float32), np.asarray(e, np.float32)
                 step = 1.0 if g.dtype == jnp.int8 else np.abs(b) * 2.0**-2 + 1e-6
                 assert np.all(np.abs(a - b) <= step), f"{case.name}: {name}"
