@@ -29,19 +29,35 @@ HEAD_DIMS = (64, 128)  # measured; cuDNN takes others on some GPUs, jaxkv's kern
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
+# The parameters of jax's private ``_dot_product_attention`` that this module knows, in order:
+# jax 0.11's, and jax 0.12's (score_mod_args and score_mod added). tests/test_cudnn_views.py pins
+# them for every jax CI installs: a release that changes them fails CI, instead of every user
+# silently falling back to the slower kernel.
+SIGNATURES = (
+    ("query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets",
+     "page_table_k", "page_table_v", "scale", "seed", "dropout_rate", "variadic_args",
+     "mask_type", "layout", "sliding_window_length", "cudnn_version", "return_residual"),
+    ("query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets",
+     "page_table_k", "page_table_v", "score_mod_args", "scale", "seed", "dropout_rate",
+     "variadic_args", "mask_type", "layout", "sliding_window_length", "score_mod",
+     "cudnn_version", "return_residual"),
+)
+
+
 def _binding():
-    """jax's private cuDNN attention module, or the reason it cannot be used."""
+    """jax's private cuDNN attention module and its parameters, or None and the reason it cannot
+    be used."""
     if tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11):
         return None, f"jax {jax.__version__} is older than 0.11 (cuDNN paged attention untested)"
     try:
         from jax._src.cudnn import fused_attention_stablehlo as fa
 
-        params = list(inspect.signature(fa._dot_product_attention).parameters)
+        params = tuple(inspect.signature(fa._dot_product_attention).parameters)
         fa.MaskType.PADDING, fa._normalize_layout, fa.check_cudnn_version  # noqa: B018
     except Exception as e:  # moved, renamed or absent: the fallback is jaxkv's kernel
         return None, f"jax's private cuDNN binding is not as expected ({type(e).__name__}: {e})"
-    if params[8:10] != ["page_table_k", "page_table_v"]:
-        return None, "jax's private cuDNN binding changed its arguments"
+    if params not in SIGNATURES:
+        return None, f"jax's private cuDNN binding changed its arguments: {params}"
     return fa, None
 
 
@@ -129,10 +145,17 @@ def _attend(view, q, table, q_seqlen, kv_seqlen, scale, causal: bool, stats: boo
     unused = jnp.zeros((0,), q.dtype)
     mask = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
     t = view.table(table)
-    res = fa._dot_product_attention(
-        view.queries(q), view.k, view.v, unused, view.per_row(q_seqlen), view.per_row(kv_seqlen),
-        unused, unused, t, t, scale, 42, 0.0, (False, False), mask,
-        fa._normalize_layout("BTNH").value, None, fa.check_cudnn_version(), stats)
+    values = dict(
+        query=view.queries(q), key=view.k, value=view.v, bias=unused,
+        q_seqlen=view.per_row(q_seqlen), kv_seqlen=view.per_row(kv_seqlen), q_offsets=unused,
+        kv_offsets=unused, page_table_k=t, page_table_v=t, score_mod_args=(), scale=scale,
+        seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask,
+        layout=fa._normalize_layout("BTNH").value, sliding_window_length=None, score_mod=None,
+        cudnn_version=fa.check_cudnn_version(), return_residual=stats)
+    # Positionally, in the signature's order (its custom_vjp fixes the non-differentiable ones by
+    # position).
+    params = inspect.signature(fa._dot_product_attention).parameters
+    res = fa._dot_product_attention(*(values[name] for name in params))
     return view.outputs(*(res if stats else (res, None)))
 
 

@@ -29,9 +29,13 @@ class _Mask(enum.Enum):
     PADDING_CAUSAL = 2
 
 
-def _stand_in(q, k, v, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, table_k, table_v,
-              scale, seed, dropout, variadic, mask, layout, sliding, version, stats):
-    """cuDNN's semantics: q [R, T, N, D]; pages k, v [pages, S, Hk, D]; tables [R, 1, W, 1]."""
+def _stand_in(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, page_table_k,
+              page_table_v, scale, seed, dropout_rate, variadic_args, mask_type, layout,
+              sliding_window_length, cudnn_version, return_residual):
+    """cuDNN's semantics (jax 0.11's parameters): q [R, T, N, D]; pages k, v [pages, S, Hk, D];
+    tables [R, 1, W, 1]."""
+    q, k, v, table_k, table_v = query, key, value, page_table_k, page_table_v
+    mask, stats = mask_type, return_residual
     R, T, N, D = q.shape
     W, S, Hk = table_k.shape[2], k.shape[1], k.shape[2]
     assert table_k.shape == (R, 1, W, 1) and N % Hk == 0 and layout == "BTNH"
@@ -53,9 +57,39 @@ def _stand_in(q, k, v, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, table_k
     return (out, lse) if stats else out
 
 
-@pytest.fixture
-def stand_in(monkeypatch):
-    fa = types.SimpleNamespace(_dot_product_attention=_stand_in, MaskType=_Mask,
+def _stand_in_012(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
+                  page_table_k, page_table_v, score_mod_args, scale, seed, dropout_rate,
+                  variadic_args, mask_type, layout, sliding_window_length, score_mod,
+                  cudnn_version, return_residual):
+    """jax 0.12's parameters: score_mod_args and score_mod, which jaxkv leaves empty."""
+    assert score_mod_args == () and score_mod is None
+    return _stand_in(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
+                     page_table_k, page_table_v, scale, seed, dropout_rate, variadic_args,
+                     mask_type, layout, sliding_window_length, cudnn_version, return_residual)
+
+
+def test_the_stand_ins_have_the_pinned_signatures():
+    import inspect
+
+    for fn in (_stand_in, _stand_in_012):
+        assert tuple(inspect.signature(fn).parameters) in _cudnn.SIGNATURES
+
+
+def test_the_private_cudnn_binding_has_a_known_signature():
+    """For every jax CI installs: from jax 0.11 on, jax's private cuDNN attention must offer one
+    of the signatures jaxkv/_cudnn.py knows. A release that changes it fails here, not silently
+    on users' GPUs (where the default would fall back to jaxkv's slower kernel)."""
+    fa, why = _cudnn._binding()
+    if tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11):
+        assert fa is None and "older than 0.11" in why
+        return
+    assert fa is not None, why
+
+
+@pytest.fixture(params=["jax 0.11", "jax 0.12"])
+def stand_in(monkeypatch, request):
+    attend = _stand_in if request.param == "jax 0.11" else _stand_in_012
+    fa = types.SimpleNamespace(_dot_product_attention=attend, MaskType=_Mask,
                                _normalize_layout=lambda s: types.SimpleNamespace(value=s),
                                check_cudnn_version=lambda: 0)
     monkeypatch.setattr(_cudnn, "_binding", lambda: (fa, None))
