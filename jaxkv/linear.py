@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +42,8 @@ class LinearKVCache:
     # ([batch_shards] when the batch is sharded: a count per shard; docs/sharding.md)
     sharding: CacheSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
     # 8-bit caches (jaxkv.quantization): float32 [L, B, H, S] per token and head, or [L] per tensor
-    k_scales: jax.Array | None = None
-    v_scales: jax.Array | None = None
+    k_scales: Any = None  # an array, or None
+    v_scales: Any = None
     scaling: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def leaf_roles(self) -> dict:

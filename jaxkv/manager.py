@@ -4,7 +4,7 @@ max_seq_len (TensorRT Edge-LLM's KVCacheManager and KVLayerConfig)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +57,8 @@ class KVCacheManager:
     sharding: CacheSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
     # 8-bit caches (jaxkv.quantization): per layer float32 [B, H_i, S_i] per token and head, or
     # [num_layers] per tensor
-    k_scales: tuple[jax.Array, ...] | jax.Array | None = None
-    v_scales: tuple[jax.Array, ...] | jax.Array | None = None
+    k_scales: Any = None  # a tuple of arrays, an array, or None
+    v_scales: Any = None
     scaling: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def leaf_roles(self) -> dict:
@@ -220,7 +220,7 @@ class KVCacheManager:
         Tokens past the layer's ``max_seq_len`` are dropped (reported through ``checkify``)."""
         op = "KVCacheManager.append"
         i = self._index(op, layer_idx)
-        scales, fields = None, {}
+        scales, fields = None, {}  # type: tuple | None, dict[str, Any]
         if self.scaling == "per_token_head":
             scales = (self.k_scales[i], self.v_scales[i], True)
         elif self.scaling == "per_tensor":  # the layer's own scales, read only

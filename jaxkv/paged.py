@@ -8,7 +8,7 @@ trip. Data moves through the kernels of ``paged_ops``; everything else is small 
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +62,8 @@ class PagedKVCache:
     sharding: CacheSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
     # 8-bit caches (jaxkv.quantization): float32 pools without D (HND [L, H, P, S], NHD
     # [L, P, S, H]) per token and head, or [num_layers] per tensor
-    k_scales: jax.Array | None = None
-    v_scales: jax.Array | None = None
+    k_scales: Any = None  # an array, or None
+    v_scales: Any = None
     scaling: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def leaf_roles(self) -> dict:

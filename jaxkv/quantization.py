@@ -96,7 +96,7 @@ def append_paged(k_pages, v_pages, k_scales, v_scales, per_token: bool, page_tab
     return tuple(out)
 
 
-def scale_leaves(op: str, scaling, num_layers: int, token_shape: tuple, k_scale, v_scale):
+def scale_leaves(op: str, scaling, num_layers: int, token_shape, k_scale, v_scale) -> dict:
     """The scale leaves of a new cache (``sharding.create``'s (shape, dtype, fill)): per token
     and head ``token_shape`` (a list of shapes: one leaf per layer), per tensor ``[num_layers]``."""
     given = k_scale is not None or v_scale is not None

@@ -9,7 +9,7 @@ head) the copy is one contiguous run of ``T * head_dim`` elements on both sides.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +39,8 @@ class SavedKV:
     layers: tuple[jax.Array, ...]  # per layer [2, num_kv_heads_i, T, head_dim_i]
     length: jax.Array  # int32 []: tokens of the prompt, the reuse length to pass to reset (T)
     # From an 8-bit cache: per layer float32 [num_kv_heads_i, T] (per token and head) or []
-    k_scales: tuple[jax.Array, ...] | None = None
-    v_scales: tuple[jax.Array, ...] | None = None
+    k_scales: Any = None  # a tuple of arrays, or None
+    v_scales: Any = None
     scaling: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     num_layers = property(lambda self: len(self.layers), doc="Layers saved (static).")
@@ -246,16 +246,18 @@ def instantiate_kv_cache(layers: Layers, saved: Layers, batch_idx: IntOrArray, s
 def save_saved_kv(op, buffers, names, batch_idx, seq_len, scales=None) -> SavedKV:
     """``save`` of the cache classes: a SavedKV of every layer of ``buffers``, with the scales of
     an 8-bit cache (``scales``: ``quantization.scales_of``) in the same launch."""
+    k_scales: Any
+    v_scales: Any
     k_scales, v_scales, per_token = scales if scales is not None else (None, None, False)
     n = len(_described(op, buffers, names))
     extra, extra_names = (_scale_buffers(k_scales, v_scales) if per_token else ([], []))
     out = save_buffers(op, [*buffers, *extra], [*names, *extra_names], batch_idx, seq_len)
+    saved_k: Any = None
+    saved_v: Any = None
     if per_token:
         saved_k, saved_v = tuple(out[n:2 * n]), tuple(out[2 * n:])
     elif scales is not None:  # per tensor: each layer's scale
         saved_k, saved_v = tuple(k_scales), tuple(v_scales)
-    else:
-        saved_k = saved_v = None
     return SavedKV(layers=tuple(out[:n]), length=jnp.asarray(seq_len, jnp.int32),
                    k_scales=saved_k, v_scales=saved_v,
                    scaling=None if scales is None else ("per_token_head" if per_token
@@ -276,6 +278,8 @@ def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx, scales=N
     8-bit cache's, its scales, in the same launch). Returns (buffers, the moved scale leaves)."""
     if not isinstance(saved, SavedKV):
         raise TypeError(f"{op}: saved must be a SavedKV, got {type(saved).__name__}")
+    k_scales: Any
+    v_scales: Any
     k_scales, v_scales, per_token = scales if scales is not None else (None, None, False)
     scaling = None if scales is None else ("per_token_head" if per_token else "per_tensor")
     if saved.scaling != scaling:
