@@ -28,7 +28,6 @@ A peer whose library does not import, or with no GPU, is skipped with the reason
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
 import statistics
