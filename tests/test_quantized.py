@@ -445,3 +445,39 @@ def test_property_quantized_append_writes_only_named_positions(lengths, counts):
 
 
 _append_checked = jax.jit(checkify.checkify(lambda c, k, n: c.append(1, k, k, n)))
+
+
+@pytest.mark.parametrize("kind", ["linear", "manager"])
+def test_sharded_dense_8bit_caches_equal_unsharded(kind):
+    """Scales sharded like their data (batch and heads) through append, compact, save and
+    instantiate, byte for byte the unsharded cache's."""
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices("cpu")[:4])
+    s = jaxkv.CacheSharding(mesh, heads="tp", batch="dp")
+    k, v = values((B, H, 5, D)), values((B, H, 5, D))
+    n = jnp.asarray([5, 2, 4, 3], jnp.int32)
+    caches = []
+    for sharding in (None, s):
+        if kind == "linear":
+            c = jaxkv.LinearKVCache.create(L, B, H, S, D, jnp.int8, sharding=sharding)
+        else:
+            c = jaxkv.KVCacheManager.create([jaxkv.KVLayerConfig(H, D)] * L, B, S, jnp.int8,
+                                            sharding=sharding)
+        c = c.reset(jnp.zeros((B,), jnp.int32)).append(1, k, v, n).commit(n)
+        c = c.compact(jnp.asarray([1, 0, 3, 2], jnp.int32))  # swaps inside each batch shard
+        saved = c.save(0, 3)
+        c = c.instantiate(saved, jnp.asarray([3], jnp.int32))
+        caches.append((c, saved))
+    (one, saved1), (two, saved2) = caches
+    if kind == "linear":
+        assert two.k_scales.sharding.spec == jax.sharding.PartitionSpec(None, "dp", "tp", None)
+    one, two = jax.tree.map(np.asarray, one), jax.tree.map(np.asarray, two)  # read on the host
+    assert_bytes_equal(saved2.layers[1], saved1.layers[1], "saved bytes")
+    assert_bytes_equal(saved2.k_scales[1], saved1.k_scales[1], "saved scales")
+    for b in range(B):
+        for kv in (0, 1):
+            d1, s1 = token_view(one, 1, kv)
+            d2, s2 = token_view(two, 1, kv)
+            m = int(one.lengths[b])
+            assert m == int(two.lengths[b])
+            assert_bytes_equal(d2[b, :, :m], d1[b, :, :m], f"row {b} data")
+            assert_bytes_equal(s2[b, :, :m], s1[b, :, :m], f"row {b} scales")
