@@ -87,10 +87,9 @@ def _source(op: str, cache, layer_idx) -> _Source:
     src = _addressing(op, cache, layer_idx)
     if getattr(cache, "scaling", None) is None:
         return src
-    if cache.scaling == "per_tensor":
-        layer = jnp.clip(src.layer, 0, cache.num_layers - 1)
-        if isinstance(cache, KVCacheManager):
-            layer = layer_idx  # a static int, checked above
+    if cache.scaling == "per_tensor":  # a manager's layer_idx is a static int, checked above
+        layer = (layer_idx if isinstance(cache, KVCacheManager)
+                 else jnp.clip(src.layer, 0, cache.num_layers - 1))
         return dataclasses.replace(src, scaling="per_tensor", k_scales=cache.k_scales[layer],
                                    v_scales=cache.v_scales[layer])
     ks, vs = cache.k_scales, cache.v_scales

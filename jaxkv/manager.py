@@ -220,7 +220,8 @@ class KVCacheManager:
         Tokens past the layer's ``max_seq_len`` are dropped (reported through ``checkify``)."""
         op = "KVCacheManager.append"
         i = self._index(op, layer_idx)
-        scales, fields = None, {}  # type: tuple | None, dict[str, Any]
+        scales: tuple | None = None
+        fields: dict[str, Any] = {}
         if self.scaling == "per_token_head":
             scales = (self.k_scales[i], self.v_scales[i], True)
         elif self.scaling == "per_tensor":  # the layer's own scales, read only

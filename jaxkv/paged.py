@@ -129,8 +129,8 @@ class PagedKVCache:
                       page_table=((max_batch, max_pages_per_seq), jnp.int32, NO_PAGE),
                       lengths=rows, ref_counts=((num_pages,), jnp.int32, 0), new_tokens=rows)
         scaling = quantization.scaling_of(op, dtype, scaling)
-        leaves.update(quantization.scale_leaves(op, scaling, num_layers, shape[:4] if layout ==
-                                                "HND" else shape[:3] + shape[3:4], k_scale,
+        # The scale pools: the pools without D, in either layout.
+        leaves.update(quantization.scale_leaves(op, scaling, num_layers, shape[:4], k_scale,
                                                 v_scale))
         divides = dict(max_batch=(max_batch, "batch"), num_pages=(num_pages, "batch"),
                        num_kv_heads=(num_kv_heads, "heads"))
