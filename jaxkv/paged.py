@@ -17,6 +17,7 @@ import numpy as np
 from . import _lengths
 from . import _validate as validate
 from . import ops
+from . import page_index
 from . import paged_ops
 from . import quantization
 from ._checks import check, elsewhere
@@ -65,13 +66,16 @@ class PagedKVCache:
     k_scales: Any = None  # an array, or None
     v_scales: Any = None
     scaling: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # create(prefix_cache=True): full pages found by their token ids (jaxkv.page_index), one
+    # entry per page, split like the pages
+    prefix_cache: page_index.PageIndex | None = None
 
     def leaf_roles(self) -> dict:
         """Where each leaf keeps its rows, pages and heads (``jaxkv.layout``)."""
         pool = POOL[self.layout]
         scales = pool[:4] if self.scaling == "per_token_head" else REPLICATED
         return dict(k_pages=pool, v_pages=pool, page_table=ROWS, lengths=ROWS, ref_counts=ROWS,
-                    new_tokens=ROWS, k_scales=scales, v_scales=scales)
+                    new_tokens=ROWS, k_scales=scales, v_scales=scales, prefix_cache=ROWS)
 
     @classmethod
     def create(
@@ -89,6 +93,7 @@ class PagedKVCache:
         scaling: str | None = None,
         k_scale=None,
         v_scale=None,
+        prefix_cache: bool = False,
     ) -> "PagedKVCache":
         """An empty cache: every page free, every page-table entry ``NO_PAGE``, lengths 0.
 
@@ -108,6 +113,11 @@ class PagedKVCache:
         ``scaling``, ``k_scale``, ``v_scale``: as for ``LinearKVCache.create``; per token and head
         ``k_scales`` and ``v_scales`` are pools without D: ``[L, H, P, S]`` (HND) or
         ``[L, P, S, H]`` (NHD).
+
+        ``prefix_cache``: keep an index of full pages by their token ids (``match_prefix``,
+        ``insert_prefix``; docs/prefix-caching.md). Indexed pages keep their data when no
+        sequence holds them, count as free, and ``reserve`` evicts them least recently used
+        after the pages never indexed.
         """
         op = "PagedKVCache.create"
         dims = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
@@ -132,6 +142,11 @@ class PagedKVCache:
         # The scale pools: the pools without D, in either layout.
         leaves.update(quantization.scale_leaves(op, scaling, num_layers, shape[:4], k_scale,
                                                 v_scale))
+        if not isinstance(prefix_cache, bool):
+            raise TypeError(f"{op}: prefix_cache must be a bool, got {type(prefix_cache).__name__}")
+        if prefix_cache:
+            leaves["prefix_cache"] = lambda full: page_index.PageIndex.empty(num_pages, page_size,
+                                                                             full)
         divides = dict(max_batch=(max_batch, "batch"), num_pages=(num_pages, "batch"),
                        num_kv_heads=(num_kv_heads, "heads"))
         return create(cls, op, sharding, leaves, divides, layout=layout, scaling=scaling)
@@ -230,7 +245,7 @@ class PagedKVCache:
         end = self.lengths + jnp.minimum(n, room)  # no int32 overflow
         want = end // self.page_size + (end % self.page_size != 0).astype(jnp.int32)
         need = jnp.where(fits, jnp.maximum(want - held, 0), 0).astype(jnp.int32)
-        ref_counts, served, first, free_ids = _allocate(self.ref_counts, need, fits)
+        ref_counts, served, first, free_ids, index = self._allocate(need, fits)
         check(
             jnp.all(fits), f"{op}: a sequence would pass max_pages_per_seq * page_size tokens"
         )
@@ -241,9 +256,8 @@ class PagedKVCache:
         pick = jnp.clip(first[:, None] + k, 0, self.num_pages - 1)
         page_table = jnp.where(new, free_ids[pick], self.page_table)
         new_tokens = jnp.where(served, n, 0)
-        cache = dataclasses.replace(
-            self, page_table=page_table, ref_counts=ref_counts, new_tokens=new_tokens
-        )
+        cache = dataclasses.replace(self, page_table=page_table, ref_counts=ref_counts,
+                                    new_tokens=new_tokens, prefix_cache=index)
         return cache, served
 
     @per_shard(mask=Role(ROWS))
@@ -342,7 +356,7 @@ class PagedKVCache:
         full = length // size
         partial = length % size != 0
         need = jnp.where(is_dst & partial, 1, 0).astype(jnp.int32)
-        ref_counts, served, first, free_ids = _allocate(cache.ref_counts, need, is_dst)
+        ref_counts, served, first, free_ids, index = cache._allocate(need, is_dst)
         check(jnp.all(served | ~is_dst), f"{op}: out of pages")
         new_page = jnp.where(served & partial, free_ids[jnp.clip(first, 0, self.num_pages - 1)],
                              NO_PAGE)
@@ -355,7 +369,7 @@ class PagedKVCache:
         last = src_row[jnp.clip(full, 0, self.max_pages_per_seq - 1)]
         copy_src = jnp.where(new_page >= 0, last, NO_PAGE)
         cache = dataclasses.replace(
-            cache._copied(copy_src, new_page),
+            dataclasses.replace(cache, prefix_cache=index)._copied(copy_src, new_page),
             page_table=page_table,
             lengths=jnp.where(served, length, cache.lengths),
             ref_counts=ref_counts,
@@ -378,7 +392,8 @@ class PagedKVCache:
 
     def _copied(self, src_pages, dst_pages) -> "PagedKVCache":
         """Pages copied with their per-token scales (a pool of one-value tokens: a second launch
-        of the same kernel, on a view of the scales with D = 1)."""
+        of the same kernel, on a view of the scales with D = 1). A page written leaves the
+        prefix index, with the pages indexed below it."""
         k_pages, v_pages = paged_ops.copy_pages(
             self.k_pages, self.v_pages, src_pages, dst_pages, layout=self.layout
         )
@@ -387,7 +402,111 @@ class PagedKVCache:
             ks, vs = paged_ops.copy_pages(self.k_scales[..., None], self.v_scales[..., None],
                                           src_pages, dst_pages, layout=self.layout)
             fields = dict(k_scales=ks[..., 0], v_scales=vs[..., 0])
+        if self.prefix_cache is not None:
+            written = jnp.where((dst_pages >= 0) & (dst_pages < self.num_pages), dst_pages,
+                                self.num_pages)
+            mask = jnp.zeros((self.num_pages + 1,), bool).at[written].set(True)[:self.num_pages]
+            fields["prefix_cache"] = page_index.unindex(self.prefix_cache, mask,
+                                                        self.max_pages_per_seq)
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages, **fields)
+
+    def _allocate(self, need: jax.Array, eligible: jax.Array):
+        """``_allocate`` over this cache's free pages: with a prefix index, pages never indexed
+        first, then indexed ones least recently used, which leave the index (their descendants
+        with them). Returns ``_allocate``'s results and the new index."""
+        index = self.prefix_cache
+        if index is None:
+            return (*_allocate(self.ref_counts, need, eligible), None)
+        order = page_index.eviction_order(index, self.ref_counts == 0)
+        ref_counts, served, first, free_ids = _allocate(self.ref_counts, need, eligible, order)
+        taken = (self.ref_counts == 0) & (ref_counts > 0)
+        return (ref_counts, served, first, free_ids,
+                page_index.unindex(index, taken, self.max_pages_per_seq))
+
+    # The prefix cache.
+    @per_shard(tokens=Role(ROWS), num_tokens=Role(ROWS), out=(None, Role(ROWS)))
+    def match_prefix(self, tokens: jax.Array, num_tokens: jax.Array):
+        """Starts empty rows on the cached pages of their prompts' longest indexed prefix.
+
+        ``tokens`` int32 ``[max_batch, T]``: each row's prompt; ``num_tokens`` int32
+        ``[max_batch]``: its length (0: the row does not ask). An asking row gets the longest
+        run of indexed full pages whose token ids equal ``tokens[b, :k * page_size]``, page by
+        page from the first, with ``k * page_size <= num_tokens[b] - 1`` (one token at least is
+        left to compute: it gives the logits). The pages are mapped into the row's page table
+        (shared: reference counts + 1) and ``lengths[b]`` becomes ``k * page_size``.
+
+        **Returns:** ``(cache, matched)``, ``matched`` int32 ``[max_batch]``: tokens each row
+        starts with. An asking row that is not empty, a count outside ``[0, min(T, capacity)]``
+        or a negative id among a row's tokens is reported through ``checkify``; such a row
+        matches nothing and changes nothing.
+        """
+        op = "PagedKVCache.match_prefix"
+        index = self._index_args(op, tokens, num_tokens)
+        rows, size = self.max_batch, self.page_size
+        capacity = self.max_pages_per_seq * size
+        asking = num_tokens > 0
+        empty = (self.lengths == 0) & (self.pages_held == 0)
+        check(empty | ~asking, f"{op}: a row asking for a prefix must be empty (release it)")
+        ok = page_index.row_ok(op, tokens, num_tokens, capacity) & empty & asking
+        pages = page_index.token_pages(tokens, size, self.max_pages_per_seq)
+        k = pages.shape[1]
+        if k == 0:
+            return self, jnp.zeros((rows,), jnp.int32)
+        limit = jnp.where(ok, (num_tokens - 1) // size, 0)
+        found, run = page_index.lookup(index, pages, page_index.chain_hashes(pages), limit)
+        taken = jnp.arange(k)[None, :] < run[:, None]
+        mapped = jnp.where(taken, found, NO_PAGE)
+        page_table = self.page_table.at[:, :k].set(
+            jnp.where(run[:, None] > 0, mapped, self.page_table[:, :k]))
+        ref_counts = self.ref_counts.at[jnp.where(taken, found, self.num_pages)].add(
+            1, mode="drop")
+        matched = run * size
+        cache = dataclasses.replace(
+            self, page_table=page_table, ref_counts=ref_counts,
+            lengths=jnp.where(run > 0, matched, self.lengths),
+            prefix_cache=page_index.touch(index, mapped))
+        return cache, matched
+
+    @per_shard(tokens=Role(ROWS), num_tokens=Role(ROWS))
+    def insert_prefix(self, tokens: jax.Array, num_tokens: jax.Array) -> "PagedKVCache":
+        """Makes each row's full pages covering ``tokens[b, :num_tokens[b]]`` findable by
+        ``match_prefix`` (``tokens``, ``num_tokens`` as there; 0: the row is skipped).
+
+        Call it once the row's tokens are appended and committed: only pages below
+        ``lengths[b]`` are indexed (a count past it is reported through ``checkify``).
+        Idempotent: a chain already indexed is not indexed twice, and rows adding the same new
+        chain in one call index it once. Bad rows are reported as for ``match_prefix`` and
+        index nothing.
+        """
+        op = "PagedKVCache.insert_prefix"
+        index = self._index_args(op, tokens, num_tokens)
+        size = self.page_size
+        capacity = self.max_pages_per_seq * size
+        ok = page_index.row_ok(op, tokens, num_tokens, capacity)
+        check(num_tokens <= self.lengths,
+              f"{op}: num_tokens past a row's length (append and commit the tokens first)")
+        pages = page_index.token_pages(tokens, size, self.max_pages_per_seq)
+        if pages.shape[1] == 0:
+            return self
+        full = jnp.where(ok, jnp.minimum(num_tokens, self.lengths) // size, 0)
+        full = jnp.minimum(jnp.minimum(full, self.pages_held), pages.shape[1])
+        index = page_index.insert(index, self.page_table, pages, full, self.max_pages_per_seq)
+        return dataclasses.replace(self, prefix_cache=index)
+
+    def _index_args(self, op: str, tokens, num_tokens) -> page_index.PageIndex:
+        """The trace-time checks of ``match_prefix`` / ``insert_prefix``; the index."""
+        if self.prefix_cache is None:
+            raise ValueError(f"{op}: the cache has no prefix index "
+                             "(PagedKVCache.create(..., prefix_cache=True))")
+        for name, x in (("tokens", tokens), ("num_tokens", num_tokens)):
+            validate.array(op, name, x)
+            validate.int32(op, name, x)
+        validate.rank(op, "tokens", tokens, 2, "[max_batch, T]")
+        if tokens.shape[0] != self.max_batch:
+            raise ValueError(f"{op}: tokens must be [max_batch, T] = [{self.max_batch}, T], got "
+                             f"{list(tokens.shape)}")
+        validate.shape(op, "num_tokens", num_tokens, (self.max_batch,), "[max_batch]")
+        return self.prefix_cache
 
     # Data.
     @per_shard(k=Role(KV), v=Role(KV), new_lengths=Role(ROWS))
@@ -456,8 +575,9 @@ class PagedKVCache:
         return (k, v) if split else jnp.stack((k, v), axis=1)
 
 
-def _allocate(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array):
-    """Takes ``need[b]`` free pages for each eligible row, in row order, while they last.
+def _allocate(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array, order=None):
+    """Takes ``need[b]`` free pages for each eligible row, in row order, while they last: the
+    lowest ids first, or in ``order`` (every page id, the free ones first).
 
     Returns ``(ref_counts', served, first, free_ids)``: row ``b`` (served) owns
     ``free_ids[first[b] : first[b] + need[b]]``, each now with count 1. A row needing no page is
@@ -466,7 +586,10 @@ def _allocate(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array):
     """
     num_pages = ref_counts.shape[0]
     free = ref_counts == 0
-    free_ids = jnp.nonzero(free, size=num_pages, fill_value=num_pages)[0].astype(jnp.int32)
+    if order is None:
+        free_ids = jnp.nonzero(free, size=num_pages, fill_value=num_pages)[0].astype(jnp.int32)
+    else:
+        free_ids = jnp.where(free[order], order, num_pages)
     want = jnp.where(eligible, need, 0)
     served = eligible & ((need == 0) | (jnp.cumsum(want) <= jnp.sum(free, dtype=jnp.int32)))
     take = jnp.where(served, need, 0)

@@ -177,19 +177,26 @@ def _global(tree, s: CacheSharding):
 
 def create(cls, op: str, sharding, leaves: dict, divides: dict, **static):
     """A ``cls`` made of ``leaves`` (name -> (shape, dtype, fill), a list of them for a tuple
-    field). With ``sharding`` every leaf is created already placed, after checking that its mesh
-    axis divides each of ``divides`` (argument name -> (size, role))."""
+    field, or a function ``make(full)`` of a pytree field calling ``full(shape, dtype, fill)``
+    for each of its leaves). With ``sharding`` every leaf is created already placed, after
+    checking that its mesh axis divides each of ``divides`` (argument name -> (size, role))."""
     if sharding is not None and not isinstance(sharding, CacheSharding):
         raise TypeError(f"{op}: sharding must be a jaxkv.CacheSharding, got "
                         f"{type(sharding).__name__}")
     sds = lambda spec: jax.ShapeDtypeStruct(spec[0], spec[1])  # noqa: E731
-    roles = cls(**{n: (tuple(map(sds, v)) if isinstance(v, list) else sds(v))
-                   for n, v in leaves.items()}, **static).leaf_roles()
+    def abstract(v):
+        if callable(v):
+            return v(lambda shape, dtype, fill: jax.ShapeDtypeStruct(shape, dtype))
+        return tuple(map(sds, v)) if isinstance(v, list) else sds(v)
+
+    roles = cls(**{n: abstract(v) for n, v in leaves.items()}, **static).leaf_roles()
     if sharding is not None:
         for name, (size, role) in divides.items():
             sharding.require_divides(op, name, size, role)
 
     def make(spec, role):
+        if callable(spec):
+            return spec(lambda shape, dtype, fill: make((shape, dtype, fill), role))
         if isinstance(spec, list):
             return tuple(make(x, role) for x in spec)
         shape, dtype, fill = spec

@@ -1,0 +1,231 @@
+"""The prefix cache of a paged cache: full pages found by their token ids, all on the device.
+
+An indexed page records the token ids it holds, its parent (the indexed page holding the
+``page_size`` tokens before it, or ``ROOT`` for a sequence's first page), its depth in that chain,
+a 32-bit hash of every token from the sequence's start through this page, and when it was last
+used. Finding a prompt's pages is one sort of the pages by hash, a binary search per (row, page)
+and an exact comparison of the candidates' token ids and parents: the hash only narrows the
+search, equality is always of the ids themselves, so two different prefixes never share a page.
+
+Invariants, kept by every function here:
+- an indexed page's parent is indexed, one level up (unindexing a page unindexes its
+  descendants), so by induction a page found by walking from ``ROOT`` holds exactly the tokens
+  of the chain that found it;
+- an indexed page is never written: it is full, a sequence appends only past its length, and
+  ``copy_pages`` into an indexed page unindexes it first.
+
+Eviction (``eviction_order``): never-indexed free pages first, then indexed free pages least
+recently used, deeper pages first on a tie. Matching and inserting touch a chain from its first
+page, so a page is used at least as recently as any of its descendants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ._checks import check
+
+ROOT = -1  # the parent of a sequence's first page
+UNINDEXED = -1  # the depth of a page the index does not hold
+CANDIDATES = 4  # pages with one hash examined per lookup: more only on 32-bit hash collisions
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PageIndex:
+    """The index's arrays, one entry per physical page of the pool (split like the pages when
+    the cache is sharded: each batch shard indexes its own pages)."""
+
+    tokens: jax.Array  # int32 [num_pages, page_size]: the token ids an indexed page holds
+    chain_hash: jax.Array  # uint32 [num_pages]: hash of the tokens from the chain's start
+    parent: jax.Array  # int32 [num_pages]: the page before it in its chain, or ROOT
+    depth: jax.Array  # int32 [num_pages]: its position in the chain (pages), or UNINDEXED
+    used: jax.Array  # int32 [num_pages]: when last matched or inserted (a per-call clock)
+
+    @staticmethod
+    def empty(num_pages: int, page_size: int, full) -> "PageIndex":
+        """An empty index; ``full(shape, dtype, fill)`` makes each array (placed, if sharded)."""
+        return PageIndex(tokens=full((num_pages, page_size), jnp.int32, -1),
+                         chain_hash=full((num_pages,), jnp.uint32, 0),
+                         parent=full((num_pages,), jnp.int32, ROOT),
+                         depth=full((num_pages,), jnp.int32, UNINDEXED),
+                         used=full((num_pages,), jnp.int32, 0))
+
+    @property
+    def indexed(self) -> jax.Array:
+        return self.depth != UNINDEXED
+
+
+# --- hashing -----------------------------------------------------------------------------------
+def _mix(x: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finalizer: every input bit moves every output bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def chain_hashes(pages: jax.Array) -> jax.Array:
+    """uint32 ``[B, K]``: hash of pages ``0 .. k`` of each row, from token ids ``[B, K, S]``.
+
+    A sum of mixed (token, position) words: order-sensitive, and a prefix sum over pages, so
+    every (row, page) is hashed at once rather than one page after the other."""
+    _, k, s = pages.shape
+    position = jnp.arange(k * s, dtype=jnp.uint32).reshape(k, s)
+    words = _mix(pages.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) + position + jnp.uint32(1))
+    return jnp.cumsum(_mix(jnp.sum(words, axis=-1, dtype=jnp.uint32)), axis=1, dtype=jnp.uint32)
+
+
+# --- lookup ------------------------------------------------------------------------------------
+def lookup(index: PageIndex, pages: jax.Array, hashes: jax.Array, limit: jax.Array):
+    """The indexed chain each row's tokens walk from ``ROOT``.
+
+    ``pages`` int32 ``[B, K, S]``, ``hashes`` their ``chain_hashes``, ``limit`` int32 ``[B]``:
+    pages a row may match. **Returns** ``(found, run)``: ``found`` int32 ``[B, K]``, the indexed
+    page holding (row, k)'s tokens whose chain hash agrees (or -1); ``run`` int32 ``[B]``, the
+    pages from the first that ``found`` walks parent to child, below ``limit``."""
+    num_pages = index.depth.shape[0]
+    b, k, _ = pages.shape
+    key = jnp.where(index.indexed, index.chain_hash, jnp.uint32(0xFFFFFFFF))
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    sorted_key = key[order]
+    first = jnp.searchsorted(sorted_key, hashes.reshape(-1), side="left").reshape(b, k, 1)
+    slot = first + jnp.arange(CANDIDATES, dtype=jnp.int32)
+    in_range = slot < num_pages
+    slot = jnp.minimum(slot, num_pages - 1)
+    cand = order[slot]  # [B, K, C]
+    level = jnp.arange(k, dtype=jnp.int32)[None, :, None]
+    same = (in_range & (sorted_key[slot] == hashes[..., None]) & (index.depth[cand] == level)
+            & jnp.all(index.tokens[cand] == pages[:, :, None, :], axis=-1))
+    found = jnp.where(jnp.any(same, -1),
+                      jnp.take_along_axis(cand, jnp.argmax(same, -1)[..., None], -1)[..., 0], -1)
+    before = jnp.concatenate([jnp.full((b, 1), ROOT, jnp.int32), found[:, :-1]], axis=1)
+    linked = ((found >= 0) & (index.parent[jnp.maximum(found, 0)] == before)
+              & (jnp.arange(k)[None, :] < limit[:, None]))
+    run = jnp.sum(jnp.cumprod(linked, axis=1), axis=1, dtype=jnp.int32)
+    return found, run
+
+
+def _clock(index: PageIndex) -> jax.Array:
+    return jnp.max(index.used, initial=0) + 1
+
+
+def touch(index: PageIndex, pages: jax.Array) -> PageIndex:
+    """``pages`` (int32, any shape; out-of-range ids are skipped) used now."""
+    num_pages = index.depth.shape[0]
+    pages = jnp.where((pages >= 0) & (pages < num_pages), pages, num_pages)
+    return dataclasses.replace(index, used=index.used.at[pages].set(_clock(index), mode="drop"))
+
+
+# --- rows' token arguments ----------------------------------------------------------------------
+def token_pages(tokens: jax.Array, page_size: int, max_pages: int):
+    """``tokens`` [B, T] as whole pages ``[B, K, S]``, K = min(T // S, max_pages)."""
+    b, t = tokens.shape
+    k = min(t // page_size, max_pages)
+    return tokens[:, :k * page_size].reshape(b, k, page_size)
+
+
+def row_ok(op: str, tokens: jax.Array, num_tokens: jax.Array, capacity: int) -> jax.Array:
+    """bool ``[B]``: ``num_tokens`` in ``[0, min(T, capacity)]`` and no negative id among a
+    row's first ``num_tokens`` tokens (each failure reported through ``checkify``)."""
+    t = tokens.shape[1]
+    count_ok = (num_tokens >= 0) & (num_tokens <= t) & (num_tokens <= capacity)
+    check(count_ok, f"{op}: num_tokens must be in [0, min(T, max_pages_per_seq * page_size)]")
+    live = jnp.arange(t)[None, :] < num_tokens[:, None]
+    ids_ok = ~jnp.any(live & (tokens < 0), axis=1)
+    check(ids_ok, f"{op}: token ids must be >= 0")
+    return count_ok & ids_ok
+
+
+# --- unindexing ---------------------------------------------------------------------------------
+def unindex(index: PageIndex, pages: jax.Array, max_depth: int) -> PageIndex:
+    """``pages`` (bool ``[num_pages]``) and every page descending from one of them leave the
+    index. Pointer jumping: ``ceil(log2(max_depth))`` rounds, each a gather over the pages."""
+    num_pages = index.depth.shape[0]
+    ids = jnp.arange(num_pages, dtype=jnp.int32)
+    up = jnp.where(index.indexed & (index.parent >= 0), index.parent, ids)  # roots: themselves
+    gone = pages
+    for _ in range(max(1, math.ceil(math.log2(max(max_depth, 2))))):
+        gone = gone | gone[up]
+        up = up[up]
+    return dataclasses.replace(index, depth=jnp.where(gone, UNINDEXED, index.depth))
+
+
+def eviction_order(index: PageIndex, free: jax.Array) -> jax.Array:
+    """int32 ``[num_pages]``: page ids, free ones first in the order ``reserve`` takes them:
+    never-indexed by id, then indexed least recently used, deeper first on a tie, then by id."""
+    indexed = index.indexed & free
+    used = jnp.where(indexed, index.used, 0)
+    deeper = jnp.where(indexed, -index.depth, 0)
+    return jnp.lexsort((deeper, used, indexed, ~free)).astype(jnp.int32)
+
+
+# --- inserting ----------------------------------------------------------------------------------
+def insert(index: PageIndex, page_table: jax.Array, pages: jax.Array, full: jax.Array,
+           max_depth: int) -> PageIndex:
+    """Indexes each row's first ``full[b]`` pages (``page_table[b, :full[b]]`` holding the token
+    ids ``pages[b]``), skipping the chain already indexed.
+
+    Rows that add the same new chain in one call (the same prompt computed twice before either
+    was indexed) index it once: the first row's pages. A later row indexes only what extends past
+    that chain, under the first row's page, once its whole prefix is compared equal."""
+    num_pages = index.depth.shape[0]
+    b, k, s = pages.shape
+    hashes = chain_hashes(pages)
+    found, run = lookup(index, pages, hashes, full)
+    level = jnp.arange(k, dtype=jnp.int32)[None, :]
+    own = page_table[:, :k]
+    rows = jnp.arange(b, dtype=jnp.int32)
+    pending = (level >= run[:, None]) & (level < full[:, None])
+    # The first earlier row with a pending page of the same chain hash at that level.
+    earlier = (pending[:, None, :] & pending[None, :, :]
+               & (hashes[:, None, :] == hashes[None, :, :])
+               & (rows[None, :, None] < rows[:, None, None]))  # [row, earlier row, level]
+    dup = jnp.any(earlier, axis=1)
+    canon = jnp.argmax(earlier, axis=1).astype(jnp.int32)  # [B, K]
+    # A row's pending levels: duplicates of earlier rows' new pages, then its own new pages.
+    first_own = jnp.min(jnp.where(pending & ~dup, level, k), axis=1)
+    # Its own pages: contiguous from first_own, not already indexed, and never another row's
+    # duplicate again (only a hash collision does that).
+    fresh = (pending & ~dup & (own >= 0) & (own < num_pages)
+             & ~index.indexed[jnp.clip(own, 0, num_pages - 1)])
+    mine = jnp.cumprod(fresh | (level < first_own[:, None]), axis=1).astype(bool) & \
+        (level >= first_own[:, None])
+    # A physical page claimed twice (two rows naming one page with different ids): first wins.
+    flat = jnp.where(mine, own, num_pages).reshape(-1)
+    claim = jnp.full((num_pages + 1,), b * k, jnp.int32).at[flat].min(
+        jnp.arange(b * k, dtype=jnp.int32))
+    mine = mine & (claim[flat].reshape(b, k) == jnp.arange(b * k).reshape(b, k))
+    # The row's chain: indexed pages found, then an earlier row's new pages it duplicates, then
+    # its own new pages.
+    borrowed = own[canon, jnp.broadcast_to(level, (b, k))]
+    chain = jnp.where(level < run[:, None], found, jnp.where(dup, borrowed, own))
+    parent = jnp.concatenate([jnp.full((b, 1), ROOT, jnp.int32), chain[:, :-1]], axis=1)
+    target = jnp.where(mine, own, num_pages)
+    index = dataclasses.replace(
+        index,
+        tokens=index.tokens.at[target].set(pages, mode="drop"),
+        chain_hash=index.chain_hash.at[target].set(hashes, mode="drop"),
+        parent=index.parent.at[target].set(parent, mode="drop"),
+        depth=index.depth.at[target].set(jnp.broadcast_to(level, (b, k)), mode="drop"),
+    )
+    # Exactness, whatever the hashes did: each row's chain must walk from ROOT through pages
+    # holding its own token ids, level by level. A row whose chain does not (a borrowed prefix
+    # that differs, a page claimed by another row) takes its new pages out again, and with them
+    # every page below them, so no indexed page ever hangs under a parent that is not its own.
+    covered = (level < run[:, None]) | (pending & (level < first_own[:, None])) | mine
+    end = jnp.max(jnp.where(covered, level + 1, 0), axis=1)
+    c = jnp.clip(chain, 0, num_pages - 1)
+    linked = ((chain >= 0) & (chain < num_pages) & (index.depth[c] == level)
+              & (index.parent[c] == parent) & jnp.all(index.tokens[c] == pages, axis=-1))
+    broken = ~jnp.all(linked | (level >= end[:, None]), axis=1)
+    rejected = jnp.zeros((num_pages + 1,), bool).at[
+        jnp.where(mine & broken[:, None], own, num_pages)].set(True)[:num_pages]
+    index = unindex(index, rejected, max_depth)
+    used_chain = jnp.where((level < end[:, None]) & ~broken[:, None], chain, -1)
+    return touch(index, used_chain)
