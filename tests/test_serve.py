@@ -267,3 +267,60 @@ def test_an_8bit_cache_holds_more_sequences_in_the_same_budget(tmp_path, capsys,
     assert eight_bit["num_pages"] >= 0.95 * ratio * paged["num_pages"]
     assert eight_bit["requests"] == paged["requests"] == 6
     assert "paged-8bit" in doc["agreement"] and "greedy tokens against paged: paged-8bit" in out
+
+
+CHAT = dataclasses.replace(STREAM, kind="chat", turns=3, turn_gap=0.0, requests=9)
+SHARED = dataclasses.replace(STREAM, kind="shared", prefixes=2, prefix_len=12)
+
+
+def test_chat_turns_resend_the_conversation_and_shared_prompts_repeat():
+    _, chat = S.make_stream(CHAT, CFG.vocab_size)
+    by_time = sorted(chat, key=lambda r: r.arrival)
+    assert 4 <= len(chat) <= 9 and by_time == chat  # a conversation ends at max_seq_len
+    later = [r for r in chat if len(r.prompt) > 8]
+    # a later turn starts with an earlier turn's whole prompt
+    assert any(np.array_equal(b.prompt[:len(a.prompt)], a.prompt) for a in chat for b in later
+               if len(b.prompt) > len(a.prompt))
+    _, shared = S.make_stream(SHARED, CFG.vocab_size)
+    heads = {tuple(r.prompt[:12]) for r in shared}
+    assert len(heads) == 2
+    best = S.oracle_reuse(SYSTEM, shared, 4)
+    assert sum(best.values()) > 0 and all(b % 4 == 0 for b in best.values())
+
+
+@pytest.mark.parametrize("stream", [CHAT, SHARED], ids=["chat", "shared"])
+def test_prefix_caching_reuses_pages_and_generates_what_recomputation_does(stream):
+    system, requests = S.make_stream(stream, CFG.vocab_size)
+    plan = S.Plan("paged-prefix", batch=4, num_pages=24, page_size=4)
+    kind = S.make_kind("paged-prefix", CFG, "float32", plan)
+    eng = S.ServeEngine(CFG, PARAMS, kind, batch=4, max_seq_len=40, system_prompt=system,
+                        prefill_rows=2, prefill_chunk=4, decode_steps=4, mixed_steps=2)
+    reqs = S.fresh(requests)
+    m = eng.run(reqs)
+    want = serve_cli.recompute(CFG, PARAMS, system, requests, len(requests), 40, None)
+    assert [r.output for r in reqs] == want
+    assert m["prefill_matched"] > 0
+    # every requested token is computed or found (more once a preempted request comes back)
+    done = m["prefill_computed"] + m["prefill_matched"]
+    assert done == m["prefill_requested"] if not m["preemptions"] else done >= m[
+        "prefill_requested"]
+    assert eng.cache_copies() == 0
+
+
+def test_serve_prefix_cache_flag_reports_reuse(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(M.PRESETS, "tiny", CFG)
+    path = tmp_path / "serve.json"
+    rc = entry.main(["serve", "--engines", "paged", "--prefix-cache", "--stream", "shared",
+                     "--prefixes", "2", "--prefix-len", "12", "--requests", "8",
+                     "--max-seq-len", "40", "--system-len", "5", "--mean-prompt", "5",
+                     "--mean-output", "5", "--kv-gib", str(4 * 40 * PER_TOKEN / 2**30),
+                     "--page-size", "4", "--prefill-chunk", "4", "--decode-steps", "4",
+                     "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    doc = json.loads(path.read_text())
+    on, off = doc["engines"]["paged-prefix"], doc["engines"]["paged"]
+    assert on["prefill_computed"] < off["prefill_computed"]
+    assert on["prefill_requested"] == off["prefill_requested"]
+    assert off["prefill_matched"] == 0 and on["reuse_of_oracle"] > 0.5
+    assert "prefix tokens reused / oracle's best" in out

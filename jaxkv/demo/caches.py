@@ -312,6 +312,9 @@ class PagedKind:
     # The cache in 8 bits (jaxkv.quantization, per-token-head scales; jaxkv's ops only): the
     # model's K/V are quantized on append and the attention reads the scales.
     kv_dtype: str | None = None
+    # Automatic prefix caching (jaxkv.page_index): requests find the cached pages of their
+    # prompts' longest indexed prefix (``match``) and index what they prefill (``insert``).
+    prefix_cache: bool = False
 
     @property
     def pool_layout(self) -> str:
@@ -331,7 +334,16 @@ class PagedKind:
             page_size=self.page_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             max_batch=rows, max_pages_per_seq=pages_per_seq,
             dtype=jnp.dtype(self.kv_dtype or self.dtype), layout=self.pool_layout,
-            sharding=self.sharding)
+            sharding=self.sharding, prefix_cache=self.prefix_cache)
+
+    def match(self, cache, tokens, num_tokens):
+        """``match_prefix`` of batch rows (``tokens`` [B, T], ``num_tokens`` [B]); matched [B]."""
+        cache, matched = cache.match_prefix(self._pad(tokens), self._pad(num_tokens))
+        return cache, self._unpad(matched)
+
+    def insert(self, cache, tokens, num_tokens):
+        """``insert_prefix`` of batch rows."""
+        return cache.insert_prefix(self._pad(tokens), self._pad(num_tokens))
 
     def _per_shard(self, cache) -> int:
         """Cache rows per batch shard: its share of the batch and its prompt row (the last)."""

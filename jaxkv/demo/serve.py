@@ -55,6 +55,8 @@ ENGINES = {
     "linear-xla": "the linear engine's loop with XLA-formulated cache ops (the demo's ops=xla)",
     "paged-xla": "the paged engine's loop with XLA-formulated cache ops (gathers whole rows)",
     "paged-8bit": "the paged engine with its cache in 8 bits (--kv-dtype), per-token-head scales",
+    "paged-prefix": "the paged engine with automatic prefix caching: a request starts on the "
+                    "cached pages of its longest indexed prefix (match_prefix / insert_prefix)",
 }
 KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "int8": "int8"}  # --kv-dtype
 DEFAULT_ENGINES = ("paged", "fixed", "linear", "linear-xla")  # the issue's targets first
@@ -76,6 +78,15 @@ class StreamConfig:
     sigma: float = 1.0  # of log(length), for both
     max_seq_len: int = 256
     rate: float | None = None  # Poisson arrivals, requests/s; None: all queued at the start
+    # "lognormal": independent prompts. "chat": conversations of `turns` turns, each turn's
+    # prompt the whole conversation so far (earlier prompts and replies) and a new message,
+    # `turn_gap` s after the turn before (`rate`: conversations/s). "shared": `prefixes` long
+    # prompts of `prefix_len` tokens, each request one of them and a message of its own.
+    kind: str = "lognormal"
+    turns: int = 4
+    turn_gap: float = 1.0
+    prefixes: int = 8
+    prefix_len: int = 64
 
 
 @dataclasses.dataclass
@@ -93,6 +104,8 @@ class ServeRequest:
     first_time: float | None = None
     finish_time: float | None = None
     preemptions: int = 0
+    started: bool = False  # prefix cache: its first chunk (which matches its prefix) dispatched
+    matched: int = 0  # prefix cache: tokens its admissions found cached
 
 
 def lognormal_lengths(rng, n: int, mean: float, sigma: float) -> np.ndarray:
@@ -100,11 +113,18 @@ def lognormal_lengths(rng, n: int, mean: float, sigma: float) -> np.ndarray:
     return np.maximum(1, np.rint(rng.lognormal(mu, sigma, n))).astype(np.int64)
 
 
+STREAMS = ("lognormal", "chat", "shared")
+
+
 def make_stream(sc: StreamConfig, vocab: int) -> tuple[np.ndarray, list[ServeRequest]]:
     """(system prompt, requests), the same for a given config on every machine."""
     rng = np.random.default_rng(sc.seed)
     system = rng.integers(0, vocab, sc.system_len, dtype=np.int32)
     room = sc.max_seq_len - sc.system_len
+    if sc.kind == "chat":
+        return system, _chat(sc, rng, vocab, room)
+    if sc.kind == "shared":
+        return system, _shared(sc, rng, vocab, room)
     prompts = np.minimum(lognormal_lengths(rng, sc.requests, sc.mean_prompt, sc.sigma), room - 1)
     outputs = np.minimum(lognormal_lengths(rng, sc.requests, sc.mean_output, sc.sigma),
                          room - prompts)
@@ -115,6 +135,66 @@ def make_stream(sc: StreamConfig, vocab: int) -> tuple[np.ndarray, list[ServeReq
         for r, t in zip(requests, np.cumsum(gaps)):
             r.arrival = float(t)
     return system, requests
+
+
+def _starts(sc: StreamConfig, n: int) -> np.ndarray:
+    if not sc.rate:
+        return np.zeros(n)
+    return np.cumsum(np.random.default_rng([sc.seed, 1]).exponential(1 / sc.rate, n))
+
+
+def _chat(sc: StreamConfig, rng, vocab: int, room: int) -> list[ServeRequest]:
+    """Conversations: turn t's prompt is turns 0..t-1's prompts and replies and a new message."""
+    count = -(-sc.requests // sc.turns)
+    requests: list[ServeRequest] = []
+    for start in _starts(sc, count):
+        history = np.zeros((0,), np.int32)
+        for t in range(sc.turns):
+            message = rng.integers(0, vocab, int(lognormal_lengths(rng, 1, sc.mean_prompt,
+                                                                  sc.sigma)[0]), dtype=np.int32)
+            reply = int(lognormal_lengths(rng, 1, sc.mean_output, sc.sigma)[0])
+            prompt = np.concatenate([history, message])
+            if len(prompt) + 1 > room or len(requests) == sc.requests:
+                break
+            requests.append(ServeRequest(len(requests), prompt, min(reply, room - len(prompt)),
+                                         float(start + t * sc.turn_gap)))
+            # the reply as the next turn sees it (the stream's own tokens, not the model's)
+            history = np.concatenate([prompt, rng.integers(0, vocab, reply, dtype=np.int32)])
+    return sorted(requests, key=lambda r: (r.arrival, r.id))
+
+
+def _shared(sc: StreamConfig, rng, vocab: int, room: int) -> list[ServeRequest]:
+    """A few long prompts shared by many requests, each with a message of its own."""
+    prefixes = rng.integers(0, vocab, (sc.prefixes, min(sc.prefix_len, room - 2)), dtype=np.int32)
+    which = rng.integers(0, sc.prefixes, sc.requests)
+    messages = lognormal_lengths(rng, sc.requests, sc.mean_prompt, sc.sigma)
+    outputs = lognormal_lengths(rng, sc.requests, sc.mean_output, sc.sigma)
+    requests = []
+    for i, (w, m, o, t) in enumerate(zip(which, messages, outputs, _starts(sc, sc.requests))):
+        prompt = np.concatenate([prefixes[w], rng.integers(0, vocab, int(m), dtype=np.int32)])
+        prompt = prompt[:room - 1]
+        requests.append(ServeRequest(i, prompt, int(min(o, room - len(prompt))), float(t)))
+    return requests
+
+
+def oracle_reuse(system: np.ndarray, requests: list[ServeRequest], page_size: int) -> dict:
+    """Per request, the most tokens a prefix cache of unbounded size could give it: full pages
+    it shares, from the start, with a request that arrived before it (at least one token left)."""
+    index: dict = {}
+    best = {}
+    for r in sorted(requests, key=lambda r: (r.arrival, r.id)):
+        seq = np.concatenate([system, r.prompt]).tolist()
+        node, k = -1, 0
+        limit = (len(seq) - 1) // page_size
+        while k < limit and (node, tuple(seq[k * page_size:(k + 1) * page_size])) in index:
+            node = index[(node, tuple(seq[k * page_size:(k + 1) * page_size]))]
+            k += 1
+        best[r.id] = k * page_size
+        node = -1
+        for j in range(len(seq) // page_size):
+            node = index.setdefault((node, tuple(seq[j * page_size:(j + 1) * page_size])),
+                                    len(index))
+    return best
 
 
 def fresh(requests: list[ServeRequest]) -> list[ServeRequest]:
@@ -159,6 +239,8 @@ def make_kind(name: str, cfg: M.LlamaConfig, dtype: str, p: Plan, unroll: bool =
     options = dict(page_size=p.page_size, num_pages=p.num_pages) if base == "paged" else {}
     if ops == "8bit":
         ops, options = "jaxkv", dict(options, kv_dtype=kv_dtype)
+    if ops == "prefix":
+        ops, options = "jaxkv", dict(options, prefix_cache=True)
     return caches.make_kind(base, cfg, dtype, ops or "jaxkv", **options)
 
 
@@ -216,6 +298,7 @@ class ServeEngine(loop.Engine):
         self.prefill_rows, self.prefill_chunk = self.lane_sizes[-1], prefill_chunk
         self.decode_steps = decode_steps
         self.mixed_steps = min(decode_steps, mixed_steps or decode_steps)
+        self.prefix = bool(getattr(kind, "prefix_cache", False))  # automatic prefix caching
         self.functions = self._jit_functions()
         self._compiled = None
         self.step_counts = tuple(sorted({1, *self.halves(self.decode_steps),
@@ -231,6 +314,32 @@ class ServeEngine(loop.Engine):
         def prefill(params, cache, tok, remaining, saved, new, rows, tokens, n, last, budget,
                     eos):
             cache = kind.admit(cache, saved, new)
+            return chunk(params, cache, tok, remaining, rows, tokens, n, last, budget, eos)
+
+        def prefill_prefix(params, cache, tok, remaining, new, rows, seq, total, budget, eos):
+            # With a prefix cache: each lane carries its request's whole sequence (system prompt,
+            # prompt, output so far). A row's first lane (new) starts it on the cached pages of
+            # its longest indexed prefix; every lane then runs the next chunk from the row's
+            # length, and the pages it filled become findable: all on the device.
+            at = jnp.clip(rows, 0, batch - 1)
+            width = seq.shape[1]
+            seqs = jnp.zeros((batch, width), i32).at[rows].set(seq, mode="drop")
+            asking = jnp.zeros((batch,), i32).at[rows].set(jnp.where(new, total, 0), mode="drop")
+            cache, matched = kind.match(cache, seqs, asking)
+            start = kind.lengths(cache)[at]
+            size = self.prefill_chunk
+            n = jnp.where(rows < batch, jnp.clip(total - start, 0, size), 0)
+            pick = jnp.clip(start[:, None] + jnp.arange(size, dtype=i32)[None, :], 0, width - 1)
+            tokens = jnp.take_along_axis(seq, pick, axis=1)
+            last = (rows < batch) & (start + n == total)
+            cache, tok, remaining, first, ok = chunk(params, cache, tok, remaining, rows, tokens,
+                                                     n, last, budget, eos)
+            n = jnp.where(ok, n, 0)
+            covered = jnp.zeros((batch,), i32).at[rows].set(start + n, mode="drop")
+            cache = kind.insert(cache, seqs, covered)
+            return cache, tok, remaining, first, ok, n, last, matched[at]
+
+        def chunk(params, cache, tok, remaining, rows, tokens, n, last, budget, eos):
             at = jnp.clip(rows, 0, batch - 1)
             n_full = jnp.zeros((batch,), i32).at[rows].set(n, mode="drop")
             cache, served = kind.reserve_served(cache, n_full)
@@ -290,7 +399,8 @@ class ServeEngine(loop.Engine):
             cache, saved = kind.save(cache, len(self.system_prompt))
             return kind.clear(cache, 0), saved
 
-        return dict(prefill=jax.jit(prefill, donate_argnums=(1, 2, 3)),
+        return dict(prefill=jax.jit(prefill_prefix if self.prefix else prefill,
+                                    donate_argnums=(1, 2, 3)),
                     decode=jax.jit(decode, donate_argnums=(1, 2, 3), static_argnums=(5,)),
                     evict=jax.jit(evict, donate_argnums=(0, 1, 2)),
                     save=jax.jit(save, donate_argnums=(0,)))
@@ -303,9 +413,15 @@ class ServeEngine(loop.Engine):
         row = i32(self.batch)
         _, saved = jax.eval_shape(self.functions["save"], cache)
         bools = lambda n: jax.ShapeDtypeStruct((n,), jnp.bool_)  # noqa: E731
-        prefill = {f"prefill{r}": (params, cache, row, row, saved, bools(self.batch), i32(r),
-                                   i32(r, self.prefill_chunk), i32(r), bools(r), i32(r), i32())
-                   for r in self.lane_sizes}
+        if self.prefix:
+            prefill = {f"prefill{r}": (params, cache, row, row, bools(r), i32(r),
+                                       i32(r, self.max_seq_len), i32(r), i32(r), i32())
+                       for r in self.lane_sizes}
+        else:
+            prefill = {f"prefill{r}": (params, cache, row, row, saved, bools(self.batch),
+                                       i32(r), i32(r, self.prefill_chunk), i32(r), bools(r),
+                                       i32(r), i32())
+                       for r in self.lane_sizes}
         decode = {f"decode{n}": (params, cache, row, row, i32(), n) for n in self.step_counts}
         return dict(**prefill, **decode, evict=(cache, row, row, row), save=(cache,))
 
@@ -327,10 +443,16 @@ class ServeEngine(loop.Engine):
             for r in self.lane_sizes:
                 ones = jnp.ones((r,), jnp.int32)
                 lanes = jnp.minimum(jnp.arange(r, dtype=jnp.int32), b - 1)
-                cache, tok, rem, _, _ = fns[f"prefill{r}"](
-                    self.params, cache, tok, rem, saved, jnp.arange(b) < min(r, b), lanes,
-                    jnp.zeros((r, self.prefill_chunk), jnp.int32), ones, jnp.ones((r,), bool),
-                    ones * 2, jnp.int32(-1))
+                if self.prefix:
+                    cache, tok, rem, *_ = fns[f"prefill{r}"](
+                        self.params, cache, tok, rem, jnp.ones((r,), bool), lanes,
+                        jnp.zeros((r, self.max_seq_len), jnp.int32), ones, ones * 2,
+                        jnp.int32(-1))
+                else:
+                    cache, tok, rem, _, _ = fns[f"prefill{r}"](
+                        self.params, cache, tok, rem, saved, jnp.arange(b) < min(r, b), lanes,
+                        jnp.zeros((r, self.prefill_chunk), jnp.int32), ones,
+                        jnp.ones((r,), bool), ones * 2, jnp.int32(-1))
                 for n in self.step_counts:
                     cache, tok, rem, *_ = fns[f"decode{n}"](self.params, cache, tok, rem,
                                                             jnp.int32(-1))
@@ -348,6 +470,9 @@ class ServeEngine(loop.Engine):
         dummy = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), saved)
         none = jnp.zeros((b,), bool)
         prompt, chunk, r = self.system_prompt, self.prefill_chunk, self.lane_sizes[0]
+        if self.prefix:  # every request prefills (or finds) the system prompt itself
+            cache, saved = fns["save"](cache)
+            return cache, tok, remaining, saved
         for start in range(0, len(prompt), chunk):
             part = prompt[start:start + chunk]
             tokens = np.zeros((r, chunk), np.int32)
@@ -414,8 +539,9 @@ class ServeEngine(loop.Engine):
             if mapping is not None:
                 cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, mapping)
             if chunk is not None:
-                cache, tok, remaining, first, ok = fns[f"prefill{chunk.width}"](
-                    self.params, cache, tok, remaining, saved, *chunk.arrays(), eos)
+                extra = () if self.prefix else (saved,)
+                cache, tok, remaining, *prefilled = fns[f"prefill{chunk.width}"](
+                    self.params, cache, tok, remaining, *extra, *chunk.arrays(), eos)
                 m["prefill_calls"] += 1
             calls = []
             # The iteration's decode steps in two calls: the host waits for the first one's
@@ -434,7 +560,7 @@ class ServeEngine(loop.Engine):
                 sched.wait(now())
                 m["iterations"] += 1
                 continue
-            sched.take(calls[0], (chunk, first, ok) if chunk is not None else None, now)
+            sched.take(calls[0], (chunk, *prefilled) if chunk is not None else None, now)
             if len(calls) == 2:
                 second = calls[1]
                 sched.reserve_ahead(second[2])
@@ -472,12 +598,19 @@ class Chunk:
     n: np.ndarray  # int32 [width]: tokens of each lane
     last: np.ndarray  # bool [width]: the chunk ends the lane's prompt
     budget: np.ndarray  # int32 [width]: tokens the request may still generate
+    # Prefix cache: each lane's whole sequence [width, max_seq_len] and its length; the device
+    # picks the chunk from the row's length (``new``: bool [width], the row's first lane).
+    seq: np.ndarray | None = None
+    total: np.ndarray | None = None
 
     @property
     def width(self) -> int:
         return len(self.rows)
 
     def arrays(self):
+        if self.seq is not None:
+            return tuple(jnp.asarray(x) for x in (self.new, self.rows, self.seq, self.total,
+                                                  self.budget))
         return tuple(jnp.asarray(x) for x in (self.new, self.rows, self.tokens, self.n,
                                               self.last, self.budget))
 
@@ -503,7 +636,8 @@ class Schedule:
         self.usage: list = []  # [live rows, live tokens, reserved tokens] after each decode call
         self.prefilling = 0  # rows still prefilling after the current chunk
         self.m = dict(iterations=0, prefill_calls=0, decode_calls=0, evict_calls=0,
-                      decode_steps=0, preemptions=0, peak_live=0, peak_decoding=0, busy_host=0.0)
+                      decode_steps=0, preemptions=0, peak_live=0, peak_decoding=0, busy_host=0.0,
+                      prefill_requested=0, prefill_computed=0, prefill_matched=0)
 
     def arrive(self, t: float) -> None:
         while self.future and self.future[0].arrival <= t:
@@ -555,6 +689,7 @@ class Schedule:
                     break
                 room -= need
             r.ext, r.offset, r.phase, r.order = ext, 0, "prefill", self.order
+            r.started = False
             self.order += 1
             chosen.append(self.waiting.popleft())
         admitted = self.slots.admit(list(reversed(chosen)))
@@ -585,12 +720,22 @@ class Schedule:
         c = Chunk(lanes, new, np.full((width,), e.batch, np.int32),
                   np.zeros((width, e.prefill_chunk), np.int32), np.zeros((width,), np.int32),
                   np.zeros((width,), bool), np.ones((width,), np.int32))
+        if e.prefix:
+            c.new = np.zeros((width,), bool)
+            c.seq = np.zeros((width, e.max_seq_len), np.int32)
+            c.total = np.zeros((width,), np.int32)
         for i, (row, r) in enumerate(lanes):
             part = r.ext[r.offset:r.offset + e.prefill_chunk]
             c.rows[i], c.n[i], c.tokens[i, :len(part)] = row, len(part), part
             c.last[i] = r.offset + len(part) == len(r.ext)
             c.budget[i] = r.max_new_tokens - len(r.output)
-        self.prefilling -= int(c.last.sum())
+            if e.prefix:
+                whole = np.concatenate([e.system_prompt, r.ext])
+                c.seq[i, :len(whole)], c.total[i], c.new[i] = whole, len(whole), not r.started
+            if not r.started:
+                self.m["prefill_requested"] += self.syslen + len(r.ext)
+                r.started = True
+        self.prefilling -= int(c.last.sum())  # prefix cache: at least (a match only helps)
         return c
 
     def take(self, call, prefill, now: Callable[[], float]) -> None:
@@ -600,7 +745,8 @@ class Schedule:
         got = jax.device_get((out, stalled, usage, done) + (prefill[1:] if prefill else ()))
         host = time.perf_counter()
         if prefill is not None:
-            self.prefilled(prefill[0], *got[4:])
+            (self.prefilled_prefix if self.engine.prefix else self.prefilled)(prefill[0],
+                                                                              *got[4:])
         out, stalled, usage, done = got[:4]
         self.decoded(live, out, done, stalled, now())
         self.pages_in_use(usage[2])
@@ -615,8 +761,28 @@ class Schedule:
             if not ok[i]:  # no pages for the chunk
                 self.short = True
                 continue
+            self.m["prefill_computed"] += int(c.n[i])
             r.offset += int(c.n[i])
             if c.last[i]:
+                r.output.append(int(first[i]))
+                r.phase = "decode"
+
+    def prefilled_prefix(self, c: Chunk, first, ok, n, last, matched) -> None:
+        """A prefix-cache chunk's results: tokens run and matched per lane, as the device chose."""
+        for i, (row, r) in enumerate(c.lanes):
+            if r.phase != "prefill":
+                continue
+            if c.new[i]:
+                if not r.preemptions:  # its first admission: what the oracle is measured on
+                    r.matched = int(matched[i])
+                self.m["prefill_matched"] += int(matched[i])
+                r.offset = int(matched[i]) - self.syslen
+            self.m["prefill_computed"] += int(n[i])
+            if not ok[i]:
+                self.short = True
+                continue
+            r.offset += int(n[i])
+            if last[i]:
                 r.output.append(int(first[i]))
                 r.phase = "decode"
 
@@ -666,8 +832,12 @@ def percentile(values, q) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
-def summarize(requests: list[ServeRequest], m: dict, per_token: int, allocated: int) -> dict:
-    """The report of one engine's run (times in seconds, memory in bytes)."""
+def summarize(requests: list[ServeRequest], m: dict, per_token: int, allocated: int,
+              oracle: dict | None = None) -> dict:
+    """The report of one engine's run (times in seconds, memory in bytes). ``oracle``: request id
+    -> the tokens an unbounded prefix cache could give it (``oracle_reuse``)."""
+    started = [r for r in requests if r.started]
+    best = sum(oracle[r.id] for r in started) if oracle else 0
     wall = m["wall"]
     out_tokens = sum(len(r.output) for r in requests)  # also of requests cut by a duration
     done = [r for r in requests if r.finish_time is not None]
@@ -694,6 +864,9 @@ def summarize(requests: list[ServeRequest], m: dict, per_token: int, allocated: 
         prefill_calls=m["prefill_calls"], evict_calls=m["evict_calls"],
         decode_steps=m["decode_steps"], preemptions=m["preemptions"],
         host_s=m["busy_host"], compile_s=m["compile_s"], profile=m["profile"],
+        prefill_requested=m["prefill_requested"], prefill_computed=m["prefill_computed"],
+        prefill_matched=m["prefill_matched"], oracle_reuse=best,
+        reuse_of_oracle=(sum(r.matched for r in started) / best) if best else None,
     )
 
 

@@ -19,13 +19,13 @@ from . import serve as S
 # for prefill: mixed_steps).
 # The big presets measure a saturated server over a fixed window (--duration): with a long tail,
 # serving a stream to its end is timed by its longest output, decoded alone at the end.
-_BIG = dict(requests=8192, duration=15.0, max_seq_len=4096, system_len=64, mean_prompt=256,
+_BIG = dict(prefix_len=2048, requests=8192, duration=15.0, max_seq_len=4096, system_len=64, mean_prompt=256,
             mean_output=192, prefill_rows="2,4,8", prefill_chunk=256, decode_steps=16,
             mixed_steps=2, layers="unroll")
 # Layers: a scan over stacked weights makes XLA copy each layer's weights out of the stack for
 # cuBLAS (23% of the kernel time at 8B on the H200, docs/serving.md); the big presets unroll.
 DEFAULTS = {
-    "tiny": dict(kv_gib=1 / 1024, requests=48, duration=None, max_seq_len=256, system_len=8,
+    "tiny": dict(kv_gib=1 / 1024, prefix_len=48, requests=48, duration=None, max_seq_len=256, system_len=8,
                  mean_prompt=12, mean_output=12, prefill_rows="2", prefill_chunk=16,
                  decode_steps=8, mixed_steps=2, layers="scan"),
     "1b": dict(kv_gib=8, **_BIG),
@@ -57,7 +57,17 @@ def parse_args(argv):
     add("--mean-prompt", type=float, help="mean prompt length (lognormal)")
     add("--mean-output", type=float, help="mean output length (lognormal)")
     add("--sigma", type=float, default=1.0, help="sigma of log(length) (1.0)")
-    add("--rate", type=float, help="Poisson arrivals, requests/s (default: all queued at start)")
+    add("--rate", type=float, help="Poisson arrivals, requests/s (default: all queued at start; "
+        "chat: conversations/s)")
+    add("--stream", choices=S.STREAMS, default="lognormal",
+        help="lognormal: independent prompts (default); chat: conversations whose every turn "
+             "resends the conversation so far; shared: a few long prompts, many requests each")
+    add("--turns", type=int, default=4, help="chat: turns per conversation (4)")
+    add("--turn-gap", type=float, default=1.0, help="chat: seconds between turns (1.0)")
+    add("--prefixes", type=int, default=8, help="shared: the long prompts (8)")
+    add("--prefix-len", type=int, help="shared: tokens of each long prompt (2048 on 1b and 8b)")
+    add("--prefix-cache", action="store_true",
+        help="also run the paged engine with automatic prefix caching (paged-prefix)")
     add("--duration", type=float,
         help="serve for this many seconds, then stop (a saturated server: give more requests "
              "than it can serve); 0: serve them all (default on tiny; 15 s on 1b and 8b)")
@@ -87,6 +97,8 @@ def parse_args(argv):
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if args.prefix_cache and "paged-prefix" not in args.engines:
+        args.engines.append("paged-prefix")
     for e in args.engines:
         if e not in S.ENGINES:
             p.error(f"--engines: unknown engine {e!r}; choose from {', '.join(S.ENGINES)}")
@@ -173,6 +185,10 @@ def table(results: dict[str, dict], profiled: bool) -> list[str]:
                                                       for r in runs)),
             ("KV holding live tokens, mean", *(size(r["kv_live_mean_bytes"]) for r in runs)),
             ("preemptions", *(str(r["preemptions"]) for r in runs)),
+            ("prefill tokens computed / requested",
+             *(f"{r['prefill_computed']} / {r['prefill_requested']}" for r in runs)),
+            ("prefix tokens reused / oracle's best",
+             *(f"{sum_matched(r)} / {r['oracle_reuse']}" for r in runs)),
             ("dispatches (prefill+decode+evict)",
              *(f"{r['prefill_calls']}+{r['decode_calls']}+{r['evict_calls']}" for r in runs)),
             ("host time between calls (s)", *(f"{r['host_s']:.2f}" for r in runs)),
@@ -184,6 +200,12 @@ def table(results: dict[str, dict], profiled: bool) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                       for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+
+
+def sum_matched(r) -> str:
+    if r["reuse_of_oracle"] is None:
+        return "0"
+    return f"{r['prefill_matched']} ({r['reuse_of_oracle'] * 100:.0f}%)"
 
 
 def agreement(outputs: dict[str, list], reference: str) -> dict[str, dict]:
@@ -235,10 +257,11 @@ def run_engine(name, args, cfg, params, system, requests, kv_gib, per_token, mea
                            prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
                            mixed_steps=args.mixed_steps, unroll=args.layers == "unroll")
     reqs = S.fresh(requests)
+    oracle = S.oracle_reuse(system, requests, args.page_size)
     window = ((args.duration or 0) / 2, 4) if args.profile else None  # mid-run, 4 iterations
     m = engine.run(reqs, eos=args.eos, duration=args.duration, profile=window)
     allocated = (p.num_pages * args.page_size if p.num_pages else p.batch * args.max_seq_len)
-    summary = S.summarize(reqs, m, per_token, allocated * per_token)
+    summary = S.summarize(reqs, m, per_token, allocated * per_token, oracle)
     summary.update(engine=name, kv_gib=kv_gib, batch=p.batch, num_pages=p.num_pages)
     return summary, [r.output for r in reqs]
 
@@ -259,7 +282,9 @@ def serve(args, on_gpu: bool) -> int:
     cfg, params, source = load(args)
     sc = S.StreamConfig(requests=args.requests, seed=args.seed + 1, system_len=args.system_len,
                         mean_prompt=args.mean_prompt, mean_output=args.mean_output,
-                        sigma=args.sigma, max_seq_len=args.max_seq_len, rate=args.rate)
+                        sigma=args.sigma, max_seq_len=args.max_seq_len, rate=args.rate,
+                        kind=args.stream, turns=args.turns, turn_gap=args.turn_gap,
+                        prefixes=args.prefixes, prefix_len=args.prefix_len)
     system, requests = S.make_stream(sc, cfg.vocab_size)
     per_token = S.kv_bytes_per_token(cfg, args.dtype)
     prompts = np.array([len(r.prompt) for r in requests])
