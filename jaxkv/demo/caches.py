@@ -336,14 +336,36 @@ class PagedKind:
             dtype=jnp.dtype(self.kv_dtype or self.dtype), layout=self.pool_layout,
             sharding=self.sharding, prefix_cache=self.prefix_cache)
 
-    def match(self, cache, tokens, num_tokens):
-        """``match_prefix`` of batch rows (``tokens`` [B, T], ``num_tokens`` [B]); matched [B]."""
-        cache, matched = cache.match_prefix(self._pad(tokens), self._pad(num_tokens))
-        return cache, self._unpad(matched)
+    def match(self, cache, rows, tokens, num_tokens):
+        """``match_prefix`` for the batch rows ``rows`` (a row past the batch: an unused lane)
+        with their ``tokens`` [lanes, T] and ``num_tokens`` [lanes]; matched [lanes]."""
+        return self._on_rows(cache, rows, "match_prefix", tokens, num_tokens)
 
-    def insert(self, cache, tokens, num_tokens):
-        """``insert_prefix`` of batch rows."""
-        return cache.insert_prefix(self._pad(tokens), self._pad(num_tokens))
+    def insert(self, cache, rows, tokens, num_tokens):
+        """``insert_prefix`` for the batch rows ``rows``."""
+        return self._on_rows(cache, rows, "insert_prefix", tokens, num_tokens)
+
+    def _on_rows(self, cache, rows, method: str, tokens, num_tokens):
+        """``cache.method(tokens, num_tokens)`` for the lanes' rows only: on a view of the cache
+        holding just those rows' page-table rows and lengths (the same pools, counts and index),
+        so that the cost follows the lanes, not the batch; the rows written back. (The serving
+        loop runs on one device; a sharded cache's lanes would need the whole batch per shard.)"""
+        if self.sharding is not None:
+            raise ValueError("the serving demo's prefix caching runs unsharded")
+        batch = cache.max_batch - 1
+        live = rows < batch
+        num_tokens = jnp.where(live, num_tokens, 0)
+        at = self._row(cache, jnp.minimum(rows, batch - 1))
+        view = dataclasses.replace(cache, page_table=cache.page_table[at],
+                                   lengths=cache.lengths[at], new_tokens=cache.new_tokens[at])
+        out = getattr(view, method)(tokens, num_tokens)
+        view, res = (out, None) if method == "insert_prefix" else out
+        at = jnp.where(live, at, cache.max_batch)  # unused lanes write nothing back
+        cache = dataclasses.replace(
+            view, page_table=cache.page_table.at[at].set(view.page_table, mode="drop"),
+            lengths=cache.lengths.at[at].set(view.lengths, mode="drop"),
+            new_tokens=cache.new_tokens)
+        return cache if res is None else (cache, res)
 
     def _per_shard(self, cache) -> int:
         """Cache rows per batch shard: its share of the batch and its prompt row (the last)."""

@@ -323,9 +323,7 @@ class ServeEngine(loop.Engine):
             # length, and the pages it filled become findable: all on the device.
             at = jnp.clip(rows, 0, batch - 1)
             width = seq.shape[1]
-            seqs = jnp.zeros((batch, width), i32).at[rows].set(seq, mode="drop")
-            asking = jnp.zeros((batch,), i32).at[rows].set(jnp.where(new, total, 0), mode="drop")
-            cache, matched = kind.match(cache, seqs, asking)
+            cache, matched = kind.match(cache, rows, seq, jnp.where(new, total, 0))
             start = kind.lengths(cache)[at]
             size = self.prefill_chunk
             n = jnp.where(rows < batch, jnp.clip(total - start, 0, size), 0)
@@ -335,9 +333,8 @@ class ServeEngine(loop.Engine):
             cache, tok, remaining, first, ok = chunk(params, cache, tok, remaining, rows, tokens,
                                                      n, last, budget, eos)
             n = jnp.where(ok, n, 0)
-            covered = jnp.zeros((batch,), i32).at[rows].set(start + n, mode="drop")
-            cache = kind.insert(cache, seqs, covered)
-            return cache, tok, remaining, first, ok, n, last, matched[at]
+            cache = kind.insert(cache, rows, seq, start + n)
+            return cache, tok, remaining, first, ok, n, last, matched
 
         def chunk(params, cache, tok, remaining, rows, tokens, n, last, budget, eos):
             at = jnp.clip(rows, 0, batch - 1)
