@@ -19,6 +19,7 @@ only jax, numpy and the model (``tests/test_serve.py`` checks that no jaxkv cach
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,19 +46,37 @@ class FixedSlotKind:
     dtype: str = "float32"
     per_layer: bool = False  # one buffer per layer (layers unrolled, static layer indices)
     ops: str = "xla"  # (what it is; the loop prints it)
+    # A jax Mesh (``serve --mesh``): the buffers' KV heads split over its "tp" axis, the way a
+    # tensor-parallel JAX server keeps them; the slots are not split (one free list).
+    mesh: Any = None
     compacts = False
     batch_shards = 1
 
     def create(self, max_batch: int, max_seq_len: int) -> FixedSlotCache:
         c = self.cfg
         shape = (max_batch, c.num_kv_heads, max_seq_len, c.head_dim)
-        if self.per_layer:
-            k = tuple(jnp.zeros(shape, self.dtype) for _ in range(c.num_layers))
-            v = tuple(jnp.zeros(shape, self.dtype) for _ in range(c.num_layers))
-        else:
-            k, v = (jnp.zeros((c.num_layers, *shape), self.dtype) for _ in "kv")
-        return FixedSlotCache(k=k, v=v, lengths=jnp.zeros((max_batch,), jnp.int32),
-                              live=jnp.zeros((max_batch,), bool))
+
+        def make():
+            if self.per_layer:
+                k = tuple(jnp.zeros(shape, self.dtype) for _ in range(c.num_layers))
+                v = tuple(jnp.zeros(shape, self.dtype) for _ in range(c.num_layers))
+            else:
+                k, v = (jnp.zeros((c.num_layers, *shape), self.dtype) for _ in "kv")
+            return FixedSlotCache(k=k, v=v, lengths=jnp.zeros((max_batch,), jnp.int32),
+                                  live=jnp.zeros((max_batch,), bool))
+
+        if self.mesh is None:
+            return make()
+        return jax.jit(make, out_shardings=self.placement(jax.eval_shape(make)))()
+
+    def placement(self, cache):
+        """The ``NamedSharding`` of each leaf of ``cache`` on ``mesh``: buffers' KV heads over
+        "tp", the rest replicated."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        heads = "tp" if "tp" in self.mesh.axis_names else None
+        return jax.tree.map(lambda x: NamedSharding(
+            self.mesh, P(*([None] * (x.ndim - 3)), heads) if x.ndim >= 4 else P()), cache)
 
     def _update(self, buffer, layer, fn):
         """``buffer`` with layer ``layer`` replaced by ``fn(index, layer's array)``, where

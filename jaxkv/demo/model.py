@@ -75,18 +75,48 @@ def init_params(cfg: LlamaConfig, seed: int = 0, dtype=jnp.float32) -> Params:
 # Model shapes for ``python -m jaxkv serve --preset``: the demo's small model, and the shapes of
 # Llama 3.2 1B (but not tied) and Llama 3.1 8B, with random weights (init_stacked_params).
 PRESETS = {
-    "tiny": LlamaConfig(),
+    # tiny: 8 / 4 heads, so that tp=4 (8 emulated CPU devices) splits them
+    "tiny": LlamaConfig(num_heads=8, num_kv_heads=4, head_dim=16),
     "1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
                       num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0),
     "8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                       num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0),
+    "70b": LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                       num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+                       rope_theta=500000.0),
 }
 
+# Megatron-style tensor parallelism over a mesh axis: the attention's q / k / v projections and
+# the MLP's gate / up split by output columns (heads, FFN columns), o and down by input rows, so
+# each device computes its heads and its FFN slice, and each block ends in one all-reduce (which
+# XLA inserts, from these placements). Everything else is replicated.
+_TENSOR_PARALLEL = dict(wq=(None, "tp"), wk=(None, "tp"), wv=(None, "tp"), wo=("tp", None),
+                        w_gate=(None, "tp"), w_up=(None, "tp"), w_down=("tp", None))
 
-def init_stacked_params(cfg: LlamaConfig, seed: int = 0, dtype=jnp.float32) -> Params:
+
+def parameter_shardings(params: Params, mesh, axis: str = "tp") -> Params:
+    """A ``NamedSharding`` per weight of ``params`` (stacked or a list of layers): Megatron-style
+    over ``axis`` of ``mesh`` (``_TENSOR_PARALLEL``), replicated elsewhere; with no ``axis`` in
+    the mesh, everything replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def place(path, x):
+        name = getattr(path[-1], "key", None)
+        spec = _TENSOR_PARALLEL.get(name) if axis in mesh.axis_names else None
+        if spec is None or not any(getattr(p, "key", None) == "layers" for p in path):
+            return NamedSharding(mesh, PartitionSpec())
+        lead = (None,) * (len(x.shape) - 2)  # the stacked layer axis
+        return NamedSharding(mesh, PartitionSpec(*lead, *(axis if a else None for a in spec)))
+
+    return jax.tree_util.tree_map_with_path(place, params)
+
+
+def init_stacked_params(cfg: LlamaConfig, seed: int = 0, dtype=jnp.float32,
+                        mesh=None) -> Params:
     """Random weights with stacked layers (``stack_layers``' layout), drawn on the device by one
     jitted function: an 8B model in seconds, with no host copy. The scales are ``init_params``'
-    (the same distribution, not the same numbers)."""
+    (the same distribution, not the same numbers). With ``mesh``, drawn already placed
+    (``parameter_shardings``): a 70B model never exists whole on one device."""
     dtype = jnp.dtype(dtype)
     d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     f, n = cfg.intermediate_size, cfg.num_layers
@@ -105,7 +135,11 @@ def init_stacked_params(cfg: LlamaConfig, seed: int = 0, dtype=jnp.float32) -> P
         lm_head = embed.T if cfg.tie_word_embeddings else dense((d, cfg.vocab_size)) * 4
         return dict(embed=embed, layers=layers, norm=norm((d,)), lm_head=lm_head)
 
-    return jax.jit(make)(jax.random.key(seed))
+    key = jax.random.key(seed)
+    if mesh is None:
+        return jax.jit(make)(key)
+    shardings = parameter_shardings(jax.eval_shape(make, key), mesh)
+    return jax.jit(make, out_shardings=shardings)(key)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

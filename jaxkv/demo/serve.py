@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxkv.sharding
+
 from . import caches, loop
 from . import model as M
 from .fixed_slot import FixedSlotKind
@@ -232,15 +234,20 @@ def plan(name: str, kv_bytes: int, per_token: int, max_seq_len: int, page_size: 
 
 
 def make_kind(name: str, cfg: M.LlamaConfig, dtype: str, p: Plan, unroll: bool = False,
-              kv_dtype: str = "float8_e4m3fn"):
+              kv_dtype: str = "float8_e4m3fn", sharding=None):
+    """The cache kind of engine ``name``; ``sharding`` (a ``jaxkv.CacheSharding``): jaxkv's
+    caches split over KV heads and batch (the fixed slots' buffers over KV heads too)."""
     if name == "fixed":  # unrolled layers: a buffer per layer, as a JAX expert keeps them
-        return FixedSlotKind(cfg, dtype, per_layer=unroll)
+        return FixedSlotKind(cfg, dtype, per_layer=unroll,
+                             mesh=None if sharding is None else sharding.mesh)
     base, _, ops = name.partition("-")
     options = dict(page_size=p.page_size, num_pages=p.num_pages) if base == "paged" else {}
     if ops == "8bit":
         ops, options = "jaxkv", dict(options, kv_dtype=kv_dtype)
     if ops == "prefix":
         ops, options = "jaxkv", dict(options, prefix_cache=True)
+    if sharding is not None:
+        options["sharding"] = sharding
     return caches.make_kind(base, cfg, dtype, ops or "jaxkv", **options)
 
 
@@ -299,6 +306,11 @@ class ServeEngine(loop.Engine):
         self.decode_steps = decode_steps
         self.mixed_steps = min(decode_steps, mixed_steps or decode_steps)
         self.prefix = bool(getattr(kind, "prefix_cache", False))  # automatic prefix caching
+        # On a mesh: the small per-row arrays replicated.
+        sharding = getattr(kind, "sharding", None)
+        mesh = getattr(kind, "mesh", None) or (sharding.mesh if sharding is not None else None)
+        self.replicated = (None if mesh is None else
+                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         self.functions = self._jit_functions()
         self._compiled = None
         self.step_counts = tuple(sorted({1, *self.halves(self.decode_steps),
@@ -307,6 +319,17 @@ class ServeEngine(loop.Engine):
     def _jit_functions(self) -> dict[str, Callable]:
         cfg, kind, batch = self.cfg, self.kind, self.batch
         i32 = jnp.int32
+
+        def pin(x):  # the per-row state stays replicated on a mesh, whatever XLA would choose,
+            # so that every compiled function takes what the others return
+            if self.replicated is None:
+                return x
+            return jax.lax.with_sharding_constraint(x, self.replicated)
+
+        def placed(cache):  # a cache kind that is not jaxkv's keeps its own placement
+            if getattr(kind, "mesh", None) is None:
+                return cache
+            return jax.lax.with_sharding_constraint(cache, kind.placement(cache))
 
         def stops(tokens, remaining, eos):  # tokens still to make after `tokens` (eos -1: none)
             return jnp.where(tokens == eos, 0, remaining)
@@ -334,7 +357,7 @@ class ServeEngine(loop.Engine):
                                                      n, last, budget, eos)
             n = jnp.where(ok, n, 0)
             cache = kind.insert(cache, rows, seq, start + n)
-            return cache, tok, remaining, first, ok, n, last, matched
+            return cache, pin(tok), pin(remaining), first, ok, n, last, matched
 
         def chunk(params, cache, tok, remaining, rows, tokens, n, last, budget, eos):
             at = jnp.clip(rows, 0, batch - 1)
@@ -356,7 +379,7 @@ class ServeEngine(loop.Engine):
             ends = jnp.where(ok & last, rows, batch)  # rows whose prompt ends here start decoding
             tok = tok.at[ends].set(first, mode="drop")
             remaining = remaining.at[ends].set(stops(first, budget - 1, eos), mode="drop")
-            return cache, tok, remaining, first, ok
+            return placed(cache), pin(tok), pin(remaining), first, ok
 
         def decode(params, cache, tok, remaining, eos, steps):
             # A fixed trip count (steps is static): XLA then runs the loop without reading a
@@ -384,17 +407,18 @@ class ServeEngine(loop.Engine):
                                jnp.sum(jnp.where(live, kind.lengths(cache), 0), dtype=i32),
                                kind.reserved_tokens(cache)])
             # `remaining` is donated to the next call; the host reads which rows are done
-            return cache, tok, remaining, out, stalled, usage, remaining == 0
+            return placed(cache), pin(tok), pin(remaining), out, stalled, usage, remaining == 0
 
         def evict(cache, tok, remaining, mapping):
             cache = kind.evict(cache, mapping)
             keep = jnp.where(mapping >= 0, mapping, batch)
             move = lambda x: jnp.zeros_like(x).at[keep].set(x, mode="drop")  # noqa: E731
-            return cache, move(tok), move(remaining), kind.reserved_tokens(cache)
+            return (placed(cache), pin(move(tok)), pin(move(remaining)),
+                    kind.reserved_tokens(cache))
 
         def save(cache):
             cache, saved = kind.save(cache, len(self.system_prompt))
-            return kind.clear(cache, 0), saved
+            return placed(kind.clear(cache, 0)), saved
 
         return dict(prefill=jax.jit(prefill_prefix if self.prefix else prefill,
                                     donate_argnums=(1, 2, 3)),
@@ -404,10 +428,23 @@ class ServeEngine(loop.Engine):
 
     def example_args(self) -> dict[str, tuple]:
         shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-        params = jax.tree.map(shape, self.params)
+        # the weights as placed (tensor parallel: split over the mesh)
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                             sharding=x.sharding), self.params)
         cache = jax.eval_shape(lambda: self.kind.create(self.batch, self.max_seq_len))
+        if self.replicated is not None:  # on a mesh: eval_shape drops the placement
+            mesh = self.replicated.mesh
+            if hasattr(self.kind, "placement"):
+                shardings = self.kind.placement(cache)
+            else:  # a jaxkv cache: the partition spec of each leaf, from its roles
+                specs = jaxkv.sharding.leaf_specs(cache, self.kind.sharding)
+                shardings = jax.tree.map(lambda spec: jax.sharding.NamedSharding(mesh, spec),
+                                         specs, is_leaf=lambda x: isinstance(
+                                             x, jax.sharding.PartitionSpec))
+            cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                 cache, shardings)
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-        row = i32(self.batch)
+        row = jax.ShapeDtypeStruct((self.batch,), jnp.int32, sharding=self.replicated)
         _, saved = jax.eval_shape(self.functions["save"], cache)
         bools = lambda n: jax.ShapeDtypeStruct((n,), jnp.bool_)  # noqa: E731
         if self.prefix:
@@ -460,9 +497,12 @@ class ServeEngine(loop.Engine):
     def _start(self, fns):
         """(cache, tok, remaining, saved): an empty cache and the system prompt saved."""
         kind, b = self.kind, self.batch
-        cache = kind.clear(kind.create(b, self.max_seq_len), 1)  # row 0 takes the prompt
-        tok = jnp.zeros((b,), jnp.int32)
-        remaining = jnp.zeros((b,), jnp.int32)
+        # The first row of each batch shard takes the prompt (a shard's rows never leave it).
+        cache = kind.clear(kind.create(b, self.max_seq_len), 1)
+        shards = getattr(kind, "batch_shards", 1)
+        firsts = [s * (b // shards) for s in range(shards)]
+        tok = jax.device_put(jnp.zeros((b,), jnp.int32), self.replicated)
+        remaining = jax.device_put(jnp.zeros((b,), jnp.int32), self.replicated)
         _, saved = jax.eval_shape(self.functions["save"], cache)
         dummy = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), saved)
         none = jnp.zeros((b,), bool)
@@ -472,16 +512,18 @@ class ServeEngine(loop.Engine):
             return cache, tok, remaining, saved
         for start in range(0, len(prompt), chunk):
             part = prompt[start:start + chunk]
-            tokens = np.zeros((r, chunk), np.int32)
-            tokens[0, :len(part)] = part
-            rows = np.full((r,), b, np.int32)
-            rows[0] = 0
-            n = np.zeros((r,), np.int32)
-            n[0] = len(part)
-            cache, tok, remaining, _, _ = fns[f"prefill{r}"](
-                self.params, cache, tok, remaining, dummy, none, jnp.asarray(rows),
-                jnp.asarray(tokens), jnp.asarray(n), jnp.zeros((r,), bool),
-                jnp.ones((r,), jnp.int32), jnp.int32(-1))
+            for group in range(0, shards, r):
+                lanes = firsts[group:group + r]
+                tokens = np.zeros((r, chunk), np.int32)
+                tokens[:len(lanes), :len(part)] = part
+                rows = np.full((r,), b, np.int32)
+                rows[:len(lanes)] = lanes
+                n = np.zeros((r,), np.int32)
+                n[:len(lanes)] = len(part)
+                cache, tok, remaining, _, _ = fns[f"prefill{r}"](
+                    self.params, cache, tok, remaining, dummy, none, jnp.asarray(rows),
+                    jnp.asarray(tokens), jnp.asarray(n), jnp.zeros((r,), bool),
+                    jnp.ones((r,), jnp.int32), jnp.int32(-1))
         cache, saved = fns["save"](cache)
         return cache, tok, remaining, saved
 
@@ -624,7 +666,8 @@ class Schedule:
         self.syslen = len(engine.system_prompt)
         self.future = collections.deque(sorted(requests, key=lambda r: r.arrival))
         self.waiting: collections.deque[ServeRequest] = collections.deque()
-        self.slots = loop.Slots(b) if getattr(kind, "compacts", True) else FreeSlots(b)
+        shards = getattr(kind, "batch_shards", 1)
+        self.slots = loop.Slots(b, shards) if getattr(kind, "compacts", True) else FreeSlots(b)
         self.leaving: set[int] = set()
         self.hold = False  # after a preemption, no admission until a request finishes
         self.short = False  # a row got no page in the last iteration

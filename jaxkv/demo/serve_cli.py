@@ -13,6 +13,7 @@ import numpy as np
 
 from . import model as M
 from . import serve as S
+from .cli import cache_sharding, parse_mesh
 
 # Per preset: the stream (max_seq_len 8x its mean total length), the KV budget, the prefill chunk
 # (rows: the row counts compiled; tokens per row) and decode steps per call (while prompts wait
@@ -51,6 +52,9 @@ def parse_args(argv):
     add("--kv-gib", type=float, help="KV memory budget of every engine, GiB")
     add("--kv-dtype", choices=sorted(S.KV_DTYPES), default="fp8_e4m3",
         help="the paged-8bit engine's cache dtype (fp8_e4m3): 8 bits with per-token-head scales")
+    add("--mesh", metavar="AXES",
+        help="serve on several devices: tp=N[,dp=M]: the weights split Megatron-style and the "
+             "caches' KV heads over tp (one all-reduce per block), the batch over dp")
     add("--requests", type=int, help="requests in the stream")
     add("--max-seq-len", type=int, help="longest sequence (system prompt + prompt + output)")
     add("--system-len", type=int, help="tokens of the system prompt every request shares")
@@ -97,8 +101,22 @@ def parse_args(argv):
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if args.mesh:
+        try:
+            args.mesh = parse_mesh(args.mesh)
+        except ValueError as e:
+            p.error(f"--mesh: {e}")
+        if set(args.mesh) - {"tp", "dp"}:
+            p.error(f"--mesh: axes are tp and dp, got {', '.join(args.mesh)}")
+        cfg = M.PRESETS[args.preset]
+        tp = args.mesh.get("tp", 1)
+        if cfg.num_kv_heads % tp or cfg.num_heads % tp:
+            p.error(f"--mesh: tp={tp} does not divide the {cfg.num_heads} / {cfg.num_kv_heads} "
+                    f"heads of preset {args.preset}")
     if args.prefix_cache and "paged-prefix" not in args.engines:
         args.engines.append("paged-prefix")
+    if args.mesh and "paged-prefix" in args.engines:
+        p.error("--mesh: the prefix-caching engine serves on one device")
     for e in args.engines:
         if e not in S.ENGINES:
             p.error(f"--engines: unknown engine {e!r}; choose from {', '.join(S.ENGINES)}")
@@ -146,9 +164,14 @@ def load(args):
         from . import hf_loader
 
         cfg, params = hf_loader.load(args.model, dtype=args.dtype)
-        return cfg, M.stack_layers(params), args.model
+        params = M.stack_layers(params)
+        if args.sharding is not None:
+            params = jax.device_put(params, M.parameter_shardings(params, args.sharding.mesh))
+        return cfg, params, args.model
     cfg = M.PRESETS[args.preset]
-    return cfg, M.init_stacked_params(cfg, args.seed, args.dtype), f"preset {args.preset}, random"
+    mesh = args.sharding.mesh if args.sharding is not None else None
+    return (cfg, M.init_stacked_params(cfg, args.seed, args.dtype, mesh),
+            f"preset {args.preset}, random")
 
 
 def ms(x) -> str:
@@ -246,12 +269,16 @@ def run_engine(name, args, cfg, params, system, requests, kv_gib, per_token, mea
     kv = int(kv_gib * 2**30)
     batch = args.max_batch or max(1, min(256, int(kv // per_token // mean_total)))
     p = S.plan(name, kv, per_token, args.max_seq_len, args.page_size, batch)
+    if args.sharding is not None and name != "fixed":  # rows and pages split over dp evenly
+        dp = args.sharding.batch_shards
+        pages = None if p.num_pages is None else p.num_pages // dp * dp
+        p = S.Plan(p.name, max(dp, p.batch // dp * dp), pages, p.page_size)
     if p.batch < 1 or (p.num_pages is not None and p.num_pages * args.page_size < args.max_seq_len
                        + args.system_len + args.page_size):
         raise SystemExit(f"{name}: --kv-gib {kv_gib} does not hold one sequence of "
                          f"--max-seq-len {args.max_seq_len}")
     kind = S.make_kind(name, cfg, args.dtype, p, unroll=args.layers == "unroll",
-                       kv_dtype=S.KV_DTYPES[args.kv_dtype])
+                       kv_dtype=S.KV_DTYPES[args.kv_dtype], sharding=args.sharding)
     engine = S.ServeEngine(cfg, params, kind, batch=p.batch, max_seq_len=args.max_seq_len,
                            system_prompt=system, prefill_rows=args.prefill_rows,
                            prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
@@ -279,6 +306,7 @@ def main(argv=None) -> int:
 
 
 def serve(args, on_gpu: bool) -> int:
+    args.sharding = cache_sharding(args.mesh)
     cfg, params, source = load(args)
     sc = S.StreamConfig(requests=args.requests, seed=args.seed + 1, system_len=args.system_len,
                         mean_prompt=args.mean_prompt, mean_output=args.mean_output,
@@ -290,7 +318,10 @@ def serve(args, on_gpu: bool) -> int:
     prompts = np.array([len(r.prompt) for r in requests])
     outs = np.array([r.max_new_tokens for r in requests])
     mean_total = args.system_len + prompts.mean() + outs.mean()
-    print(f"jaxkv serve on {jax.default_backend()} ({jax.devices()[0].device_kind})")
+    where = "" if args.sharding is None else (
+        f", mesh {' x '.join(f'{k}={v}' for k, v in args.mesh.items())} over "
+        f"{args.sharding.mesh.size} devices")
+    print(f"jaxkv serve on {jax.default_backend()} ({jax.devices()[0].device_kind}){where}")
     print(f"model: {source}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} / "
           f"{cfg.num_kv_heads} heads x {cfg.head_dim}, FFN {cfg.intermediate_size}, vocab "
           f"{cfg.vocab_size}, {args.dtype}; KV {per_token / 1024:.1f} KiB per token")
@@ -313,7 +344,8 @@ def serve(args, on_gpu: bool) -> int:
     results, outputs, sweep = {}, {}, []
     doc = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind,
                jax=jax.__version__, model=source, preset=args.preset, dtype=args.dtype,
-               args=dict(vars(args)), mean_total=mean_total, engines=results, sweep=sweep)
+               args={k: v for k, v in vars(args).items() if k != "sharding"},
+               mean_total=mean_total, engines=results, sweep=sweep)
     for name in args.engines:
         print(f"{name:>10}: {S.ENGINES[name]} ...", flush=True)
         results[name], outputs[name] = run_engine(name, args, cfg, params, system, requests,

@@ -1,0 +1,102 @@
+"""``python -m jaxkv serve --mesh``: the tiny preset on 8 emulated CPU devices, tensor parallel
+(Megatron-style weights, caches split over KV heads) and data parallel (the batch split), gives
+every engine the same greedy tokens as recomputation on one device, and the compiled steps move
+no cache data between devices (only the model's all-reduces and a few row counts)."""
+
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jaxkv import __main__ as entry
+from jaxkv.demo import cli
+from jaxkv.demo import model as M
+from jaxkv.demo import serve as S
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4,
+                                reason="needs 4 devices (CPU: conftest emulates 8)")
+
+
+@pytest.fixture(autouse=True)
+def exact_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.mark.parametrize("mesh", ["tp=2,dp=2", "tp=4", "dp=4"])
+def test_every_engine_on_a_mesh_generates_what_one_device_recomputes(mesh, tmp_path, capsys):
+    path = tmp_path / "serve.json"
+    rc = entry.main(["serve", "--mesh", mesh, "--requests", "12", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out  # float32: every engine equals recomputation, token for token
+    doc = json.loads(path.read_text())
+    assert set(doc["engines"]) == set(S.DEFAULT_ENGINES)
+    assert doc["recomputed"] == {name: 12 for name in S.DEFAULT_ENGINES}
+    assert "mesh " in out
+
+
+def test_weights_split_megatron_style():
+    s = cli.cache_sharding({"tp": 2, "dp": 2})
+    params = M.init_stacked_params(M.PRESETS["tiny"], 0, "float32", s.mesh)
+    specs = {k: tuple(v.sharding.spec) for k, v in params["layers"].items()}
+    assert specs["wq"][-1] == specs["wk"][-1] == specs["w_up"][-1] == "tp"  # by columns
+    assert specs["wo"][-2] == specs["w_down"][-2] == "tp"  # by rows
+    assert tuple(params["embed"].sharding.spec) in ((), (None, None))
+    plain = M.init_stacked_params(M.PRESETS["tiny"], 0, "float32")
+    np.testing.assert_array_equal(np.asarray(params["layers"]["wq"]),
+                                  np.asarray(plain["layers"]["wq"]))
+
+
+_COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-reduce|all-gather|all-to-all|"
+                         r"collective-permute|reduce-scatter)(-start)?\(")
+
+
+@pytest.mark.parametrize("name", ["paged", "linear", "fixed"])
+def test_no_collective_moves_cache_data(name):
+    """Every collective of the compiled prefill, decode and evict is smaller than one layer's
+    K of one row, and none has a cache leaf's shape (global or per device)."""
+    cfg = M.PRESETS["tiny"]
+    s = cli.cache_sharding({"tp": 2, "dp": 2})
+    params = M.init_stacked_params(cfg, 0, "float32", s.mesh)
+    system, _ = S.make_stream(S.StreamConfig(requests=4), cfg.vocab_size)
+    paged = name == "paged"
+    plan = S.Plan(name, 4, 64 if paged else None, 16 if paged else None)
+    kind = S.make_kind(name, cfg, "float32", plan, sharding=s)
+    eng = S.ServeEngine(cfg, params, kind, batch=4, max_seq_len=256, system_prompt=system,
+                        prefill_rows=2, prefill_chunk=16, decode_steps=4)
+    fns = eng.compile()
+    leaves = jax.tree.leaves(jax.eval_shape(lambda: kind.create(4, 256)))
+    shapes = {tuple(x.shape) for x in leaves if len(x.shape) >= 3}
+    local = {tuple(x.shape[:i]) + (x.shape[i] // k,) + tuple(x.shape[i + 1:])
+             for x in leaves if len(x.shape) >= 3 for i in range(len(x.shape))
+             for k in (2, 4) if x.shape[i] % k == 0}  # split by tp, dp or both
+    one_row = 256 * cfg.head_dim * cfg.num_kv_heads // 2  # a row's K of one layer, per device
+    found = []
+    for fname in [k for k in fns if k.startswith(("prefill", "decode", "evict"))]:
+        for dtype, dims, op, _ in _COLLECTIVE.findall(fns[fname].as_text()):
+            shape = tuple(int(d) for d in dims.split(",") if d)
+            found.append((fname, op, shape))
+            assert shape not in shapes | local, (fname, op, shape)
+            assert np.prod(shape, dtype=np.int64) < one_row, (fname, op, shape)
+    assert any(op == "all-reduce" for _, op, _ in found)  # the model's, one per block
+
+
+def test_every_engine_lowers_at_the_70b_preset_over_tp4():
+    """The multi-GPU run's shapes (80 layers, 64 / 8 heads, FFN 28672, bf16) with the weights
+    split over tp=4, traced and lowered without weights or memory."""
+    cfg = M.PRESETS["70b"]
+    s = cli.cache_sharding({"tp": 4})
+    abstract = jax.eval_shape(lambda: M.init_stacked_params(cfg, 0, "bfloat16"))
+    params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                          abstract, M.parameter_shardings(abstract, s.mesh))
+    assert sum(np.prod(x.shape) for x in jax.tree.leaves(params)) > 70e9
+    per_token = S.kv_bytes_per_token(cfg, "bfloat16")
+    for name in ("paged", "linear", "fixed"):
+        p = S.plan(name, 16 * 2**30, per_token, 4096, 16, 64)
+        e = S.ServeEngine(cfg, params, S.make_kind(name, cfg, "bfloat16", p, sharding=s),
+                          batch=p.batch, max_seq_len=4096, system_prompt=np.ones(64, np.int32),
+                          prefill_rows=(2, 8), prefill_chunk=256, decode_steps=16)
+        for key, args in e.example_args().items():
+            e.functions[key.rstrip("0123456789")].lower(*args)
