@@ -2,7 +2,7 @@
 # On a CUDA machine (the H200 of the device tool): build with the preinstalled toolchain, run the
 # whole test suite on the GPU, then the benchmarks, then the demo for each cache kind against its
 # XLA baseline. Logs go to $OUT (default /tmp/jaxkv-gpu). SKIP_TESTS=1 / SKIP_BENCH=1 / SKIP_DEMO=1
-# / SKIP_SANITIZE=1 / SKIP_SOAK=1 / SKIP_BUILD=1 skip parts; BENCH_OPS="op ..." limits the benchmark to those ops,
+# / SKIP_SANITIZE=1 / SKIP_SOAK=1 / SKIP_BUILD=1 / SKIP_SERVE=1 skip parts; BENCH_OPS="op ..." limits the benchmark to those ops,
 # MEMCHECK / RACECHECK="test files" replace the sanitizers' default test lists, RACECHECK_SELECT
 # racecheck's -k expression.
 #   bash tools/gpu_check.sh [pytest args...]
@@ -127,6 +127,14 @@ if [ -z "${SKIP_DEMO:-}" ]; then
     # One jitted step per Python call: the dispatch cost a step pays, jaxkv vs XLA.
     (tool="$PWD/tools/evict_call_cost.py"; cd /tmp && python3 "$tool" 2>&1)
   } | tee "$OUT/demo.log"
+fi
+if [ -z "${SKIP_SERVE:-}" ]; then
+  echo "== serve: prefix caching on and off (8B, chat stream), the index's cost at 8B sizes"
+  {
+    (tool="$PWD/tools/prefix_cost.py"; cd /tmp && python3 "$tool" 2>&1)
+    (cd /tmp && python3 -m jaxkv serve --preset 8b --stream "${SERVE_STREAM:-chat}" \
+      --engines paged --prefix-cache ${SERVE_ARGS:-} --json "$OUT/serving-8b-${SERVE_STREAM:-chat}.json" 2>&1)
+  } | tee "$OUT/serve.log"
 fi
 echo "gpu_check: tests exit $tests_rc, sanitizers $sanitize_rc, soak $soak_rc"
 [ "$tests_rc" -eq 0 ] && [ "$sanitize_rc" -eq 0 ] && [ "$soak_rc" -eq 0 ]
