@@ -1,16 +1,18 @@
 // CUDA handlers of decode and prefill attention: split-KV (flash-decoding) over the cache in place.
 //
 // Block (query row r = (b, t), KV head group, split) attends the keys [split * keys_per_split, ...)
-// of its row that are live (below AttentionProblem::keys). Two kernels share that grid and the
+// of its row that are live (below AttentionProblem::keys). Three kernels share that grid and the
 // workspace: attention_tc_kernel below (tensor cores) for bf16 / f16 caches with head dims 64 and
-// 128, and attention_kernel (CUDA cores) for the rest (f32, 8-bit, other head dims), which applies
-// an 8-bit cache's per-token scales: the key's to its score, the value's to its weight.
-// attention_kernel takes up to kMaxHeads q heads of one KV head (the GQA group shares every K/V
-// load). A warp takes kTokensPerWarp tokens at a time, each over kLanesPerToken lanes with 16-byte
-// loads (8 for fp8), kUnroll groups of tokens in flight; scores and the softmax run in float32,
-// base 2 (q pre-scaled by scale * log2 e * k_scale), with an online max per lane group, merged
-// through shuffles and shared memory at the end. (A cp.async ring in shared memory made it slower
-// on the H200: fewer resident warps for a kernel bound by issuing its math; docs/perf-notes.md.)
+// 128; attention_tc8_kernel (tensor cores, f16 MMAs) for 8-bit caches (fp8 e4m3 / e5m2, int8)
+// under a bf16 / f16 q with those head dims; attention_kernel (CUDA cores) for the rest (f32,
+// other head dims). Both kernels that read 8-bit caches apply their per-token scales: the key's
+// to its score, the value's to its weight. attention_kernel takes up to kMaxHeads q heads of one
+// KV head (the GQA group shares every K/V load). A warp takes kTokensPerWarp tokens at a time,
+// each over kLanesPerToken lanes with 16-byte loads (8 for fp8), kUnroll groups of tokens in
+// flight; scores and the softmax run in float32, base 2 (q pre-scaled by scale * log2 e *
+// k_scale), with an online max per lane group, merged through shuffles and shared memory at the
+// end. (A cp.async ring in shared memory made it slower on the H200: fewer resident warps for a
+// kernel bound by issuing its math; docs/perf-notes.md.)
 // One split: the block writes the output. Several: it writes (unnormalized acc, max, sum) to the
 // workspace and combine_kernel merges the live splits. Keys past the length are never loaded, so
 // a block past a row's length exits at once: time follows the live bytes.
@@ -394,6 +396,64 @@ struct TcRing {
   }
 };
 
+// The end of a tensor-core split-KV block, after its ring is drained: each warp's O (rows g, g + 8
+// of its fragments), max and partial sums merged through shared memory, then the output (one
+// split) or the workspace (several). Fragment column n of tile nt is element d = nt * 8 + n of
+// the head, or with kPermuted (attention_tc8_kernel's V layout) d = n * kD / 8 + nt.
+template <int kD, bool kPermuted, class OT>
+__device__ __forceinline__ void tc_finish(unsigned char* smem, const float (&o)[kD / 8][4], float m0,
+                                          float m1, float l0, float l1, const AttentionProblem& p,
+                                          int b, int t, int h0, int nh, int split, int splits,
+                                          float* work) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;
+  // Row sums over the four lanes of a row; then each warp's rows of the block's heads to smem.
+#pragma unroll
+  for (int x = 1; x < 4; x *= 2) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+  }
+  float* sm_acc = reinterpret_cast<float*>(smem);           // [kWarps][kTcHeads][kD]
+  float* sm_m = sm_acc + kWarps * kTcHeads * kD;             // [kWarps][kTcHeads]
+  float* sm_l = sm_m + kWarps * kTcHeads;
+#pragma unroll
+  for (int nt = 0; nt < kD / 8; ++nt) {
+    const int c = nt * 8 + 2 * tq;  // fragment order: the permuted columns are mapped back below
+    float* r0 = sm_acc + (warp * kTcHeads + g) * kD + c;
+    float* r1 = sm_acc + (warp * kTcHeads + g + 8) * kD + c;
+    r0[0] = o[nt][0], r0[1] = o[nt][1], r1[0] = o[nt][2], r1[1] = o[nt][3];
+  }
+  if (tq == 0) {
+    sm_m[warp * kTcHeads + g] = m0, sm_l[warp * kTcHeads + g] = l0;
+    sm_m[warp * kTcHeads + g + 8] = m1, sm_l[warp * kTcHeads + g + 8] = l1;
+  }
+  __syncthreads();
+  OT* out = reinterpret_cast<OT*>(p.out);
+  for (int x = threadIdx.x; x < nh * kD; x += kThreads) {
+    // Column c of sm_acc holds element d of the head (kPermuted: column c % 8 of tile c / 8).
+    const int h = x / kD, c = x % kD;
+    const int d = kPermuted ? (c % 8) * (kD / 8) + c / 8 : c;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w * kTcHeads + h]);
+    float a = 0.f, sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = sm_m[w * kTcHeads + h];
+      const float r = mw == -INFINITY ? 0.f : exp2f(mw - mx);
+      a += sm_acc[(w * kTcHeads + h) * kD + c] * r;
+      sum += sm_l[w * kTcHeads + h] * r;
+    }
+    if (splits == 1) {
+      Elem<OT>::store1(out + p.q_index(b, t, h0 + h) + d, sum > 0.f ? a / sum * *p.v_scale : 0.f);
+    } else {
+      float* w = work + (p.q_index(b, t, h0 + h) / kD * splits + split) * (kD + 2);
+      w[d] = a;
+      if (d == 0) w[kD] = mx, w[kD + 1] = sum;
+    }
+  }
+}
+
 template <int kD, class T>
 __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
     attention_tc_kernel(const AttentionProblem p, int32_t keys_per_split, float* work) {
@@ -560,49 +620,336 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
   }
   copy_wait<0>();
   __syncthreads();  // the ring's shared memory now holds the warps' partial results
+  tc_finish<kD, false, T>(smem, o, m0, m1, l0, l1, p, b, t, h0, nh, split, splits, work);
+}
 
-  // Row sums over the four lanes of a row; then each warp's rows of the block's heads to smem.
-#pragma unroll
-  for (int x = 1; x < 4; x *= 2) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+// --- split-KV on tensor cores for 8-bit caches (fp8 e4m3 / e5m2, int8; q bf16 or f16) ------------
+//
+// attention_tc_kernel's blocks, cp.async ring and online softmax over K and V tiles of one byte an
+// element (half the bytes per stage), converted to f16 in registers as the MMA fragments are
+// built: e4m3 by cvt, e5m2 by a byte move (its byte is an f16's high byte), int8 by a byte move
+// under the exponent of 1024 and a subtraction. Every e4m3, e5m2 and int8 value is exact in f16,
+// so the MMAs run in f16 whatever q's dtype is. Numerics (float32 softmax and accumulation, as the
+// CUDA-core kernel):
+// - Q: q times a power of two 2^e per block (max |q| in [2^14, 2^15)), rounded to f16: exact for
+//   a bf16 or f16 q (8 or 11 significant bits), except values below 2^-28 of the block's max.
+//   The softmax scale, log2 e, 2^-e and the K scale (per tensor, or the token's) multiply the
+//   float32 scores, so S is q . (k_scale * k) up to float32 accumulation.
+// - P: exp2(s - max) * v_scale(token) / vref in f16, vref a power of two above every V scale the
+//   warp has read (O is rescaled when it grows, as for the running max): no overflow whatever the
+//   scales, each weight rounded to 2^-11 (the bf16 kernel's P: 2^-8). The row sums add the
+//   float32 weights; O * vref at the end. Per tensor, vref is 1 and V's scale multiplies the
+//   output, as in the other kernels.
+// K and V convert exactly, so the one rounding beyond the CUDA-core kernel's is P's (f16): the
+// tolerances of tests/test_quantized.py (2e-2 against jaxkv.reference over the dequantized
+// values) hold with room, for bf16 and f16 queries alike.
+// Fragments: a lane reads 16-byte words of its tokens' rows and the MMA's k (head_dim for S) and n
+// (head_dim for O) orders are permuted to match. S: lane (g, tq) holds d = tq * kD / 4 + 4 ks +
+// {0, 1} as k = 2 tq + {0, 1} of k-step ks and + {2, 3} as k = 2 tq + {8, 9} (q's A fragment is
+// built in the same order), so K needs no byte shuffle. O: tile nt's column n is d = n * kD / 8 +
+// nt, so lane g reads bytes [g * kD / 8, (g + 1) * kD / 8) of its four tokens (k = 2 tq + {0, 1,
+// 8, 9}) and pairs the tokens' bytes with one byte_perm per two registers.
+
+// Four 8-bit values of a word as two f16 pairs: lo = bytes 0, 1, hi = bytes 2, 3 (the first of a
+// pair in the low half, the fragments' order).
+template <class KT> struct Tc8;
+template <> struct Tc8<E4M3> {
+  __device__ static void to_h2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+    lo = uint32_t{a.x} | (uint32_t{a.y} << 16);
+    hi = uint32_t{b.x} | (uint32_t{b.y} << 16);
   }
-  float* sm_acc = reinterpret_cast<float*>(smem);           // [kWarps][kTcHeads][kD]
-  float* sm_m = sm_acc + kWarps * kTcHeads * kD;             // [kWarps][kTcHeads]
-  float* sm_l = sm_m + kWarps * kTcHeads;
-#pragma unroll
-  for (int nt = 0; nt < kD / 8; ++nt) {
-    const int d = nt * 8 + 2 * tq;
-    float* r0 = sm_acc + (warp * kTcHeads + g) * kD + d;
-    float* r1 = sm_acc + (warp * kTcHeads + g + 8) * kD + d;
-    r0[0] = o[nt][0], r0[1] = o[nt][1], r1[0] = o[nt][2], r1[1] = o[nt][3];
+};
+template <> struct Tc8<E5M2> {
+  __device__ static void to_h2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+    lo = __byte_perm(w, 0u, 0x1404);  // bytes {0, w0, 0, w1}
+    hi = __byte_perm(w, 0u, 0x3424);
   }
-  if (tq == 0) {
-    sm_m[warp * kTcHeads + g] = m0, sm_l[warp * kTcHeads + g] = l0;
-    sm_m[warp * kTcHeads + g + 8] = m1, sm_l[warp * kTcHeads + g + 8] = l1;
+};
+template <> struct Tc8<S8> {
+  __device__ static void to_h2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+    // f16 0x64XX is 1024 + XX: XX = byte + 128 (the sign bit flipped), then 1152 off. Exact.
+    const uint32_t u = w ^ 0x80808080u;
+    const uint32_t a = __byte_perm(u, 0x64646464u, 0x4140), b = __byte_perm(u, 0x64646464u, 0x4342);
+    const __half2 off = __float2half2_rn(1152.f);
+    __half2 x, y;
+    memcpy(&x, &a, 4);
+    memcpy(&y, &b, 4);
+    x = __hsub2(x, off), y = __hsub2(y, off);
+    memcpy(&lo, &x, 4);
+    memcpy(&hi, &y, 4);
   }
-  __syncthreads();
-  for (int x = threadIdx.x; x < nh * kD; x += kThreads) {
-    const int h = x / kD, d = x % kD;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w * kTcHeads + h]);
-    float a = 0.f, sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float mw = sm_m[w * kTcHeads + h];
-      const float r = mw == -INFINITY ? 0.f : exp2f(mw - mx);
-      a += sm_acc[(w * kTcHeads + h) * kD + d] * r;
-      sum += sm_l[w * kTcHeads + h] * r;
-    }
+};
+
+// Two stages and four blocks per multiprocessor (<= 128 registers: Q's fragments in shared
+// memory, not registers): measured on the H200 in docs/perf-notes.md, item 16.
+constexpr int kTc8Stages = 2;
+constexpr int kTc8MinBlocks = 4;
+
+template <int kD, int kStages>
+struct TcRing8 {
+  static constexpr int kChunks = kD / 16;                          // 16-byte chunks per token
+  static constexpr size_t kTile = size_t{kTcTokens} * kD;          // bytes of K (or V) per stage
+  static constexpr size_t kLive = 2 * kTile * kStages;             // live flags [stages][tokens]
+  static constexpr size_t kScales = kLive + sizeof(int) * kTcTokens * kStages;  // K, V scales
+  static constexpr size_t kRingBytes = kScales + 2 * sizeof(float) * kTcTokens * kStages;
+  static constexpr size_t kQ = kRingBytes;  // Q's A fragments [k-step][lane], past the ring
+  static constexpr size_t kQBytes = kQ + size_t{kD / 16} * 32 * 16;
+  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kTcHeads * (kD + 2);
+  static constexpr size_t kBytes = kQBytes > kMergeBytes ? kQBytes : kMergeBytes;
+  static_assert((kD == 64 || kD == 128) && kThreads == 2 * kTcTokens, "head dims 64, 128; 2 threads a token");
+  // 16-byte slot of chunk c of token j. 128-byte lines are XOR-swizzled so that the fragment
+  // reads (K: tokens g = 0..7 x chunks of tq; V: tokens 2 tq + e x chunk g, or its half at D 64)
+  // are conflict-free: D 128, a token a line, chunk c ^ (j & 7); D 64, two tokens a line, chunk
+  // (4 (j & 1) + c) ^ (2 line & 7).
+  __device__ static int slot(int j, int c) {
+    if constexpr (kD == 128) return j * 8 + (c ^ (j & 7));
+    else return (j >> 1) * 8 + ((4 * (j & 1) + c) ^ ((j >> 1) * 2 & 7));
+  }
+  __device__ static unsigned char* chunk(unsigned char* smem, int stage, int kind, int j, int c) {
+    return smem + (stage * 2 + kind) * kTile + slot(j, c) * 16;
+  }
+  __device__ static int* live(unsigned char* smem, int stage) {
+    return reinterpret_cast<int*>(smem + kLive) + stage * kTcTokens;
+  }
+  __device__ static float* scales(unsigned char* smem, int stage, int kind) {  // kind 0: K, 1: V
+    return reinterpret_cast<float*>(smem + kScales) + (kind * kStages + stage) * kTcTokens;
+  }
+};
+
+template <int kD, int kStages, class QT, class KT>
+__global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
+    attention_tc8_kernel(const AttentionProblem p, int32_t keys_per_split, float* work) {
+  using R = TcRing8<kD, kStages>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int row = blockIdx.x, split = blockIdx.z;
+  const int b = row / p.tokens, t = row % p.tokens;
+  int h0;
+  const int nh = heads_of<kTcHeads>(p, blockIdx.y, &h0);
+  const int kvh = h0 / p.group;
+  const int splits = gridDim.z;
+  const int32_t n = p.layer_ok() ? p.keys(b, t) : 0;
+  const int32_t k0 = split * keys_per_split;
+  const int32_t k1 = min(n, k0 + keys_per_split);
+  if (k0 >= k1) {  // as in attention_kernel
     if (splits == 1) {
-      Elem<T>::store1(out + p.q_index(b, t, h0 + h) + d, sum > 0.f ? a / sum * *p.v_scale : 0.f);
-    } else {
-      float* w = work + (p.q_index(b, t, h0 + h) / kD * splits + split) * (kD + 2);
-      w[d] = a;
-      if (d == 0) w[kD] = mx, w[kD + 1] = sum;
+      QT* out = reinterpret_cast<QT*>(p.out);
+      for (int i = threadIdx.x; i < nh * kD; i += kThreads)
+        Elem<QT>::store1(out + p.q_index(b, t, h0 + i / kD) + i % kD, 0.f);
+    }
+    return;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;  // fragment row (head) and column pair
+  const int iters = (k1 - k0 + kTcTokens - 1) / kTcTokens;
+
+  // Copies: thread (jt, half) = (tid / 2, tid % 2) moves token jt of every stage, chunks 2 k + half
+  // (the pair covers each 32-byte sector in one instruction), its K (half 0) or V (half 1) scale
+  // and (half 0) its live flag: one page lookup and one address per thread and stage. The page
+  // index and slot of the token advance by kTcTokens a stage without a division.
+  constexpr int kPerThread = R::kChunks / 2;
+  const int jt = threadIdx.x / 2, half = threadIdx.x % 2;
+  const int64_t layer = *p.layer;
+  const int64_t base = layer * p.kv.layer_stride + kvh * p.kv.head_stride + half * 16;
+  const bool token_scales = p.scales.k != nullptr;
+  const int64_t sbase = layer * p.scales.layer_stride + kvh * p.scales.head_stride;
+  const char* sptr = half ? p.scales.v : p.scales.k;
+  const bool paged = p.kv.page_table != nullptr;
+  const int32_t ps = p.kv.page_size;  // a dense cache: the capacity (the slot is the position)
+  const int32_t* table = paged ? p.kv.page_table + int64_t{b} * p.kv.max_pages : nullptr;
+  const int32_t step_pi = kTcTokens / ps, step_slot = kTcTokens % ps;
+  int32_t pi = (k0 + jt) / ps, slot = (k0 + jt) % ps;  // of the stage fetched next
+  int32_t raw = -1, raw_slot = 0;                       // table entry and slot of the next issue
+  auto fetch_page = [&](int i) {
+    const int32_t j = k0 + i * kTcTokens + jt;
+    raw = i < iters && j < k1 ? (paged ? table[pi] : b) : -1;
+    raw_slot = slot;
+    pi += step_pi, slot += step_slot;
+    if (slot >= ps) slot -= ps, ++pi;
+  };
+  auto issue = [&](int i) {
+    if (i < iters) {
+      const int st = i % kStages;
+      const bool ok = p.kv.holds(raw);
+      const int64_t off = ok ? base + raw * p.kv.page_stride + raw_slot * p.kv.token_stride : 0;
+#pragma unroll
+      for (int x = 0; x < kPerThread; ++x) {
+        copy_async(reinterpret_cast<uint4*>(R::chunk(smem, st, 0, jt, 2 * x + half)), p.kv.k + off + 32 * x, ok);
+        copy_async(reinterpret_cast<uint4*>(R::chunk(smem, st, 1, jt, 2 * x + half)), p.kv.v + off + 32 * x, ok);
+      }
+      if (half == 0) R::live(smem, st)[jt] = ok;
+      if (token_scales) {
+        const int64_t so = ok ? sbase + raw * p.scales.page_stride + raw_slot * p.scales.token_stride : 0;
+        copy_async(R::scales(smem, st, half) + jt, sptr + so, ok);
+      }
+    }
+    copy_commit();
+    fetch_page(i + 1);
+  };
+  fetch_page(0);
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+
+  // Q as A fragments in f16, times 2^e (rows past the block's heads are zeros): lane (g, tq) needs
+  // elements [dq, dq + kD / 4) of rows g and g + 8, kD / 32 16-byte words each.
+  constexpr int kKs = kD / 16, kQW = kD / 32;
+  const int dq = tq * (kD / 4);  // this lane's head_dim slice (see the order above)
+  float qf[2][kD / 4];
+  float amax = 0.f;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int head = g + 8 * r;
+    const uint4* src = reinterpret_cast<const uint4*>(
+        reinterpret_cast<const QT*>(p.q) + p.q_index(b, t, h0 + min(head, nh - 1)) + dq);
+#pragma unroll
+    for (int w = 0; w < kQW; ++w) {
+      const uint4 word = head < nh ? load_word(src + w) : make_uint4(0, 0, 0, 0);
+      Elem<QT>::to_float(word, qf[r] + 8 * w);
+    }
+#pragma unroll
+    for (int d = 0; d < kD / 4; ++d) amax = fmaxf(amax, fabsf(qf[r][d]));
+  }
+#pragma unroll
+  for (int x = 1; x < 32; x *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, x));
+  const int ex = amax > 0.f && isfinite(amax) ? max(-120, min(120, 14 - ilogbf(amax))) : 0;
+  const float qmul = __int_as_float((ex + 127) << 23);  // 2^ex, exactly
+  uint4* qsm = reinterpret_cast<uint4*>(smem + R::kQ);  // read after the loop's first barrier
+  if (warp == 0) {
+#pragma unroll
+    for (int ks = 0; ks < kKs; ++ks) {
+      const float* r0 = qf[0] + 4 * ks;
+      const float* r1 = qf[1] + 4 * ks;
+      qsm[ks * 32 + lane] = make_uint4(
+          pack2<__half>(r0[0] * qmul, r0[1] * qmul), pack2<__half>(r1[0] * qmul, r1[1] * qmul),
+          pack2<__half>(r0[2] * qmul, r0[3] * qmul), pack2<__half>(r1[2] * qmul, r1[3] * qmul));
     }
   }
+  // Scores' float32 factor (a token's K scale on top where scaled per token).
+  const float qk = p.scale * kLog2e * *p.k_scale / qmul;
+
+  float o[kD / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < kD / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 (l: this lane's part)
+  float vref = token_scales ? 0x1p-100f : 1.f;  // O's scale: a power of two above every V scale read
+
+  const int jw = warp * 16;  // this warp's tokens in a stage
+  for (int i = 0; i < iters; ++i) {
+    copy_wait<kStages - 2>();
+    __syncthreads();  // stage i landed for every thread; every warp is done with stage i - 1
+    issue(i + kStages - 1);
+    const int st = i % kStages;
+
+    // S = Q K^T: two tiles of 8 tokens; lane (g, tq) reads token g's bytes [tq kD / 4, +kD / 4).
+    float sc[2][4] = {};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int h = 0; h < kD / 64; ++h) {
+        const uint4 w = *reinterpret_cast<const uint4*>(R::chunk(smem, st, 0, jw + nt * 8 + g, tq * (kD / 64) + h));
+        const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          uint32_t b0, b1;
+          Tc8<KT>::to_h2(u[e], b0, b1);
+          const uint4 f = qsm[(4 * h + e) * 32 + lane];
+          const uint32_t a[4] = {f.x, f.y, f.z, f.w};
+          mma_16816<__half>(sc[nt], a, b0, b1);
+        }
+      }
+    }
+    // Scales of this lane's columns (tokens jw + 8 nt + 2 tq + e), the mask, the running max.
+    const int* live = R::live(smem, st);
+    float vs[2][2];
+    float mx0 = m0, mx1 = m1, vmax = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int jt = jw + nt * 8 + 2 * tq + e;
+        const bool ok = live[jt] && k0 + i * kTcTokens + jt < k1;
+        const float f = token_scales ? qk * R::scales(smem, st, 0)[jt] : qk;
+        vs[nt][e] = !token_scales ? 1.f : ok ? R::scales(smem, st, 1)[jt] : 0.f;
+        vmax = fmaxf(vmax, vs[nt][e]);
+        sc[nt][e] = ok ? sc[nt][e] * f : -INFINITY;
+        sc[nt][2 + e] = ok ? sc[nt][2 + e] * f : -INFINITY;
+        mx0 = fmaxf(mx0, sc[nt][e]);
+        mx1 = fmaxf(mx1, sc[nt][2 + e]);
+      }
+    }
+#pragma unroll
+    for (int x = 1; x < 4; x *= 2) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
+    }
+    const float a0 = mx0 == -INFINITY ? 1.f : exp2f(m0 - mx0);
+    const float a1 = mx1 == -INFINITY ? 1.f : exp2f(m1 - mx1);
+    m0 = mx0, m1 = mx1;
+    float rescale = 1.f;  // O's: vref's growth
+    if (token_scales) {  // the warp's tokens: the same for every g
+#pragma unroll
+      for (int x = 1; x < 4; x *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, x));
+      if (vmax > vref) {  // 2^(exponent + 1): above vmax; O's old values rescaled (exactly)
+        const float next = __uint_as_float((__float_as_uint(vmax) & 0x7f800000u) + 0x00800000u);
+        rescale = vref / next;
+        vref = next;
+      }
+    }
+    const float inv = 1.f / vref;
+    uint32_t pa[4];  // P (times V's scales) as the A fragment of P V: tokens 0-7 then 8-15
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      float pr[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float mx = e < 2 ? mx0 : mx1;
+        pr[e] = mx == -INFINITY ? 0.f : exp2f(sc[nt][e] - mx);
+      }
+      sum0 += pr[0] + pr[1];
+      sum1 += pr[2] + pr[3];
+      const float w0 = vs[nt][0] * inv, w1 = vs[nt][1] * inv;
+      pa[2 * nt] = pack2<__half>(pr[0] * w0, pr[1] * w1);
+      pa[2 * nt + 1] = pack2<__half>(pr[2] * w0, pr[3] * w1);
+    }
+    l0 = l0 * a0 + sum0;
+    l1 = l1 * a1 + sum1;
+    const float o0 = a0 * rescale, o1 = a1 * rescale;
+    if (__any_sync(0xffffffffu, o0 != 1.f || o1 != 1.f)) {  // mostly not, once the maxima settle
+#pragma unroll
+      for (int nt = 0; nt < kD / 8; ++nt) o[nt][0] *= o0, o[nt][1] *= o0, o[nt][2] *= o1, o[nt][3] *= o1;
+    }
+    // O += P V: lane g's bytes of tokens 2 tq, 2 tq + 1 (b0) and 2 tq + 8, 2 tq + 9 (b1).
+    constexpr int kW = kD / 32;  // words of kD / 8 bytes
+    uint32_t va[4][kW];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int jt = jw + 2 * tq + (r & 1) + (r >> 1) * 8;
+      if constexpr (kD == 128) {
+        const uint4 w = *reinterpret_cast<const uint4*>(R::chunk(smem, st, 1, jt, g));
+        va[r][0] = w.x, va[r][1] = w.y, va[r][2] = w.z, va[r][3] = w.w;
+      } else {
+        const uint2 w = *reinterpret_cast<const uint2*>(R::chunk(smem, st, 1, jt, g >> 1) + (g & 1) * 8);
+        va[r][0] = w.x, va[r][1] = w.y;
+      }
+    }
+#pragma unroll
+    for (int wi = 0; wi < kW; ++wi) {
+      uint32_t b0[4], b1[4];  // tiles 4 wi .. 4 wi + 3
+      Tc8<KT>::to_h2(__byte_perm(va[0][wi], va[1][wi], 0x5140), b0[0], b0[1]);
+      Tc8<KT>::to_h2(__byte_perm(va[0][wi], va[1][wi], 0x7362), b0[2], b0[3]);
+      Tc8<KT>::to_h2(__byte_perm(va[2][wi], va[3][wi], 0x5140), b1[0], b1[1]);
+      Tc8<KT>::to_h2(__byte_perm(va[2][wi], va[3][wi], 0x7362), b1[2], b1[3]);
+#pragma unroll
+      for (int x = 0; x < 4; ++x) mma_16816<__half>(o[4 * wi + x], pa, b0[x], b1[x]);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < kD / 8; ++nt) o[nt][0] *= vref, o[nt][1] *= vref, o[nt][2] *= vref, o[nt][3] *= vref;
+  copy_wait<0>();
+  __syncthreads();  // the ring's shared memory now holds the warps' partial results
+  tc_finish<kD, true, QT>(smem, o, m0, m1, l0, l1, p, b, t, h0, nh, split, splits, work);
 }
 
 // Merges the live splits of (row, q head): block (row, head), one thread per element of D.
@@ -698,6 +1045,38 @@ bool try_split_tc(cudaStream_t stream, const AttentionProblem& p, int splits, fl
   }
   *status = cuda_status("attention");
   return true;
+}
+
+// The 8-bit tensor-core kernel (attention_tc8_kernel) for head_dim 64 / 128; false: not eligible.
+template <class QT, class KT>
+bool try_split_tc8(cudaStream_t stream, const AttentionProblem& p, int splits, float* work, ffi::Error* status) {
+  if (p.head_dim != 64 && p.head_dim != 128) return false;
+  const int32_t per_split = (p.kv.capacity + splits - 1) / splits;
+  const int head_blocks = (p.group + kTcHeads - 1) / kTcHeads;
+  const dim3 grid(static_cast<unsigned>(int64_t{p.batch} * p.tokens),
+                  static_cast<unsigned>(p.kv.heads * head_blocks), static_cast<unsigned>(splits));
+  auto launch = [&](auto kernel, size_t bytes) {
+    allow_shared_memory(kernel, bytes);
+    kernel<<<grid, kThreads, bytes, stream>>>(p, per_split, work);
+  };
+  if (p.head_dim == 64) launch(attention_tc8_kernel<64, kTc8Stages, QT, KT>, TcRing8<64, kTc8Stages>::kBytes);
+  else launch(attention_tc8_kernel<128, kTc8Stages, QT, KT>, TcRing8<128, kTc8Stages>::kBytes);
+  if (splits > 1) {
+    const dim3 cgrid(static_cast<unsigned>(int64_t{p.batch} * p.tokens), static_cast<unsigned>(p.q_heads));
+    combine_kernel<QT><<<cgrid, std::min(p.head_dim, 256), 0, stream>>>(p, per_split, splits, work);
+  }
+  *status = cuda_status("attention");
+  return true;
+}
+
+template <class QT>
+bool try_split_tc8_q(cudaStream_t stream, const AttentionProblem& p, int splits, float* work, ffi::Error* status) {
+  switch (p.kv_type) {
+    case ffi::DataType::F8E4M3FN: return try_split_tc8<QT, E4M3>(stream, p, splits, work, status);
+    case ffi::DataType::F8E5M2: return try_split_tc8<QT, E5M2>(stream, p, splits, work, status);
+    case ffi::DataType::S8: return try_split_tc8<QT, S8>(stream, p, splits, work, status);
+    default: return false;
+  }
 }
 
 template <class QT, class KT>
@@ -955,6 +1334,8 @@ ffi::Error attention_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
     ffi::Error status = ffi::Error::Success();
     if (qt == D::BF16 && kt == D::BF16 && try_split_tc<__nv_bfloat16>(stream, *p, splits, w, &status)) return status;
     if (qt == D::F16 && kt == D::F16 && try_split_tc<__half>(stream, *p, splits, w, &status)) return status;
+    if (qt == D::BF16 && try_split_tc8_q<__nv_bfloat16>(stream, *p, splits, w, &status)) return status;
+    if (qt == D::F16 && try_split_tc8_q<__half>(stream, *p, splits, w, &status)) return status;
   }
   if (qt == D::F32 && kt == D::F32) return launch_types<float, float>(stream, *p, splits, w);
   if (qt == D::BF16 && kt == D::BF16) return launch_types<__nv_bfloat16, __nv_bfloat16>(stream, *p, splits, w);
@@ -970,8 +1351,8 @@ ffi::Error attention_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
 
 }  // namespace
 
-// Decode: the split-KV kernel. Prefill: the tensor-core kernel where it applies (bf16 / f16, head
-// dims 64, 128, 256, groups dividing 64), else the split-KV kernel with a query row per new token.
+// Decode: the split-KV kernels. Prefill: the tensor-core kernel where it applies (bf16 / f16, head
+// dims 64, 128, 256, groups dividing 64), else the split-KV kernels with a query row per new token.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jaxkv_attention_decode_cuda, attention_cuda<false>,
     bind_attention(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JAXKV_CUDA_TRAITS);
