@@ -362,8 +362,12 @@ def test_an_8bit_cache_shares_bytes_and_scales():
 
 @pytest.fixture
 def mesh():
-    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2,
-                         devices=jax.devices("cpu")[:8])
+    """8 devices: the emulated CPU ones (conftest) where the default backend has fewer, with the
+    test's arrays made there too."""
+    devices = jax.devices() if jax.device_count() >= 8 else jax.devices("cpu")
+    with jax.default_device(devices[0]):
+        yield jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2,
+                            devices=devices[:8])
 
 
 def test_sharded_each_batch_shard_has_its_own_index(mesh):
