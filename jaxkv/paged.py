@@ -456,8 +456,9 @@ class PagedKVCache:
         found, run = page_index.lookup(index, pages, page_index.chain_hashes(pages), limit)
         taken = jnp.arange(k)[None, :] < run[:, None]
         mapped = jnp.where(taken, found, NO_PAGE)
-        page_table = self.page_table.at[:, :k].set(
-            jnp.where(run[:, None] > 0, mapped, self.page_table[:, :k]))
+        width = self.max_pages_per_seq  # a where over whole rows, not an update of a slice
+        wide = jnp.pad(mapped, ((0, 0), (0, width - k)), constant_values=NO_PAGE)
+        page_table = jnp.where(run[:, None] > 0, wide, self.page_table)
         ref_counts = self.ref_counts.at[jnp.where(taken, found, self.num_pages)].add(
             1, mode="drop")
         matched = run * size
