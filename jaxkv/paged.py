@@ -135,9 +135,10 @@ class PagedKVCache:
             raise ValueError(f"{op}: num_layers * max_batch * num_kv_heads must fit in int32")
         shape = pool_shape(layout, num_layers, num_kv_heads, num_pages, page_size, head_dim)
         rows = ((max_batch,), jnp.int32, 0)
-        leaves = dict(k_pages=(shape, dtype, 0), v_pages=(shape, dtype, 0),
-                      page_table=((max_batch, max_pages_per_seq), jnp.int32, NO_PAGE),
-                      lengths=rows, ref_counts=((num_pages,), jnp.int32, 0), new_tokens=rows)
+        leaves: dict[str, Any] = dict(
+            k_pages=(shape, dtype, 0), v_pages=(shape, dtype, 0),
+            page_table=((max_batch, max_pages_per_seq), jnp.int32, NO_PAGE),
+            lengths=rows, ref_counts=((num_pages,), jnp.int32, 0), new_tokens=rows)
         scaling = quantization.scaling_of(op, dtype, scaling)
         # The scale pools: the pools without D, in either layout.
         leaves.update(quantization.scale_leaves(op, scaling, num_layers, shape[:4], k_scale,

@@ -20,14 +20,14 @@ from .cli import cache_sharding, parse_mesh
 # for prefill: mixed_steps).
 # The big presets measure a saturated server over a fixed window (--duration): with a long tail,
 # serving a stream to its end is timed by its longest output, decoded alone at the end.
-_BIG = dict(prefix_len=2048, requests=8192, duration=15.0, max_seq_len=4096, system_len=64, mean_prompt=256,
+_BIG = dict(requests=8192, duration=15.0, max_seq_len=4096, system_len=64, mean_prompt=256,
             mean_output=192, prefill_rows="2,4,8", prefill_chunk=256, decode_steps=16,
-            mixed_steps=2, layers="unroll")
+            mixed_steps=2, layers="unroll", prefix_len=2048)
 # Layers: a scan over stacked weights makes XLA copy each layer's weights out of the stack for
 # cuBLAS (23% of the kernel time at 8B on the H200, docs/serving.md); the big presets unroll.
 DEFAULTS = {
-    "tiny": dict(kv_gib=1 / 1024, prefix_len=48, requests=48, duration=None, max_seq_len=256, system_len=8,
-                 mean_prompt=12, mean_output=12, prefill_rows="2", prefill_chunk=16,
+    "tiny": dict(kv_gib=1 / 1024, requests=48, duration=None, max_seq_len=256, system_len=8,
+                 prefix_len=48, mean_prompt=12, mean_output=12, prefill_rows="2", prefill_chunk=16,
                  decode_steps=8, mixed_steps=2, layers="scan"),
     "1b": dict(kv_gib=8, **_BIG),
     "8b": dict(kv_gib=16, **_BIG),
