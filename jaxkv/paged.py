@@ -15,11 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _lengths
+from . import host_tier
 from . import _validate as validate
 from . import ops
 from . import page_index
 from . import paged_ops
 from . import quantization
+from ._allocator import allocate
 from ._checks import check, elsewhere
 from ._validate import INT32_MAX
 from .layout import (KV, KV_LAYERS, LAYER, LAYOUTS, POOL, REPLICATED, ROWS, pool_geometry,
@@ -69,13 +71,17 @@ class PagedKVCache:
     # create(prefix_cache=True): full pages found by their token ids (jaxkv.page_index), one
     # entry per page, split like the pages
     prefix_cache: page_index.PageIndex | None = None
+    # create(host_pages=N): a pool of N pages in host memory and the rows swapped to it
+    # (jaxkv.host_tier)
+    host: host_tier.HostPages | None = None
 
     def leaf_roles(self) -> dict:
         """Where each leaf keeps its rows, pages and heads (``jaxkv.layout``)."""
         pool = POOL[self.layout]
         scales = pool[:4] if self.scaling == "per_token_head" else REPLICATED
         return dict(k_pages=pool, v_pages=pool, page_table=ROWS, lengths=ROWS, ref_counts=ROWS,
-                    new_tokens=ROWS, k_scales=scales, v_scales=scales, prefix_cache=ROWS)
+                    new_tokens=ROWS, k_scales=scales, v_scales=scales, prefix_cache=ROWS,
+                    host=ROWS)
 
     @classmethod
     def create(
@@ -94,6 +100,7 @@ class PagedKVCache:
         k_scale=None,
         v_scale=None,
         prefix_cache: bool = False,
+        host_pages: int = 0,
     ) -> "PagedKVCache":
         """An empty cache: every page free, every page-table entry ``NO_PAGE``, lengths 0.
 
@@ -118,6 +125,10 @@ class PagedKVCache:
         ``insert_prefix``; docs/prefix-caching.md). Indexed pages keep their data when no
         sequence holds them, count as free, and ``reserve`` evicts them least recently used
         after the pages never indexed.
+
+        ``host_pages``: pages of a second pool in host memory (``pinned_host``), same layout and
+        dtype, and scales for a per-token-head cache; ``swap_out`` moves rows there and
+        ``swap_in`` brings them back (docs/host-tier.md). Not with ``sharding`` yet.
         """
         op = "PagedKVCache.create"
         dims = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
@@ -150,7 +161,15 @@ class PagedKVCache:
                                                                              full)
         divides = dict(max_batch=(max_batch, "batch"), num_pages=(num_pages, "batch"),
                        num_kv_heads=(num_kv_heads, "heads"))
-        return create(cls, op, sharding, leaves, divides, layout=layout, scaling=scaling)
+        validate.static_int(op, "host_pages", host_pages, lo=0, hi=INT32_MAX)
+        if host_pages and sharding is not None:
+            raise ValueError(f"{op}: host_pages is not supported on a sharded cache yet")
+        cache = create(cls, op, sharding, leaves, divides, layout=layout, scaling=scaling)
+        if not host_pages:
+            return cache
+        return dataclasses.replace(cache, host=host_tier.empty(
+            host_pages, shape, dtype, layout, scaling == "per_token_head", max_batch,
+            max_pages_per_seq))
 
     # Static configuration, read off the shapes.
     def _geometry(self) -> dict:
@@ -202,6 +221,20 @@ class PagedKVCache:
         """bool ``[]``: no sequence holds a token (the seed's empty_cache)."""
         return jnp.all(self.lengths == 0)
 
+    @property
+    def on_host(self) -> jax.Array:
+        """bool ``[max_batch]``: rows swapped out to the host tier (all false without one)."""
+        if self.host is None:
+            return jnp.zeros((self.max_batch,), bool)
+        return self.host.on_host
+
+    @property
+    def num_free_host_pages(self) -> jax.Array:
+        """int32 ``[]``: host pages no swapped row holds (0 without a host tier)."""
+        if self.host is None:
+            return jnp.zeros((), jnp.int32)
+        return jnp.sum(self.host.ref_counts == 0, dtype=jnp.int32)
+
     def with_scales(self, k_scale=None, v_scale=None) -> "PagedKVCache":
         """A per-tensor cache with new scales; see ``LinearKVCache.with_scales``."""
         return quantization.with_scales(self, "PagedKVCache.with_scales", k_scale, v_scale)
@@ -240,13 +273,16 @@ class PagedKVCache:
         validate.shape(op, "num_new_tokens", num_new_tokens, (self.max_batch,), "[max_batch]")
         check(jnp.all(num_new_tokens >= 0), f"{op}: num_new_tokens < 0")
         n = jnp.maximum(num_new_tokens, 0)
+        parked = self.on_host
+        check(~parked | (n == 0), f"{op}: a row asking for pages is on the host (swap_in first)")
         held = self.pages_held
         room = self.max_pages_per_seq * self.page_size - self.lengths
         fits = n <= room
         end = self.lengths + jnp.minimum(n, room)  # no int32 overflow
         want = end // self.page_size + (end % self.page_size != 0).astype(jnp.int32)
-        need = jnp.where(fits, jnp.maximum(want - held, 0), 0).astype(jnp.int32)
-        ref_counts, served, first, free_ids, index = self._allocate(need, fits)
+        eligible = fits & ~(parked & (n > 0))  # a row on the host asking nothing is served
+        need = jnp.where(eligible & ~parked, jnp.maximum(want - held, 0), 0).astype(jnp.int32)
+        ref_counts, served, first, free_ids, index = self._allocate(need, eligible)
         check(
             jnp.all(fits), f"{op}: a sequence would pass max_pages_per_seq * page_size tokens"
         )
@@ -276,8 +312,10 @@ class PagedKVCache:
         held = mask[:, None] & (self.page_table >= 0) & (self.page_table < self.num_pages)
         pages = jnp.where(held, self.page_table, self.num_pages)
         ref_counts = self.ref_counts.at[pages].add(-1, mode="drop")
+        host = None if self.host is None else host_tier.released(self.host, mask)
         return dataclasses.replace(
             self,
+            host=host,
             page_table=jnp.where(mask[:, None], NO_PAGE, self.page_table),
             lengths=jnp.where(mask, 0, self.lengths),
             new_tokens=jnp.where(mask, 0, self.new_tokens),
@@ -307,8 +345,13 @@ class PagedKVCache:
         cache = self._release(~kept)
         src = jnp.clip(source, 0, rows - 1)
         filled = source >= 0
+        host = cache.host
+        if host is not None and self.host is not None:  # swapped rows move with the others
+            host = dataclasses.replace(
+                host, table=jnp.where(filled[:, None], self.host.table[src], NO_PAGE))
         return dataclasses.replace(
             cache,
+            host=host,
             page_table=jnp.where(filled[:, None], self.page_table[src], NO_PAGE),
             lengths=jnp.where(filled, self.lengths[src], 0),
             new_tokens=jnp.where(filled, self.new_tokens[src], 0),
@@ -340,7 +383,10 @@ class PagedKVCache:
         validate.rank(op, "dst_slots", dst_slots, 1, "[n]")
         rows, size = self.max_batch, self.page_size
         src_ok = (src >= 0) & (src < rows)
-        ok = src_ok & (dst_slots >= 0) & (dst_slots < rows) & (dst_slots != src)
+        src_home = ~self.on_host[jnp.clip(src, 0, rows - 1)]
+        check(src_home | ~src_ok | elsewhere(src),
+              f"{op}: src_slot is on the host (swap_in first); nothing forked")
+        ok = src_ok & src_home & (dst_slots >= 0) & (dst_slots < rows) & (dst_slots != src)
         dst_index = jnp.where(ok, dst_slots, rows)
         hits = jnp.zeros((rows + 1,), jnp.int32).at[dst_index].add(1)[:rows]
         here = ~elsewhere(src) & ~elsewhere(dst_slots)  # else another batch shard's pair
@@ -412,17 +458,62 @@ class PagedKVCache:
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages, **fields)
 
     def _allocate(self, need: jax.Array, eligible: jax.Array):
-        """``_allocate`` over this cache's free pages: with a prefix index, pages never indexed
+        """``allocate`` over this cache's free pages: with a prefix index, pages never indexed
         first, then indexed ones least recently used, which leave the index (their descendants
-        with them). Returns ``_allocate``'s results and the new index."""
+        with them). Returns ``allocate``'s results and the new index."""
         index = self.prefix_cache
         if index is None:
-            return (*_allocate(self.ref_counts, need, eligible), None)
+            return (*allocate(self.ref_counts, need, eligible), None)
         order = page_index.eviction_order(index, self.ref_counts == 0)
-        ref_counts, served, first, free_ids = _allocate(self.ref_counts, need, eligible, order)
+        ref_counts, served, first, free_ids = allocate(self.ref_counts, need, eligible, order)
         taken = (self.ref_counts == 0) & (ref_counts > 0)
         return (ref_counts, served, first, free_ids,
                 page_index.unindex(index, taken, self.max_pages_per_seq))
+
+    # The host tier.
+    @per_shard(rows=Role(ROWS), out=(None, Role(ROWS)))
+    def swap_out(self, rows: jax.Array, max_pages: int | None = None):
+        """Moves every page of each selected row (all layers, K, V and per-token scales) to the
+        host tier and frees its device pages; the row keeps its length and is ``on_host`` until
+        ``swap_in``.
+
+        ``rows``: bool ``[max_batch]``, like ``release``'s mask. ``max_pages``: the most pages
+        this call moves (static: the size of its one transfer; default ``max_pages_per_seq``, a
+        full row). Rows are taken in slot order while their pages fit in both ``max_pages`` and
+        the free host pages; the first that does not fit stops the rest.
+
+        **Returns:** ``(cache, swapped)``, ``swapped`` bool ``[max_batch]``. A selected row that
+        is already on the host or holds no pages is left as it was and reported through
+        ``checkify``; one that did not fit reads false.
+        """
+        op = "PagedKVCache.swap_out"
+        return host_tier.swap_out(op, self, *self._swap_args(op, rows, max_pages))
+
+    @per_shard(rows=Role(ROWS), out=(None, Role(ROWS)))
+    def swap_in(self, rows: jax.Array, max_pages: int | None = None):
+        """Brings each selected row back from the host tier: reserves device pages (as
+        ``reserve`` does, evicting cached prefix pages if need be), copies its pages in and frees
+        its host pages.
+
+        ``rows``, ``max_pages``: as for ``swap_out``. **Returns:** ``(cache, served)``, ``served``
+        bool ``[max_batch]``: false where the device pool lacked the row's pages (or
+        ``max_pages`` was used up): nothing changes for such a row. A selected row that is not on
+        the host is reported through ``checkify``.
+        """
+        op = "PagedKVCache.swap_in"
+        return host_tier.swap_in(op, self, *self._swap_args(op, rows, max_pages))
+
+    def _swap_args(self, op: str, rows, max_pages) -> tuple[jax.Array, int]:
+        if self.host is None:
+            raise ValueError(f"{op}: the cache has no host tier "
+                             "(PagedKVCache.create(..., host_pages=N))")
+        validate.array(op, "rows", rows)
+        if rows.dtype != jnp.bool_:
+            raise TypeError(f"{op}: rows must be bool, got {rows.dtype}")
+        validate.shape(op, "rows", rows, (self.max_batch,), "[max_batch]")
+        if max_pages is None:
+            max_pages = self.max_pages_per_seq
+        return rows, validate.static_int(op, "max_pages", max_pages, lo=1, hi=INT32_MAX)
 
     # The prefix cache.
     @per_shard(tokens=Role(ROWS), num_tokens=Role(ROWS), out=(None, Role(ROWS)))
@@ -527,6 +618,10 @@ class PagedKVCache:
         return self._appended(op, layer_idx, k, v, new_lengths)
 
     def _appended(self, op, layer_idx, k, v, new_lengths) -> "PagedKVCache":
+        if self.host is not None:  # its table row is empty: the kernel writes nothing for it
+            writes = (jnp.ones((self.max_batch,), bool) if new_lengths is None
+                      else jnp.asarray(new_lengths) > 0)
+            check(~(self.on_host & writes), f"{op}: a row is on the host (swap_in first)")
         k_pages, v_pages, k_scales, v_scales = paged_ops.append_tokens(
             op, self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, k, v,
             new_lengths, self.layout, quantization.scales_of(self))
@@ -553,7 +648,12 @@ class PagedKVCache:
         op = "PagedKVCache.commit"
         n = _lengths.increment_arg(op, "num_new_tokens", num_new_tokens, self.max_batch)
         capacity = self.pages_held * self.page_size
-        return dataclasses.replace(self, lengths=_lengths.grow(op, self.lengths, n, capacity))
+        if self.host is None:
+            return dataclasses.replace(self, lengths=_lengths.grow(op, self.lengths, n, capacity))
+        home = ~self.on_host  # a swapped row holds no device page but keeps its length
+        check(home | (n == 0), f"{op}: a row is on the host (swap_in first)")
+        return dataclasses.replace(self, lengths=_lengths.grow(op, self.lengths, n, capacity,
+                                                               rows=home))
 
     @per_shard(out=lambda args: (Role(KV), Role(KV)) if args["split"] else Role(LAYER))
     def gather(self, layer_idx: IntOrArray, max_len: int, *, split: bool = False, dtype=None):
@@ -575,30 +675,6 @@ class PagedKVCache:
             return jax.tree.map(lambda x: x.astype(quantization.float_dtype(op, dtype)), gathered)
         k, v = _dequantized(op, self, gathered, layer_idx, max_len, dtype)
         return (k, v) if split else jnp.stack((k, v), axis=1)
-
-
-def _allocate(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array, order=None):
-    """Takes ``need[b]`` free pages for each eligible row, in row order, while they last: the
-    lowest ids first, or in ``order`` (every page id, the free ones first).
-
-    Returns ``(ref_counts', served, first, free_ids)``: row ``b`` (served) owns
-    ``free_ids[first[b] : first[b] + need[b]]``, each now with count 1. A row needing no page is
-    served when eligible; once one row does not fit, no later row needing pages is served, so no
-    page is ever given twice.
-    """
-    num_pages = ref_counts.shape[0]
-    free = ref_counts == 0
-    if order is None:
-        free_ids = jnp.nonzero(free, size=num_pages, fill_value=num_pages)[0].astype(jnp.int32)
-    else:
-        free_ids = jnp.where(free[order], order, num_pages)
-    want = jnp.where(eligible, need, 0)
-    served = eligible & ((need == 0) | (jnp.cumsum(want) <= jnp.sum(free, dtype=jnp.int32)))
-    take = jnp.where(served, need, 0)
-    first = jnp.cumsum(take) - take
-    total = jnp.sum(take)
-    taken = jnp.where(jnp.arange(num_pages) < total, free_ids, num_pages)
-    return ref_counts.at[taken].set(1, mode="drop"), served, first.astype(jnp.int32), free_ids
 
 
 def _dequantized(op: str, cache, gathered, layer_idx, max_len: int, dtype):

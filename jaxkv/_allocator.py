@@ -1,0 +1,33 @@
+"""Taking free pages from a pool whose allocator is a reference count per page (0: free).
+
+Shared by the device pool of a paged cache and its host pool (``jaxkv.host_tier``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def allocate(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array, order=None):
+    """Takes ``need[b]`` free pages for each eligible row, in row order, while they last: the
+    lowest ids first, or in ``order`` (every page id, the free ones first).
+
+    Returns ``(ref_counts', served, first, free_ids)``: row ``b`` (served) owns
+    ``free_ids[first[b] : first[b] + need[b]]``, each now with count 1. A row needing no page is
+    served when eligible; once one row does not fit, no later row needing pages is served, so no
+    page is ever given twice.
+    """
+    num_pages = ref_counts.shape[0]
+    free = ref_counts == 0
+    if order is None:
+        free_ids = jnp.nonzero(free, size=num_pages, fill_value=num_pages)[0].astype(jnp.int32)
+    else:
+        free_ids = jnp.where(free[order], order, num_pages)
+    want = jnp.where(eligible, need, 0)
+    served = eligible & ((need == 0) | (jnp.cumsum(want) <= jnp.sum(free, dtype=jnp.int32)))
+    take = jnp.where(served, need, 0)
+    first = jnp.cumsum(take) - take
+    total = jnp.sum(take)
+    taken = jnp.where(jnp.arange(num_pages) < total, free_ids, num_pages)
+    return ref_counts.at[taken].set(1, mode="drop"), served, first.astype(jnp.int32), free_ids

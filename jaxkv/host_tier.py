@@ -1,0 +1,194 @@
+"""The host tier of a paged cache: a second pool of pages in host memory, and rows swapped to it.
+
+``PagedKVCache.create(..., host_pages=N)`` adds a ``HostPages``: pools of ``N`` pages in the
+``pinned_host`` memory kind, the device pools' layout and dtype (and per-token-head scale pools for
+an 8-bit cache), with an allocator and a table of host pages per row kept on the device, so that
+swapping runs under ``jit`` with no host round trip.
+
+A swapped row keeps its length; its device pages go back to the pool and its page-table row
+empties, so nothing reads or writes memory it no longer owns: ``append``, ``reserve``,
+``commit``, ``fork`` and attention see a row on the host and report it. Its host pages are listed
+in ``HostPages.table`` in the row's order.
+
+Data moves in one transfer per direction and call: the pages of every selected row and every
+layer are gathered on the device into one staging array of ``max_pages`` pages, moved by one
+``device_put`` between memory kinds, and scattered into the host pool by a host computation
+(``compute_on("device_host")``); swapping in is the mirror image. ``max_pages`` is static (a
+transfer has a static shape): rows are taken in slot order while their pages fit in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.compute_on import compute_on
+
+from ._allocator import allocate
+from ._checks import check
+
+NO_PAGE = -1
+PAGE_AXIS = {"HND": 2, "NHD": 1}  # the page dimension of a pool, and of its scale pool
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HostPages:
+    """The host pool of a paged cache and the device-side state that addresses it."""
+
+    k_pages: jax.Array  # host memory: the device pools' layout with num_host_pages pages
+    v_pages: jax.Array
+    k_scales: Any  # host memory: per-token-head scale pools (an 8-bit cache's), else None
+    v_scales: Any
+    ref_counts: jax.Array  # int32 [num_host_pages]: 1 where a swapped row holds the page
+    table: jax.Array  # int32 [max_batch, max_pages_per_seq]: a swapped row's host pages, in order
+
+    @property
+    def num_pages(self) -> int:
+        return self.ref_counts.shape[0]
+
+    @property
+    def on_host(self) -> jax.Array:
+        """bool ``[max_batch]``: rows swapped out."""
+        return self.table[:, 0] != NO_PAGE
+
+    @property
+    def held(self) -> jax.Array:
+        """int32 ``[max_batch]``: host pages each row holds."""
+        return jnp.sum(self.table != NO_PAGE, axis=1, dtype=jnp.int32)
+
+
+def empty(num_pages: int, pool_shape: tuple, dtype, layout: str, scaled: bool, max_batch: int,
+          max_pages_per_seq: int) -> HostPages:
+    """An empty host tier: every host page free, no row swapped. ``pool_shape``: the device
+    pools' shape, whose page dimension becomes ``num_pages``."""
+    axis = PAGE_AXIS[layout]
+    shape = pool_shape[:axis] + (num_pages,) + pool_shape[axis + 1:]
+    host = lambda shape, dtype: jax.device_put(jnp.zeros(shape, dtype), jax.memory.Space.Host)  # noqa: E731
+    scales = (host(shape[:4], jnp.float32), host(shape[:4], jnp.float32)) if scaled else (None,
+                                                                                         None)
+    return HostPages(k_pages=host(shape, dtype), v_pages=host(shape, dtype), k_scales=scales[0],
+                     v_scales=scales[1], ref_counts=jnp.zeros((num_pages,), jnp.int32),
+                     table=jnp.full((max_batch, max_pages_per_seq), NO_PAGE, jnp.int32))
+
+
+# --- the transfers: the only code that touches host memory ----------------------------------------
+@functools.partial(jax.jit, static_argnums=(0,))
+def _host_scatter(axis: int, pool, ids, values):
+    """``pool``'s pages ``ids`` set to ``values`` (an id out of range is skipped)."""
+    index = (slice(None),) * axis + (ids,)
+    return pool.at[index].set(values, mode="drop")
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _host_gather(axis: int, pool, ids):
+    return jnp.take(pool, ids, axis=axis, mode="clip")
+
+
+def _to_host(axis: int, host_pool, device_pool, src, dst):
+    """Device pages ``src`` -> host pages ``dst`` (int32 ``[M]``; a ``dst`` out of range moves
+    nothing): one gather on the device, one transfer, one scatter on the host."""
+    staging = jnp.take(device_pool, src, axis=axis, mode="clip")
+    staging = jax.device_put(staging, jax.memory.Space.Host)
+    dst = jax.device_put(dst, jax.memory.Space.Host)
+    return compute_on("device_host")(_host_scatter)(axis, host_pool, dst, staging)
+
+
+def _from_host(axis: int, device_pool, host_pool, src, dst):
+    """Host pages ``src`` -> device pages ``dst`` (a ``dst`` out of range moves nothing)."""
+    src = jax.device_put(src, jax.memory.Space.Host)
+    staging = compute_on("device_host")(_host_gather)(axis, host_pool, src)
+    staging = jax.device_put(staging, jax.memory.Space.Device)
+    index = (slice(None),) * axis + (dst,)
+    return device_pool.at[index].set(staging, mode="drop")
+
+
+def _pools(cache):
+    """(device pool, host pool) pairs of a cache with a host tier: K, V and per-token scales."""
+    host = cache.host
+    pairs = {"k_pages": ("k_pages", cache.k_pages, host.k_pages),
+             "v_pages": ("v_pages", cache.v_pages, host.v_pages)}
+    if cache.scaling == "per_token_head":
+        pairs["k_scales"] = ("k_scales", cache.k_scales, host.k_scales)
+        pairs["v_scales"] = ("v_scales", cache.v_scales, host.v_scales)
+    return pairs.values()
+
+
+def _moves(table: jax.Array, counts: jax.Array, moved: jax.Array, first: jax.Array,
+           free_ids: jax.Array, max_pages: int, limit: int):
+    """The transfer's page pairs: entry ``first[b] + j`` moves page ``table[b, j]`` to
+    ``free_ids[first[b] + j]``, for ``j < counts[b]`` of each moved row. Returns ``(src, dst,
+    new_rows)``: ``src``, ``dst`` int32 ``[max_pages]`` (unused entries: ``dst = limit``, out of
+    range), ``new_rows`` each moved row's destination pages laid out like ``table``."""
+    j = jnp.arange(table.shape[1], dtype=jnp.int32)[None, :]
+    live = moved[:, None] & (j < counts[:, None])
+    slot = jnp.where(live, first[:, None] + j, max_pages)
+    src = jnp.zeros((max_pages,), jnp.int32).at[slot].set(table, mode="drop")
+    new_rows = jnp.where(live, free_ids[jnp.clip(slot, 0, free_ids.shape[0] - 1)], NO_PAGE)
+    dst = jnp.full((max_pages,), limit, jnp.int32).at[slot].set(new_rows, mode="drop")
+    return src, dst, new_rows
+
+
+def _budget(need: jax.Array, eligible: jax.Array, max_pages: int) -> jax.Array:
+    """Eligible rows, in slot order, while their pages fit in one transfer of ``max_pages``."""
+    want = jnp.where(eligible, need, 0)
+    return eligible & (jnp.cumsum(want) <= max_pages)
+
+
+def swap_out(op: str, cache, rows: jax.Array, max_pages: int):
+    """``PagedKVCache.swap_out``'s body (arguments checked)."""
+    host = cache.host
+    held = cache.pages_held
+    on_host = host.on_host
+    check(~rows | (~on_host & (held > 0)),
+          f"{op}: a selected row is already on the host or holds no pages (nothing moved)")
+    eligible = _budget(held, rows & ~on_host & (held > 0), max_pages)
+    host_counts, swapped, first, free_ids = allocate(host.ref_counts, held, eligible)
+    src, dst, host_rows = _moves(cache.page_table, held, swapped, first, free_ids, max_pages,
+                                 host.num_pages)
+    fields: dict[str, jax.Array] = {}
+    host_fields: dict[str, jax.Array] = {}
+    for name, device_pool, host_pool in _pools(cache):
+        host_fields[name] = _to_host(PAGE_AXIS[cache.layout], host_pool, device_pool, src, dst)
+    # The device pages go back to the pool (a shared page when its last holder leaves).
+    mine = swapped[:, None] & (cache.page_table >= 0)
+    pages = jnp.where(mine, cache.page_table, cache.num_pages)
+    fields.update(ref_counts=cache.ref_counts.at[pages].add(-1, mode="drop"),
+                  page_table=jnp.where(swapped[:, None], NO_PAGE, cache.page_table),
+                  new_tokens=jnp.where(swapped, 0, cache.new_tokens))
+    host = dataclasses.replace(host, ref_counts=host_counts,
+                               table=jnp.where(swapped[:, None], host_rows, host.table),
+                               **host_fields)
+    return dataclasses.replace(cache, host=host, **fields), swapped
+
+
+def swap_in(op: str, cache, rows: jax.Array, max_pages: int):
+    """``PagedKVCache.swap_in``'s body (arguments checked)."""
+    host = cache.host
+    on_host = host.on_host
+    check(~rows | on_host, f"{op}: a selected row is not on the host (nothing moved)")
+    held = host.held
+    eligible = _budget(held, rows & on_host, max_pages)
+    ref_counts, served, first, free_ids, index = cache._allocate(held, eligible)
+    src, dst, device_rows = _moves(host.table, held, served, first, free_ids, max_pages,
+                                   cache.num_pages)
+    fields: dict[str, jax.Array] = {}
+    for name, device_pool, host_pool in _pools(cache):
+        fields[name] = _from_host(PAGE_AXIS[cache.layout], device_pool, host_pool, src, dst)
+    freed = jnp.where(served[:, None] & (host.table >= 0), host.table, host.num_pages)
+    host = dataclasses.replace(host, ref_counts=host.ref_counts.at[freed].set(0, mode="drop"),
+                               table=jnp.where(served[:, None], NO_PAGE, host.table))
+    cache = dataclasses.replace(
+        cache, host=host, ref_counts=ref_counts, prefix_cache=index,
+        page_table=jnp.where(served[:, None], device_rows, cache.page_table), **fields)
+    return cache, served
+
+
+def released(host: HostPages, mask: jax.Array) -> HostPages:
+    """The host pages of the rows in ``mask`` freed (the rows end)."""
+    freed = jnp.where(mask[:, None] & (host.table >= 0), host.table, host.num_pages)
+    return dataclasses.replace(host, ref_counts=host.ref_counts.at[freed].set(0, mode="drop"),
+                               table=jnp.where(mask[:, None], NO_PAGE, host.table))

@@ -1,0 +1,380 @@
+"""The host tier: PagedKVCache.swap_out / swap_in against a host model, bytes, scales, in place."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+from jaxkv import NO_PAGE, CacheSharding, PagedKVCache, attention
+
+from helpers import assert_bytes_equal, copies_of, random_array
+
+L, H, D = 2, 2, 16
+
+
+def make(num_pages=10, page_size=2, max_batch=4, max_pages_per_seq=4, host_pages=8, **kw):
+    kw = dict(dict(num_layers=L, num_kv_heads=H, head_dim=D, dtype=jnp.float32), **kw)
+    return PagedKVCache.create(num_pages=num_pages, page_size=page_size, max_batch=max_batch,
+                               max_pages_per_seq=max_pages_per_seq, host_pages=host_pages, **kw)
+
+
+swap_out = jax.jit(PagedKVCache.swap_out, static_argnums=2, donate_argnums=0)
+swap_in = jax.jit(PagedKVCache.swap_in, static_argnums=2, donate_argnums=0)
+
+
+@jax.jit
+def fill(cache, n, k, v):
+    """Reserves ``n`` tokens per row, appends ``k``, ``v`` ``[L, B, H, T, D]``, commits."""
+    cache, served = cache.reserve(n)
+    n = jnp.where(served, n, 0)
+    return cache.append_layers(k, v, n).commit(n), served
+
+
+def filled(cache, n, dtype=jnp.float32):
+    n = jnp.asarray(n, jnp.int32)
+    shape = (cache.num_layers, cache.max_batch, cache.num_kv_heads, int(jnp.max(n)),
+             cache.head_dim)
+    k, v = random_array(shape, dtype), random_array(shape, dtype)
+    cache, served = fill(cache, n, k, v)
+    assert bool(jnp.all(served))
+    return cache
+
+
+def row_bytes(cache, b):
+    """Row ``b``'s pages in order, every leaf that holds token data (pools and scale pools)."""
+    pages = [int(p) for p in np.asarray(cache.page_table[b]) if p >= 0]
+    axis = 2 if cache.layout == "HND" else 1
+    leaves = [cache.k_pages, cache.v_pages]
+    if cache.scaling == "per_token_head":
+        leaves += [cache.k_scales, cache.v_scales]
+    return [np.take(np.asarray(x), pages, axis=axis) for x in leaves]
+
+
+def host_row_bytes(cache, b):
+    pages = [int(p) for p in np.asarray(cache.host.table[b]) if p >= 0]
+    axis = 2 if cache.layout == "HND" else 1
+    h = cache.host
+    leaves = [h.k_pages, h.v_pages] + ([h.k_scales, h.v_scales] if h.k_scales is not None else [])
+    return [np.take(np.asarray(x), pages, axis=axis) for x in leaves]
+
+
+CASES = [(jnp.float32, None, "HND"), (jnp.bfloat16, None, "NHD"), (jnp.float16, None, "HND"),
+         (jnp.float8_e4m3fn, "per_token_head", "HND"), (jnp.float8_e4m3fn, "per_token_head", "NHD"),
+         (jnp.int8, "per_token_head", "NHD"), (jnp.float8_e5m2, "per_tensor", "HND"),
+         (jnp.int8, "per_tensor", "NHD")]
+
+
+@pytest.mark.parametrize("dtype,scaling,layout", CASES)
+def test_round_trip_keeps_every_byte(dtype, scaling, layout):
+    """Swapped out, the row's pages (scales included) are on the host byte for byte; its device
+    pages are reused by another row; swapped back in to other pages, every byte is back, and the
+    other rows never changed."""
+    cache = make(num_pages=14, layout=layout, dtype=dtype, scaling=scaling)
+    src = jnp.bfloat16 if scaling else dtype
+    cache = filled(cache, [5, 3, 7, 0], src)
+    before = [row_bytes(cache, b) for b in range(4)]
+    cache, swapped = swap_out(cache, jnp.array([True, False, True, False]), 8)
+    assert np.asarray(swapped).tolist() == [True, False, True, False]
+    assert np.asarray(cache.on_host).tolist() == [True, False, True, False]
+    assert np.asarray(cache.lengths).tolist() == [5, 3, 7, 0]
+    assert int(cache.num_free_pages) == 14 - 2 and int(cache.num_free_host_pages) == 8 - 7
+    for b in (0, 2):
+        for got, want in zip(host_row_bytes(cache, b), before[b]):
+            assert_bytes_equal(got, want, f"host copy of row {b}")
+    # Row 3 takes freed pages (lowest ids first) and overwrites them.
+    cache = filled(cache, [0, 0, 0, 8], src)
+    cache, served = swap_in(cache, jnp.array([True, False, True, False]), 8)
+    assert np.asarray(served).tolist() == [True, False, True, False]
+    assert not bool(jnp.any(cache.on_host)) and int(cache.num_free_host_pages) == 8
+    for b in range(3):
+        for got, want in zip(row_bytes(cache, b), before[b]):
+            assert_bytes_equal(got, want, f"row {b}")
+    assert set(np.asarray(cache.page_table[0])) - {NO_PAGE} != set(range(3))  # new pages
+
+
+def test_gather_and_attention_after_a_round_trip():
+    cache = filled(make(num_pages=20, max_pages_per_seq=6), [9, 4, 11, 6])  # 16 pages
+    q = random_array((4, 4, D), jnp.float32)
+    want = [cache.gather(layer, 12) for layer in range(L)]
+    want_out = attention.decode(q, cache, 1)
+    mask = jnp.array([False, True, True, False])
+    cache, _ = swap_out(cache, mask, 12)
+    cache = filled(cache, [2, 0, 0, 2])  # rows 0, 3 grow into the freed pages
+    cache, served = swap_in(cache, mask, 12)
+    assert bool(jnp.all(served == mask))
+    for layer in range(L):
+        got = cache.gather(layer, 12)
+        for b in (1, 2):
+            assert_bytes_equal(got[b], want[layer][b], f"layer {layer} row {b}")
+    out = attention.decode(q, cache, 1)
+    np.testing.assert_allclose(out[1:3], want_out[1:3], rtol=1e-6, atol=1e-6)
+
+
+def test_no_room_on_the_host_or_on_the_device():
+    """swapped is false where the host pool lacks room, served false where the device pool
+    does; such rows do not change, and neither do the rest."""
+    cache = filled(make(num_pages=10, host_pages=4), [7, 3, 5, 0])  # pages 4, 2, 3
+    cache, swapped = swap_out(cache, jnp.array([True, True, True, False]), 16)
+    # Row 0 takes 4 host pages; row 1 does not fit, which stops row 2 (slot order).
+    assert np.asarray(swapped).tolist() == [True, False, False, False]
+    assert np.asarray(cache.on_host).tolist() == [True, False, False, False]
+    assert int(cache.pages_held[1]) == 2 and int(cache.pages_held[2]) == 3
+    cache = filled(cache, [0, 0, 0, 8])  # row 3 takes 4 of the 5 free pages
+    assert int(cache.num_free_pages) == 1
+    cache, served = swap_in(cache, jnp.array([True, False, False, False]), 16)
+    assert not bool(served[0]) and bool(cache.on_host[0]) and int(cache.lengths[0]) == 7
+    cache = cache.release(jnp.array([False, False, False, True]))
+    cache, served = swap_in(cache, jnp.array([True, False, False, False]), 16)
+    assert bool(served[0]) and int(cache.pages_held[0]) == 4
+
+
+def test_max_pages_bounds_one_transfer():
+    cache = filled(make(num_pages=12, host_pages=12), [3, 8, 2, 4])  # pages 2, 4, 1, 2
+    cache, swapped = swap_out(cache, jnp.ones((4,), bool), 6)
+    assert np.asarray(swapped).tolist() == [True, True, False, False]  # 2 + 4, then 7 > 6
+    cache, swapped = swap_out(cache, jnp.array([False, False, True, True]), 3)
+    assert np.asarray(swapped).tolist() == [False, False, True, True]
+    cache, served = swap_in(cache, jnp.ones((4,), bool), 4)
+    assert np.asarray(served).tolist() == [True, False, False, False]  # 2, then 2 + 4 > 4
+
+
+def test_release_and_compact_carry_host_rows():
+    cache = filled(make(), [3, 4, 5, 2])
+    before = row_bytes(cache, 2)
+    cache, _ = swap_out(cache, jnp.array([True, False, True, False]), 8)
+    cache = cache.release(jnp.array([True, False, False, False]))
+    assert int(cache.num_free_host_pages) == 8 - 3 and int(cache.lengths[0]) == 0
+    assert not bool(cache.on_host[0])
+    cache = cache.compact(jnp.array([-1, 2, 0, 1], jnp.int32))  # row 2 (on the host) -> 0
+    assert np.asarray(cache.on_host).tolist() == [True, False, False, False]
+    assert np.asarray(cache.lengths).tolist() == [5, 2, 4, 0]
+    cache, served = swap_in(cache, jnp.array([True, False, False, False]), 8)
+    assert bool(served[0])
+    for got, want in zip(row_bytes(cache, 0), before):
+        assert_bytes_equal(got, want, "the moved row")
+
+
+def test_rows_on_the_host_are_reported_and_never_touched():
+    """Appending, reserving, committing, forking from or attending over a row on the host is
+    reported; its length stays and nothing reads or writes device pages for it."""
+    cache = filled(make(), [3, 4, 0, 0])
+    cache, _ = swap_out(cache, jnp.array([True, False, False, False]), 8)
+    err_of = lambda f, *a: checkify.checkify(f)(*a)[0].get()  # noqa: E731
+    n = jnp.array([1, 0, 0, 0], jnp.int32)
+    kv = random_array((4, H, 1, D), jnp.float32)
+    assert "on the host" in err_of(lambda c: c.append(0, kv, kv, n), cache)
+    assert "on the host" in err_of(lambda c: c.reserve(n), cache)
+    assert "on the host" in err_of(lambda c: c.commit(n), cache)
+    assert "on the host" in err_of(lambda c: c.fork(0, jnp.array([2], jnp.int32)), cache)
+    q = random_array((4, 2, D), jnp.float32)
+    assert "pages a row holds" in err_of(lambda c: attention.decode(q, c, 0), cache)
+    assert "already on the host" in err_of(lambda c: c.swap_out(c.on_host), cache)
+    assert "no pages" in err_of(lambda c: c.swap_out(jnp.array([0, 0, 1, 0], bool)), cache)
+    assert "not on the host" in err_of(lambda c: c.swap_in(jnp.array([0, 1, 0, 0], bool)), cache)
+    # What the reported calls did: nothing to row 0.
+    c2, served = cache.reserve(n)
+    assert not bool(served[0]) and int(c2.pages_held[0]) == 0
+    c2 = cache.commit(n)
+    assert int(c2.lengths[0]) == 3
+    c2, forked = cache.fork(0, jnp.array([2], jnp.int32))
+    assert not bool(forked[0]) and int(c2.lengths[2]) == 0
+    c2 = cache.commit(0)  # an increment of 0 keeps a swapped row's length
+    assert np.asarray(c2.lengths).tolist() == [3, 4, 0, 0]
+    assert err_of(lambda c: c.commit(0), cache) is None
+
+
+def test_in_place_under_donation_and_scan():
+    """The compiled swaps copy neither pool (device or host); the outputs are the inputs'
+    buffers; a scan of swaps carries the cache in place."""
+    cache = filled(make(num_pages=16, host_pages=16), [5, 3, 7, 2])
+    rows = jnp.array([True, False, True, False])
+    for fn in (swap_out, swap_in):
+        hlo = fn.lower(cache, rows, 8).compile().as_text()
+        for leaf in (cache.k_pages, cache.host.k_pages):
+            assert copies_of(hlo, leaf) == [], (fn, leaf.shape)
+        ptrs = [cache.k_pages.unsafe_buffer_pointer(), cache.host.v_pages.unsafe_buffer_pointer()]
+        cache, _ = fn(cache, rows, 8)
+        assert [cache.k_pages.unsafe_buffer_pointer(),
+                cache.host.v_pages.unsafe_buffer_pointer()] == ptrs
+        assert cache.host.k_pages.sharding.memory_kind == "pinned_host"
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def loop(cache):
+        def body(c, _):
+            c, _ = c.swap_out(rows, 8)
+            c, _ = c.swap_in(rows, 8)
+            return c, None
+        return jax.lax.scan(body, cache, None, length=3)[0]
+
+    before = [row_bytes(cache, b) for b in range(4)]
+    hlo = loop.lower(cache).compile().as_text()
+    assert copies_of(hlo, cache.k_pages) == [] and copies_of(hlo, cache.host.k_pages) == []
+    cache = loop(cache)
+    for b in range(4):
+        for got, want in zip(row_bytes(cache, b), before[b]):
+            assert_bytes_equal(got, want, f"row {b} after the scan")
+
+
+class Model:
+    """The cache's allocators and rows on the host: pages lowest id first on both tiers."""
+
+    def __init__(self, P, N, B, K, S):
+        self.P, self.N, self.B, self.K, self.S = P, N, B, K, S
+        self.dev_free, self.host_free = set(range(P)), set(range(N))
+        self.table = [[] for _ in range(B)]
+        self.host = [[] for _ in range(B)]
+        self.length = [0] * B
+
+    def _take(self, free, needs, eligible, budget=None):
+        served, total, spent = [], 0, 0
+        for need, ok in zip(needs, eligible):
+            spent += need if ok else 0
+            total += need if ok else 0
+            fits = ok and (need == 0 or ((budget is None or spent <= budget)
+                                         and total <= len(free)))
+            served.append(fits)
+        order, pages = sorted(free), []
+        for need, ok in zip(needs, served):
+            pages.append(order[:need] if ok else [])
+            if ok:
+                order = order[need:]
+        for got in pages:
+            free -= set(got)
+        return served, pages
+
+    def reserve(self, n):
+        needs, eligible = [], []
+        for b in range(self.B):
+            end = self.length[b] + n[b]
+            parked = bool(self.host[b])
+            fits = end <= self.K * self.S and not (parked and n[b] > 0)
+            needs.append(max(-(-end // self.S) - len(self.table[b]), 0)
+                         if fits and not parked else 0)
+            eligible.append(fits)
+        served, pages = self._take(self.dev_free, needs, eligible)
+        for b in range(self.B):
+            self.table[b] += pages[b]
+        return served
+
+    def commit(self, n):
+        for b in range(self.B):
+            if not self.host[b]:
+                self.length[b] = min(self.length[b] + n[b], len(self.table[b]) * self.S)
+
+    def release(self, mask):
+        for b in np.flatnonzero(mask):
+            self.dev_free |= set(self.table[b])
+            self.host_free |= set(self.host[b])
+            self.table[b], self.host[b], self.length[b] = [], [], 0
+
+    def swap_out(self, mask, budget):
+        eligible = [bool(m) and not self.host[b] and bool(self.table[b])
+                    for b, m in enumerate(mask)]
+        needs = [len(t) for t in self.table]
+        swapped, pages = self._take(self.host_free, needs, eligible, budget)
+        for b in range(self.B):
+            if swapped[b]:
+                self.dev_free |= set(self.table[b])
+                self.table[b], self.host[b] = [], pages[b]
+        return swapped
+
+    def swap_in(self, mask, budget):
+        eligible = [bool(m) and bool(self.host[b]) for b, m in enumerate(mask)]
+        needs = [len(h) for h in self.host]
+        served, pages = self._take(self.dev_free, needs, eligible, budget)
+        for b in range(self.B):
+            if served[b]:
+                self.host_free |= set(self.host[b])
+                self.table[b], self.host[b] = pages[b], []
+        return served
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_operations_agree_with_the_model(seed):
+    """reserve + append, release, swap_out, swap_in in any order: the same results, tables,
+    host tables and lengths as the model, and every row on the device reads its own tokens."""
+    rng = np.random.default_rng(seed)
+    P, N, B, K, S, T = 10, 7, 4, 4, 2, 5
+    cache, model = make(P, S, B, K, host_pages=N), Model(P, N, B, K, S)
+    data = [np.zeros((L, 2, H, 0, D), np.float32) for _ in range(B)]
+    release = jax.jit(PagedKVCache.release)
+    for step in range(40):
+        op = rng.integers(4)
+        if op == 0:
+            n = rng.integers(0, T + 1, B).astype(np.int32)
+            n = np.where([bool(h) for h in model.host], 0, n).astype(np.int32)
+            k = random_array((L, B, H, T, D), jnp.float32)
+            v = random_array((L, B, H, T, D), jnp.float32)
+            cache, served = fill(cache, jnp.asarray(n), k, v)
+            assert np.asarray(served).tolist() == model.reserve(n.tolist()), step
+            kv = np.stack([np.asarray(k), np.asarray(v)], 2)  # [L, B, 2, H, T, D]
+            for b in range(B):
+                if served[b]:
+                    data[b] = np.concatenate([data[b], kv[:, b, :, :, :n[b]]], axis=3)
+            model.commit(np.where(np.asarray(served), n, 0).tolist())
+        elif op == 1:
+            mask = rng.random(B) < 0.3
+            cache = release(cache, jnp.asarray(mask))
+            model.release(mask)
+            for b in np.flatnonzero(mask):
+                data[b] = data[b][:, :, :, :0]
+        elif op == 2:
+            mask, budget = rng.random(B) < 0.5, int(rng.integers(1, 9))
+            cache, swapped = swap_out(cache, jnp.asarray(mask), budget)
+            assert np.asarray(swapped).tolist() == model.swap_out(mask, budget), step
+        else:
+            mask, budget = rng.random(B) < 0.6, int(rng.integers(1, 9))
+            cache, served = swap_in(cache, jnp.asarray(mask), budget)
+            assert np.asarray(served).tolist() == model.swap_in(mask, budget), step
+        pad = lambda rows: [r + [NO_PAGE] * (K - len(r)) for r in rows]  # noqa: E731
+        assert np.asarray(cache.page_table).tolist() == pad(model.table), step
+        assert np.asarray(cache.host.table).tolist() == pad(model.host), step
+        assert np.asarray(cache.lengths).tolist() == model.length, step
+        assert int(cache.num_free_pages) == len(model.dev_free), step
+        assert int(cache.num_free_host_pages) == len(model.host_free), step
+        for layer in range(L):
+            got = np.asarray(cache.gather(layer, K * S))
+            for b in range(B):
+                if not model.host[b]:
+                    n = model.length[b]
+                    assert_bytes_equal(got[b, :, :, :n], data[b][layer, :, :, :n],
+                                       f"step {step} layer {layer} row {b}")
+
+
+def test_prefix_cache_pages_are_evicted_by_swap_in():
+    """swap_in takes device pages as reserve does: never-cached free pages first, then cached
+    ones least recently used, which leave the index."""
+    cache = make(num_pages=6, page_size=2, max_batch=2, prefix_cache=True)
+    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    cache = filled(cache, [6, 0])
+    cache = cache.insert_prefix(tokens, jnp.array([6, 0], jnp.int32))
+    cache, _ = swap_out(cache, jnp.array([True, False]), 8)  # 3 cached pages, still findable
+    cache = filled(cache, [0, 6])  # row 1 takes the 3 pages never cached
+    assert int(cache.num_free_pages) == 3
+    cache, served = swap_in(cache, jnp.array([True, False]), 8)
+    assert bool(served[0])
+    probe = cache.release(jnp.array([True, True]))
+    _, matched = probe.match_prefix(tokens, jnp.array([7, 0], jnp.int32))
+    assert int(matched[0]) == 0  # the cached chain was evicted to make room
+
+
+def test_bad_arguments_are_refused_at_trace_time():
+    with pytest.raises(ValueError, match="host_pages must be"):
+        make(host_pages=-1)
+    with pytest.raises(TypeError, match="host_pages must be a Python int"):
+        make(host_pages=2.0)
+    mesh = jax.make_mesh((1,), ("batch",), devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match="not supported on a sharded cache"):
+        make(sharding=CacheSharding(mesh, batch="batch"))
+    cache = make()
+    with pytest.raises(ValueError, match="PagedKVCache.swap_out: the cache has no host tier"):
+        make(host_pages=0).swap_out(jnp.zeros((4,), bool))
+    with pytest.raises(TypeError, match="swap_in: rows must be bool"):
+        cache.swap_in(jnp.zeros((4,), jnp.int32))
+    with pytest.raises(ValueError, match="swap_out: rows must have shape"):
+        cache.swap_out(jnp.zeros((3,), bool))
+    with pytest.raises(ValueError, match="max_pages must be"):
+        cache.swap_out(jnp.zeros((4,), bool), 0)
