@@ -67,7 +67,9 @@ def empty(num_pages: int, pool_shape: tuple, dtype, layout: str, scaled: bool, m
     pools' shape, whose page dimension becomes ``num_pages``."""
     axis = PAGE_AXIS[layout]
     shape = pool_shape[:axis] + (num_pages,) + pool_shape[axis + 1:]
-    host = lambda shape, dtype: jax.device_put(jnp.zeros(shape, dtype), jax.memory.Space.Host)  # noqa: E731
+    def host(shape, dtype):
+        return jax.device_put(jnp.zeros(shape, dtype), jax.memory.Space.Host)
+
     scales = (host(shape[:4], jnp.float32), host(shape[:4], jnp.float32)) if scaled else (None,
                                                                                          None)
     return HostPages(k_pages=host(shape, dtype), v_pages=host(shape, dtype), k_scales=scales[0],
@@ -88,10 +90,16 @@ def _host_gather(axis: int, pool, ids):
     return jnp.take(pool, ids, axis=axis, mode="clip")
 
 
+def _in_host_memory(x) -> bool:
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
 def _to_host(axis: int, host_pool, device_pool, src, dst):
     """Device pages ``src`` -> host pages ``dst`` (int32 ``[M]``; a ``dst`` out of range moves
     nothing): one gather on the device, one transfer, one scatter on the host."""
     staging = jnp.take(device_pool, src, axis=axis, mode="clip")
+    if not _in_host_memory(host_pool):  # a host pool placed in device memory stays there
+        return _host_scatter(axis, host_pool, dst, staging)
     staging = jax.device_put(staging, jax.memory.Space.Host)
     dst = jax.device_put(dst, jax.memory.Space.Host)
     return compute_on("device_host")(_host_scatter)(axis, host_pool, dst, staging)
@@ -99,9 +107,12 @@ def _to_host(axis: int, host_pool, device_pool, src, dst):
 
 def _from_host(axis: int, device_pool, host_pool, src, dst):
     """Host pages ``src`` -> device pages ``dst`` (a ``dst`` out of range moves nothing)."""
-    src = jax.device_put(src, jax.memory.Space.Host)
-    staging = compute_on("device_host")(_host_gather)(axis, host_pool, src)
-    staging = jax.device_put(staging, jax.memory.Space.Device)
+    if _in_host_memory(host_pool):
+        src = jax.device_put(src, jax.memory.Space.Host)
+        staging = compute_on("device_host")(_host_gather)(axis, host_pool, src)
+        staging = jax.device_put(staging, jax.memory.Space.Device)
+    else:
+        staging = _host_gather(axis, host_pool, src)
     index = (slice(None),) * axis + (dst,)
     return device_pool.at[index].set(staging, mode="drop")
 

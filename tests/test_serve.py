@@ -31,7 +31,8 @@ PER_TOKEN = S.kv_bytes_per_token(CFG, "float32")
 # (64) than their 4 rows want at the longest (4 x 40), so the pool runs short.
 PLANS = {"paged": S.Plan("paged", batch=4, num_pages=16, page_size=4),
          "linear": S.Plan("linear", batch=4), "fixed": S.Plan("fixed", batch=4),
-         "linear-xla": S.Plan("linear-xla", batch=4)}
+         "linear-xla": S.Plan("linear-xla", batch=4),
+         "paged-swap": S.Plan("paged-swap", batch=4, num_pages=16, page_size=4)}
 
 
 @pytest.fixture(autouse=True)
@@ -109,6 +110,21 @@ def test_paged_pool_pressure_preempts_recomputes_and_ends_whole():
     # Only the system prompt's two pages are still held (the prompt row's).
     assert np.asarray(cache.ref_counts).tolist().count(0) == cache.num_pages - 2
     assert np.all(np.asarray(cache.ref_counts) <= 1)
+
+
+def test_pool_pressure_swaps_pages_to_the_host_and_back():
+    """Preempted by swap, a request resumes on its own pages brought back from the host: the
+    same greedy tokens as recomputation, fewer prefill tokens, and the host tier ends empty."""
+    outputs, m = serve("paged-swap")
+    assert outputs == recomputed()
+    assert m["preemptions"] > 0 and m["swaps_out"] > 0 and m["swaps_in"] > 0
+    assert m["swap_pages_out"] >= m["swaps_out"] and m["swap_pages_in"] >= m["swaps_in"]
+    _, recompute = serve("paged")
+    assert m["prefill_computed"] < recompute["prefill_computed"]  # nothing prefilled twice
+    assert m["prefill_computed"] == sum(len(r.prompt) for r in REQUESTS)  # each prompt once
+    cache = engine("paged-swap").final_cache
+    assert not bool(jnp.any(cache.on_host)) and int(cache.num_free_host_pages) == 16
+    assert np.asarray(cache.ref_counts).tolist().count(0) == cache.num_pages - 2
 
 
 def test_end_token_stops_requests_on_the_device():
@@ -216,8 +232,27 @@ def test_serve_command_reports_and_writes_json(tmp_path, capsys, monkeypatch):
     assert doc["engines"]["paged"]["peak_concurrent"] > doc["engines"]["fixed"]["peak_concurrent"]
 
 
+def test_serve_preempt_swap_reports_swaps_and_agrees(tmp_path, capsys, monkeypatch):
+    """--preempt swap: the paged engine swaps (and paged-swap always does) under pool pressure;
+    the table reports the swaps and bytes moved; the tokens agree with recomputation."""
+    monkeypatch.setitem(M.PRESETS, "tiny", CFG)
+    path = tmp_path / "serve.json"
+    rc = entry.main(["serve", "--engines", "fixed,paged", "--preempt", "swap", "--requests",
+                     "12", "--max-seq-len", "40", "--system-len", "5", "--mean-prompt", "10",
+                     "--mean-output", "10", "--kv-gib", str(56 * PER_TOKEN / 2**30),
+                     "--max-batch", "4", "--page-size", "4", "--prefill-chunk", "4",
+                     "--decode-steps", "4", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "swaps out / in, bytes moved" in out
+    assert "first 12 requests: fixed 12/12 identical, paged 12/12 identical" in out
+    paged = json.loads(path.read_text())["engines"]["paged"]
+    assert paged["preemptions"] > 0 and paged["swaps_out"] > 0 and paged["swap_bytes"] > 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--preset", "huge"], "invalid choice: 'huge'"),
+    (["--preempt", "drop"], "invalid choice: 'drop'"),
     (["--engines", "paged,vllm"], "unknown engine 'vllm'"),
     (["--kv-gib", "0"], "--kv-gib must be positive"),
     (["--requests", "0"], "--requests must be at least 1"),

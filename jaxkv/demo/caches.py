@@ -315,6 +315,9 @@ class PagedKind:
     # Automatic prefix caching (jaxkv.page_index): requests find the cached pages of their
     # prompts' longest indexed prefix (``match``) and index what they prefill (``insert``).
     prefix_cache: bool = False
+    # A host tier of this many pages (jaxkv.host_tier): preempted rows swap their pages out to
+    # host memory and back instead of recomputing them.
+    host_pages: int = 0
 
     @property
     def pool_layout(self) -> str:
@@ -334,7 +337,26 @@ class PagedKind:
             page_size=self.page_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             max_batch=rows, max_pages_per_seq=pages_per_seq,
             dtype=jnp.dtype(self.kv_dtype or self.dtype), layout=self.pool_layout,
-            sharding=self.sharding, prefix_cache=self.prefix_cache)
+            sharding=self.sharding, prefix_cache=self.prefix_cache, host_pages=self.host_pages)
+
+    def swap_out(self, cache, rows, max_pages: int):
+        """``swap_out`` of the batch rows in ``rows`` (bool [B]); swapped [B]."""
+        cache, swapped = cache.swap_out(self._pad(rows), max_pages)
+        return cache, self._unpad(swapped)
+
+    def swap_in(self, cache, rows, max_pages: int):
+        """``swap_in`` of the batch rows in ``rows``; served [B]."""
+        cache, served = cache.swap_in(self._pad(rows), max_pages)
+        return cache, self._unpad(served)
+
+    def on_host(self, cache):
+        return self._unpad(cache.on_host)
+
+    def pages_held(self, cache):
+        return self._unpad(cache.pages_held)
+
+    def host_pages_held(self, cache):
+        return self._unpad(cache.host.held)
 
     def match(self, cache, rows, tokens, num_tokens):
         """``match_prefix`` for the batch rows ``rows`` (a row past the batch: an unused lane)
@@ -356,15 +378,14 @@ class PagedKind:
         live = rows < batch
         num_tokens = jnp.where(live, num_tokens, 0)
         at = self._row(cache, jnp.minimum(rows, batch - 1))
-        view = dataclasses.replace(cache, page_table=cache.page_table[at],
-                                   lengths=cache.lengths[at], new_tokens=cache.new_tokens[at])
+        view = _rows_view(cache, at)
         out = getattr(view, method)(tokens, num_tokens)
         view, res = (out, None) if method == "insert_prefix" else out
         at = jnp.where(live, at, cache.max_batch)  # unused lanes write nothing back
         cache = dataclasses.replace(
             view, page_table=cache.page_table.at[at].set(view.page_table, mode="drop"),
             lengths=cache.lengths.at[at].set(view.lengths, mode="drop"),
-            new_tokens=cache.new_tokens)
+            new_tokens=cache.new_tokens, host=cache.host)
         return cache if res is None else (cache, res)
 
     def _per_shard(self, cache) -> int:
@@ -413,8 +434,7 @@ class PagedKind:
         if not (self.ops == "jaxkv" and self.attention == "auto" and _kernel_attends(self.cfg)
                 and self.sharding is None):
             return _attend_rows_full(self, cache, layer, rows, q, k, v, new_lengths, positions)
-        sub = dataclasses.replace(cache, page_table=cache.page_table[rows],
-                                  lengths=cache.lengths[rows], new_tokens=cache.new_tokens[rows])
+        sub = _rows_view(cache, rows)
         sub = sub.append(layer, k, v, new_lengths)
         out = _jaxkv_attend(sub, layer, q, new_lengths)
         return out, dataclasses.replace(cache, k_pages=sub.k_pages, v_pages=sub.v_pages,
@@ -541,6 +561,17 @@ def _pallas_blocks(pages_per_seq: int) -> tuple[int, int]:
 
 
 KINDS = {"linear": LinearKind, "manager": ManagerKind, "paged": PagedKind}
+
+
+def _rows_view(cache, rows):
+    """A paged cache holding only ``rows`` (int32 [n]): their page-table rows, lengths and host
+    tables; the same pools, counts and index."""
+    host = cache.host
+    if host is not None:
+        host = dataclasses.replace(host, table=host.table[rows])
+    return dataclasses.replace(cache, page_table=cache.page_table[rows],
+                               lengths=cache.lengths[rows], new_tokens=cache.new_tokens[rows],
+                               host=host)
 
 
 def make_kind(name: str, cfg: LlamaConfig, dtype: str = "float32", ops: str = "jaxkv", **options):

@@ -61,7 +61,10 @@ ENGINES = {
     "paged-8bit": "the paged engine with its cache in 8 bits (--kv-dtype), per-token-head scales",
     "paged-prefix": "the paged engine with automatic prefix caching: a request starts on the "
                     "cached pages of its longest indexed prefix (match_prefix / insert_prefix)",
+    "paged-swap": "the paged engine preempting by swap: a preempted request's pages go to host "
+                  "memory (swap_out) and come back when it is readmitted (swap_in)",
 }
+PREEMPT = ("recompute", "swap")  # --preempt: what the paged engines do with a preempted request
 KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "int8": "int8"}  # --kv-dtype
 DEFAULT_ENGINES = ("paged", "fixed", "linear", "linear-xla")  # the issue's targets first
 
@@ -99,9 +102,11 @@ def plan(name: str, kv_bytes: int, per_token: int, max_seq_len: int, page_size: 
 
 
 def make_kind(name: str, cfg: M.LlamaConfig, dtype: str, p: Plan, unroll: bool = False,
-              kv_dtype: str = "float8_e4m3fn", sharding=None):
+              kv_dtype: str = "float8_e4m3fn", sharding=None, host_pages: int = 0):
     """The cache kind of engine ``name``; ``sharding`` (a ``jaxkv.CacheSharding``): jaxkv's
-    caches split over KV heads and batch (the fixed slots' buffers over KV heads too)."""
+    caches split over KV heads and batch (the fixed slots' buffers over KV heads too);
+    ``host_pages``: a paged engine's host tier (it then preempts by swap; ``paged-swap``
+    always has one)."""
     if name == "fixed":  # unrolled layers: a buffer per layer, as a JAX expert keeps them
         return FixedSlotKind(cfg, dtype, per_layer=unroll,
                              mesh=None if sharding is None else sharding.mesh)
@@ -111,6 +116,10 @@ def make_kind(name: str, cfg: M.LlamaConfig, dtype: str, p: Plan, unroll: bool =
         ops, options = "jaxkv", dict(options, kv_dtype=kv_dtype)
     if ops == "prefix":
         ops, options = "jaxkv", dict(options, prefix_cache=True)
+    if ops == "swap":
+        ops, host_pages = "jaxkv", host_pages or p.num_pages
+    if base == "paged" and host_pages and ops != "xla":
+        options["host_pages"] = host_pages
     if sharding is not None:
         options["sharding"] = sharding
     return caches.make_kind(base, cfg, dtype, ops or "jaxkv", **options)
@@ -171,6 +180,9 @@ class ServeEngine(loop.Engine):
         self.decode_steps = decode_steps
         self.mixed_steps = min(decode_steps, mixed_steps or decode_steps)
         self.prefix = bool(getattr(kind, "prefix_cache", False))  # automatic prefix caching
+        self.swap = bool(getattr(kind, "host_pages", 0))  # preemption by swap (host tier)
+        if self.swap and self.prefix:
+            raise ValueError("a serving engine swaps or caches prefixes, not both yet")
         # On a mesh: the small per-row arrays replicated.
         sharding = getattr(kind, "sharding", None)
         mesh = getattr(kind, "mesh", None) or (sharding.mesh if sharding is not None else None)
@@ -251,9 +263,11 @@ class ServeEngine(loop.Engine):
             # predicate back to the host after every step, so the call is dispatched
             # asynchronously like any other (a data-dependent exit blocks the host for the whole
             # call). A row that stops early idles for the rest of the call.
+            parked = kind.on_host(cache) if self.swap else jnp.zeros((batch,), bool)
+
             def body(i, c):
                 cache, tok, remaining, out, stalled = c
-                want = (remaining > 0) & ~stalled
+                want = (remaining > 0) & ~stalled & ~parked  # a swapped row waits its turn
                 cache, served = kind.reserve_served(cache, want.astype(i32))
                 go = want & served
                 logits, cache = M.forward(cfg, params, kind, cache, tok[:, None],
@@ -285,18 +299,46 @@ class ServeEngine(loop.Engine):
             cache, saved = kind.save(cache, len(self.system_prompt))
             return placed(kind.clear(cache, 0)), saved
 
-        return dict(prefill=jax.jit(prefill_prefix if self.prefix else prefill,
-                                    donate_argnums=(1, 2, 3)),
+        fns = dict(prefill=jax.jit(prefill_prefix if self.prefix else prefill,
+                                   donate_argnums=(1, 2, 3)),
                     decode=jax.jit(decode, donate_argnums=(1, 2, 3), static_argnums=(5,)),
-                    evict=jax.jit(evict, donate_argnums=(0, 1, 2)),
-                    save=jax.jit(save, donate_argnums=(0,)))
+                   evict=jax.jit(evict, donate_argnums=(0, 1, 2)),
+                   save=jax.jit(save, donate_argnums=(0,)))
+        def swap_out(cache, rows, size):  # -> (cache, moved [B], pages moved)
+            cache, moved = kind.swap_out(cache, rows, size)
+            return placed(cache), moved, jnp.sum(jnp.where(moved, kind.host_pages_held(cache),
+                                                           0))
+
+        def swap_in(cache, rows, size):
+            cache, moved = kind.swap_in(cache, rows, size)
+            return placed(cache), moved, jnp.sum(jnp.where(moved, kind.pages_held(cache), 0))
+
+        if self.swap:  # a transfer of at most `size` pages (static: compiled per size)
+            fns.update(swap_out=jax.jit(swap_out, donate_argnums=(0,), static_argnums=(2,)),
+                       swap_in=jax.jit(swap_in, donate_argnums=(0,), static_argnums=(2,)))
+        return fns
+
+    @property
+    def swap_sizes(self) -> tuple[int, ...]:
+        """The transfer sizes the swaps are compiled for: powers of two, then a whole row."""
+        if not self.swap:
+            return ()
+        whole = -(-self.max_seq_len // self.kind.page_size)
+        return tuple(sorted({min(1 << i, whole) for i in range(whole.bit_length() + 1)}))
+
+    def swap_size(self, pages: int) -> int:
+        return min(n for n in self.swap_sizes if n >= min(pages, self.swap_sizes[-1]))
 
     def example_args(self) -> dict[str, tuple]:
         shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
         # the weights as placed (tensor parallel: split over the mesh)
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                              sharding=x.sharding), self.params)
-        cache = jax.eval_shape(lambda: self.kind.create(self.batch, self.max_seq_len))
+        if self.swap:  # lowered from a real cache: a ShapeDtypeStruct cannot say that the host
+            # tier lives in host memory, and the compiled functions would expect device memory
+            cache = self.kind.create(self.batch, self.max_seq_len)
+        else:
+            cache = jax.eval_shape(lambda: self.kind.create(self.batch, self.max_seq_len))
         if self.replicated is not None:  # on a mesh: eval_shape drops the placement
             mesh = self.replicated.mesh
             if hasattr(self.kind, "placement"):
@@ -322,7 +364,9 @@ class ServeEngine(loop.Engine):
                                        i32(r), i32())
                        for r in self.lane_sizes}
         decode = {f"decode{n}": (params, cache, row, row, i32(), n) for n in self.step_counts}
-        return dict(**prefill, **decode, evict=(cache, row, row, row), save=(cache,))
+        swaps = {f"{d}{n}": (cache, bools(self.batch), n)
+                 for d in ("swap_out", "swap_in") for n in self.swap_sizes}
+        return dict(**prefill, **decode, **swaps, evict=(cache, row, row, row), save=(cache,))
 
     @staticmethod
     def halves(steps: int) -> tuple[int, ...]:
@@ -442,6 +486,8 @@ class ServeEngine(loop.Engine):
             chunk = sched.prefill_chunk(admitted)
             if mapping is not None:
                 cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, mapping)
+            if self.swap:
+                cache = self._swap(fns, sched, cache)
             if chunk is not None:
                 extra = () if self.prefix else (saved,)
                 cache, tok, remaining, *prefilled = fns[f"prefill{chunk.width}"](
@@ -487,8 +533,21 @@ class ServeEngine(loop.Engine):
             cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, mapping)
         self.final_cache = cache
         m.update(wall=wall, compile_s=compile_s, usage=np.array(sched.usage).reshape(-1, 3),
+                 page_size=sched.page_size or 0,
                  profile=profile_summary(trace_dir, window) if trace_dir else None)
         return m
+
+
+    def _swap(self, fns, sched: "Schedule", cache):
+        """Dispatches the schedule's swaps, a row per call, and reads whether each moved (a
+        small read that waits for the device; it happens only around a preemption)."""
+        for direction, row, r, pages in sched.swaps():
+            mask = np.zeros((self.batch,), bool)
+            mask[row] = True
+            cache, moved, count = fns[f"{direction}{self.swap_size(pages)}"](cache,
+                                                                            jnp.asarray(mask))
+            sched.swapped(direction, r, bool(np.asarray(moved)[row]), int(count))
+        return cache
 
 
 @dataclasses.dataclass
@@ -535,6 +594,8 @@ class Schedule:
         self.slots = loop.Slots(b, shards) if getattr(kind, "compacts", True) else FreeSlots(b)
         self.leaving: set[int] = set()
         self.hold = False  # after a preemption, no admission until a request finishes
+        self.to_host: list[ServeRequest] = []  # preempted, to swap out in the next iteration
+        self.to_device: list[ServeRequest] = []  # swapped, to bring back in the next iteration
         self.short = False  # a row got no page in the last iteration
         self.order = self.done = 0
         self.live: list = []
@@ -542,7 +603,8 @@ class Schedule:
         self.prefilling = 0  # rows still prefilling after the current chunk
         self.m = dict(iterations=0, prefill_calls=0, decode_calls=0, evict_calls=0,
                       decode_steps=0, preemptions=0, peak_live=0, peak_decoding=0, busy_host=0.0,
-                      prefill_requested=0, prefill_computed=0, prefill_matched=0)
+                      prefill_requested=0, prefill_computed=0, prefill_matched=0,
+                      swaps_out=0, swaps_in=0, swap_pages_out=0, swap_pages_in=0)
 
     def arrive(self, t: float) -> None:
         while self.future and self.future[0].arrival <= t:
@@ -584,6 +646,10 @@ class Schedule:
                           - _pages(self.syslen + r.offset, size)
                           for _, r in self.slots.rows() if r.phase == "prefill")
             room = self.free_pages - pending - max(1, self.num_pages // 100)
+            room -= self._swap_ins(room)
+            if any(r.phase == "swapped" and r not in self.to_device for _, r in self.slots.rows()):
+                self.live = self.slots.rows()  # the swapped come back before anyone new
+                return self.slots.admit([])
         free_rows = self.engine.batch - len(self.slots)
         while self.waiting and len(chosen) < free_rows and not (self.hold and len(self.slots)):
             r = self.waiting[0]
@@ -601,6 +667,52 @@ class Schedule:
         self.live = self.slots.rows()
         self.m["peak_live"] = max(self.m["peak_live"], len(self.live))
         return admitted
+
+    def _swap_ins(self, room: int) -> int:
+        """Plans bringing swapped requests back, oldest first, while their pages fit in
+        ``room`` and no preemption is pending; returns the pages they take."""
+        active = sum(r.phase in ("prefill", "decode") for _, r in self.slots.rows())
+        if self.hold and active:
+            return 0
+        swapped = sorted((r for _, r in self.slots.rows()
+                          if r.phase == "swapped" and r not in self.to_host), key=lambda r: r.order)
+        taken = 0
+        for r in swapped:
+            need = self._pages_held(r)
+            if taken + need > room:
+                break
+            taken += need
+            self.to_device.append(r)
+        return taken
+
+    def _pages_held(self, r: ServeRequest) -> int:
+        """The most pages request ``r``'s row can hold: its tokens in the cache, and what the
+        calls in flight may have added."""
+        e = self.engine
+        tokens = self.syslen + (len(r.prompt) + len(r.output) + max(e.decode_steps, 1)
+                                if "decode" in (r.phase, r.resume) else r.offset + e.prefill_chunk)
+        return _pages(tokens + 1, self.page_size)
+
+    def swaps(self) -> list:
+        """(direction, row, request, most pages) of the swaps to dispatch now, outs first."""
+        rows = {id(r): row for row, r in self.slots.rows()}
+        plan = [(d, rows[id(r)], r, self._pages_held(r))
+                for d, queue in (("swap_out", self.to_host), ("swap_in", self.to_device))
+                for r in queue if id(r) in rows and r.phase == "swapped"]
+        self.to_host, self.to_device = [], []
+        return plan
+
+    def swapped(self, direction: str, r: ServeRequest, moved: bool, pages: int) -> None:
+        """A swap's outcome. A request whose pages found no room on the host is preempted by
+        recomputation instead; one that found no room on the device stays on the host."""
+        if direction == "swap_out" and not moved:
+            self._requeue(r)
+        elif moved:
+            kind = "out" if direction == "swap_out" else "in"
+            self.m[f"swaps_{kind}"] += 1
+            self.m[f"swap_pages_{kind}"] += pages
+            if kind == "in":
+                r.phase, r.resume = r.resume, ""
 
     def note_drain(self, t: float) -> None:
         """The drain begins when the queue is empty and fewer than half the peak rows are left."""
@@ -661,7 +773,7 @@ class Schedule:
 
     def prefilled(self, c: Chunk, first: np.ndarray, ok: np.ndarray) -> None:
         for i, (row, r) in enumerate(c.lanes):
-            if r.phase != "prefill":  # preempted since the chunk was dispatched
+            if _doing(r) != "prefill":  # preempted (recomputed) since the chunk was dispatched
                 continue
             if not ok[i]:  # no pages for the chunk
                 self.short = True
@@ -670,7 +782,7 @@ class Schedule:
             r.offset += int(c.n[i])
             if c.last[i]:
                 r.output.append(int(first[i]))
-                r.phase = "decode"
+                _set_doing(r, "decode")
 
     def prefilled_prefix(self, c: Chunk, first, ok, n, last, matched) -> None:
         """A prefix-cache chunk's results: tokens run and matched per lane, as the device chose."""
@@ -698,7 +810,7 @@ class Schedule:
         decoding = 0
         made = out.T.tolist()
         for row, r in live:
-            if r.phase != "decode":  # still prefilling, or preempted since
+            if _doing(r) != "decode":  # still prefilling, or preempted (recomputed) since
                 continue
             decoding += 1
             r.output.extend(x for x in made[row] if x >= 0)
@@ -706,6 +818,8 @@ class Schedule:
                 r.first_time = t
             self.short |= bool(stalled[row])
             if done[row]:
+                if r in self.to_host:  # finished in the call that ran out of pages
+                    self.to_host.remove(r)
                 r.phase, r.finish_time = "done", t
                 self.leaving.add(id(r))
                 self.done += 1
@@ -714,16 +828,38 @@ class Schedule:
         self.m["peak_decoding"] = max(self.m["peak_decoding"], decoding)
 
     def preempt_if_short(self) -> None:
-        """Out of pages: the youngest request leaves, back to the front of the queue."""
+        """Out of pages: the youngest request is preempted: its pages go to the host (a
+        swapping engine), or it leaves, back to the front of the queue, to be recomputed."""
         short, self.short = self.short, False
-        victims = [r for _, r in self.live if r.phase != "done" and id(r) not in self.leaving]
+        victims = [r for _, r in self.live
+                   if r.phase in ("prefill", "decode") and id(r) not in self.leaving]
         if short and victims:
             v = max(victims, key=lambda r: r.order)
-            v.phase, v.preemptions = "waiting", v.preemptions + 1
-            self.leaving.add(id(v))
-            self.waiting.appendleft(v)
+            v.preemptions += 1
             self.m["preemptions"] += 1
             self.hold = True
+            if self.engine.swap:
+                v.phase, v.resume = "swapped", v.phase
+                self.to_host.append(v)
+            else:
+                self._requeue(v)
+
+    def _requeue(self, r: ServeRequest) -> None:
+        r.phase, r.resume = "waiting", ""
+        self.leaving.add(id(r))
+        self.waiting.appendleft(r)
+
+
+def _doing(r: ServeRequest) -> str:
+    """What a request's row does on the device: a swapped one finishes its calls in flight."""
+    return r.resume if r.phase == "swapped" else r.phase
+
+
+def _set_doing(r: ServeRequest, phase: str) -> None:
+    if r.phase == "swapped":
+        r.resume = phase
+    else:
+        r.phase = phase
 
 
 def _pages(tokens: int, page_size: int) -> int:
@@ -768,6 +904,8 @@ def summarize(requests: list[ServeRequest], m: dict, per_token: int, allocated: 
         iterations=m["iterations"], decode_calls=m["decode_calls"],
         prefill_calls=m["prefill_calls"], evict_calls=m["evict_calls"],
         decode_steps=m["decode_steps"], preemptions=m["preemptions"],
+        swaps_out=m["swaps_out"], swaps_in=m["swaps_in"],
+        swap_bytes=(m["swap_pages_out"] + m["swap_pages_in"]) * per_token * m["page_size"],
         host_s=m["busy_host"], compile_s=m["compile_s"], profile=m["profile"],
         prefill_requested=m["prefill_requested"], prefill_computed=m["prefill_computed"],
         prefill_matched=m["prefill_matched"], oracle_reuse=best,

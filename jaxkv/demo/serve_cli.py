@@ -70,6 +70,12 @@ def parse_args(argv):
     add("--turn-gap", type=float, default=1.0, help="chat: seconds between turns (1.0)")
     add("--prefixes", type=int, default=8, help="shared: the long prompts (8)")
     add("--prefix-len", type=int, help="shared: tokens of each long prompt (2048 on 1b and 8b)")
+    add("--preempt", choices=S.PREEMPT, default="recompute",
+        help="what the paged engines do with a preempted request: recompute its prompt "
+             "(default, until the swap path is measured on a GPU) or swap its pages to host "
+             "memory and back (engine paged-swap always swaps)")
+    add("--host-kv-gib", type=float,
+        help="the host tier of a swapping engine, GiB (default: the KV budget)")
     add("--prefix-cache", action="store_true",
         help="also run the paged engine with automatic prefix caching (paged-prefix)")
     add("--duration", type=float,
@@ -117,6 +123,8 @@ def parse_args(argv):
         args.engines.append("paged-prefix")
     if args.mesh and "paged-prefix" in args.engines:
         p.error("--mesh: the prefix-caching engine serves on one device")
+    if args.mesh and (args.preempt == "swap" or "paged-swap" in args.engines):
+        p.error("--mesh: a swapping engine serves on one device (no sharded host tier yet)")
     for e in args.engines:
         if e not in S.ENGINES:
             p.error(f"--engines: unknown engine {e!r}; choose from {', '.join(S.ENGINES)}")
@@ -208,6 +216,8 @@ def table(results: dict[str, dict], profiled: bool) -> list[str]:
                                                       for r in runs)),
             ("KV holding live tokens, mean", *(size(r["kv_live_mean_bytes"]) for r in runs)),
             ("preemptions", *(str(r["preemptions"]) for r in runs)),
+            ("swaps out / in, bytes moved", *(f"{r['swaps_out']} / {r['swaps_in']}, "
+                                              f"{size(r['swap_bytes'])}" for r in runs)),
             ("prefill tokens computed / requested",
              *(f"{r['prefill_computed']} / {r['prefill_requested']}" for r in runs)),
             ("prefix tokens reused / oracle's best",
@@ -277,8 +287,14 @@ def run_engine(name, args, cfg, params, system, requests, kv_gib, per_token, mea
                        + args.system_len + args.page_size):
         raise SystemExit(f"{name}: --kv-gib {kv_gib} does not hold one sequence of "
                          f"--max-seq-len {args.max_seq_len}")
+    host_pages = 0
+    swaps = name == "paged-swap" or (args.preempt == "swap" and name in ("paged", "paged-8bit"))
+    if swaps and p.num_pages:  # the host tier: --host-kv-gib, or as many pages as the device
+        host_gib = args.host_kv_gib or kv_gib
+        host_pages = max(1, int(host_gib * 2**30) // (per_token * args.page_size))
     kind = S.make_kind(name, cfg, args.dtype, p, unroll=args.layers == "unroll",
-                       kv_dtype=S.KV_DTYPES[args.kv_dtype], sharding=args.sharding)
+                       kv_dtype=S.KV_DTYPES[args.kv_dtype], sharding=args.sharding,
+                       host_pages=host_pages)
     engine = S.ServeEngine(cfg, params, kind, batch=p.batch, max_seq_len=args.max_seq_len,
                            system_prompt=system, prefill_rows=args.prefill_rows,
                            prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,

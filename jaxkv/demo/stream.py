@@ -43,7 +43,8 @@ class ServeRequest:
     # The schedule's state.
     ext: np.ndarray | None = None  # tokens to prefill: the prompt (+ the output, once preempted)
     offset: int = 0  # tokens of ext prefilled
-    phase: str = "waiting"  # waiting, prefill, decode, done
+    phase: str = "waiting"  # waiting, prefill, decode, swapped (its pages on the host), done
+    resume: str = ""  # swapped: the phase it goes back to when its pages return
     order: int = -1  # admission order (the youngest is preempted first)
     first_time: float | None = None
     finish_time: float | None = None
