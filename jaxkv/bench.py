@@ -57,6 +57,9 @@ def parse(argv):
                    help="also time the peers that do each case's work (FlashInfer, PyTorch-native "
                         "formulations), cross-checked first; skipped with a note where they do not "
                         "import or there is no GPU")
+    p.add_argument("--swap", action="store_true",
+                   help="instead: the host tier's swap_out / swap_in against the pinned host copy "
+                        "bandwidth of the same run (jaxkv/_bench/swap.py)")
     p.add_argument("--devices", type=int, metavar="N",
                    help="instead: sharded compact / append / paged append per-device bandwidth "
                         "on N devices against 1 (jaxkv/_bench/sharded.py)")
@@ -184,6 +187,14 @@ def command(args, size: str) -> str:
 
 def main(argv=None) -> dict:
     args = parse(argv)
+    if args.swap:
+        from jaxkv._bench import swap
+
+        result = swap.measure(args.size or ("gpu" if jax.default_backend() == "gpu" else "cpu"))
+        print(swap.report(result))
+        if args.json:
+            R.write_json(result, args.json)
+        return result
     if args.devices:
         from jaxkv._bench import sharded
 

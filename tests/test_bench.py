@@ -493,3 +493,14 @@ def test_an_op_of_several_launches_is_timed_as_their_sum():
     assert T.per_op_seconds(launches[:4], 4) == pytest.approx(np.median(launches[:4]))
     assert T.per_op_seconds(launches[:7], 4) is None  # a launch missing: no time, not a wrong one
     assert T.per_op_seconds([], 4) is None
+
+
+def test_swap_benchmark_checks_the_bytes_and_reports_against_the_copy(tmp_path):
+    """--swap: swap_out and swap_in of scattered rows, each checked byte for byte, beside the
+    pinned copy of the same bytes measured in the same run."""
+    path = tmp_path / "swap.json"
+    result = bench.main(["--swap", "--size", "cpu", "--json", str(path)])
+    for key in ("d2h_gbps", "h2d_gbps", "swap_out_gbps", "swap_in_gbps"):
+        assert result[key] > 0, key
+    assert result["swap_out_of_copy"] == result["swap_out_gbps"] / result["d2h_gbps"]
+    assert json.loads(path.read_text())["pages"] == 32

@@ -102,6 +102,9 @@ if [ -z "${SKIP_BENCH:-}" ] && (cd /tmp && python3 -c "import jaxkv.bench" 2>/de
   (cd /tmp && python3 -m jaxkv.bench "${ops[@]}" --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
     --explain "$explain" --peers 2>&1) \
     | tee "$OUT/bench.log"
+  # The host tier: swap_out / swap_in of 1 GiB against the pinned copy bandwidth of the same run.
+  (cd /tmp && python3 -m jaxkv.bench --swap --json "$OUT/bench_swap.json" 2>&1) \
+    | tee "$OUT/bench_swap.log"
   ngpu=$(nvidia-smi -L | wc -l)
   if [ "$ngpu" -ge 2 ]; then  # sharded ops: per-device bandwidth on every GPU against one
     (cd /tmp && python3 -m jaxkv.bench --devices "$ngpu" --json "$OUT/bench_devices.json" 2>&1) \

@@ -1,0 +1,110 @@
+"""``python -m jaxkv.bench --swap``: the host tier's swaps against the pinned copy bandwidth.
+
+In one run: the roofline, an array of the swap's size copied device -> pinned host and back (one
+``jit`` with an output, or an input, in ``pinned_host`` memory); then ``PagedKVCache.swap_out`` and
+``swap_in`` of whole rows whose pages are scattered over the pool (every layer, K and V), each
+direction the same bytes. Wall time per call, median of ``reps`` calls; each swap is checked
+byte for byte against the pages it moved before any time is reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import PagedKVCache
+
+SIZES = {  # rows x pages per row, page, heads, head_dim, layers: the bytes swapped per direction
+    "gpu": dict(rows=16, pages_per_row=64, page_size=16, heads=8, head_dim=128, layers=32,
+                num_pages=4096, reps=5),  # 16 x 64 pages of 1 MiB (32 layers, K and V) = 1 GiB
+    "cpu": dict(rows=4, pages_per_row=8, page_size=16, heads=2, head_dim=64, layers=2,
+                num_pages=96, reps=3),
+}
+
+
+def _median_s(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_roofline(nbytes: int, reps: int) -> dict:
+    """GB/s of one contiguous array copied device -> pinned host and back, each in a ``jit``."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    to_host = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Host))
+    to_device = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Device))
+    host = jax.block_until_ready(to_host(x))
+    jax.block_until_ready(to_device(host))
+    d2h = _median_s(lambda: to_host(x), reps)
+    h2d = _median_s(lambda: to_device(host), reps)
+    return dict(d2h_gbps=nbytes / d2h / 1e9, h2d_gbps=nbytes / h2d / 1e9)
+
+
+def measure(size: str) -> dict:
+    s = SIZES[size]
+    rows, per_row, reps = s["rows"], s["pages_per_row"], s["reps"]
+    cache = PagedKVCache.create(
+        num_layers=s["layers"], num_pages=s["num_pages"], page_size=s["page_size"],
+        num_kv_heads=s["heads"], head_dim=s["head_dim"], max_batch=rows,
+        max_pages_per_seq=per_row, dtype=jnp.bfloat16, layout="NHD",
+        host_pages=rows * per_row)
+    # Rows of scattered pages: a random permutation of the pool, random bytes in every page.
+    rng = np.random.default_rng(0)
+    table = rng.permutation(s["num_pages"])[:rows * per_row].reshape(rows, per_row)
+    bits = rng.integers(0, 2**16, cache.k_pages.shape, dtype=np.uint16)
+    k_pages = jax.device_put(bits.view(jnp.bfloat16))
+    v_pages = jax.device_put(np.roll(bits, 1).view(jnp.bfloat16))
+    ref_counts = np.zeros(s["num_pages"], np.int32)
+    ref_counts[table.ravel()] = 1
+    cache = dataclasses.replace(
+        cache, k_pages=k_pages, v_pages=v_pages, page_table=jnp.asarray(table, jnp.int32),
+        lengths=jnp.full((rows,), per_row * s["page_size"], jnp.int32),
+        ref_counts=jnp.asarray(ref_counts))
+    page_bytes = 2 * s["layers"] * s["page_size"] * s["heads"] * s["head_dim"] * 2
+    nbytes = rows * per_row * page_bytes
+    everyone = jnp.ones((rows,), bool)
+    budget = rows * per_row
+    out = jax.jit(lambda c: c.swap_out(everyone, budget), donate_argnums=0)
+    back = jax.jit(lambda c: c.swap_in(everyone, budget), donate_argnums=0)
+    bits_of = lambda pool, ids: jax.lax.bitcast_convert_type(  # noqa: E731
+        jnp.take(pool, ids, axis=1), jnp.uint16)
+    want = bits_of(cache.k_pages, jnp.asarray(table.ravel()))
+
+    times = {"swap_out": [], "swap_in": []}
+    for i in range(reps + 1):  # the first round compiles
+        for name, fn in (("swap_out", out), ("swap_in", back)):
+            t = time.perf_counter()
+            cache, moved = fn(cache)
+            jax.block_until_ready(cache)
+            if i:
+                times[name].append(time.perf_counter() - t)
+            if not bool(jnp.all(moved)):
+                raise RuntimeError(f"{name}: not every row moved")
+        if not bool(jnp.all(bits_of(cache.k_pages, cache.page_table.ravel()) == want)):
+            raise RuntimeError("a page came back different")
+    roof = copy_roofline(nbytes, reps)
+    result = dict(size=size, bytes=nbytes, pages=rows * per_row, page_bytes=page_bytes, **roof)
+    for name, ts in times.items():
+        gbps = nbytes / statistics.median(ts) / 1e9
+        result[f"{name}_gbps"] = gbps
+        result[f"{name}_of_copy"] = gbps / roof["d2h_gbps" if name == "swap_out" else "h2d_gbps"]
+    return result
+
+
+def report(r: dict) -> str:
+    gib = r["bytes"] / 2**30
+    return "\n".join([
+        f"host tier: {r['pages']} pages of {r['page_bytes'] >> 10} KiB ({gib:.3g} GiB) per "
+        "direction, scattered over the pool",
+        f"  pinned copy roofline: device -> host {r['d2h_gbps']:.1f} GB/s, "
+        f"host -> device {r['h2d_gbps']:.1f} GB/s",
+        f"  swap_out {r['swap_out_gbps']:.1f} GB/s ({r['swap_out_of_copy']:.0%} of the copy), "
+        f"swap_in {r['swap_in_gbps']:.1f} GB/s ({r['swap_in_of_copy']:.0%}); target >= 90%"])
