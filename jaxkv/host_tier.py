@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
 
+from . import page_index
 from ._allocator import allocate
 from ._checks import check
 
@@ -157,7 +158,7 @@ def swap_out(op: str, cache, rows: jax.Array, max_pages: int):
     check(~rows | (~on_host & (held > 0)),
           f"{op}: a selected row is already on the host or holds no pages (nothing moved)")
     eligible = _budget(held, rows & ~on_host & (held > 0), max_pages)
-    host_counts, swapped, first, free_ids = allocate(host.ref_counts, held, eligible)
+    host_counts, swapped, first, free_ids, index = _allocate_host(cache, held, eligible)
     src, dst, host_rows = _moves(cache.page_table, held, swapped, first, free_ids, max_pages,
                                  host.num_pages)
     fields: dict[str, jax.Array] = {}
@@ -173,7 +174,25 @@ def swap_out(op: str, cache, rows: jax.Array, max_pages: int):
     host = dataclasses.replace(host, ref_counts=host_counts,
                                table=jnp.where(swapped[:, None], host_rows, host.table),
                                **host_fields)
-    return dataclasses.replace(cache, host=host, **fields), swapped
+    return dataclasses.replace(cache, host=host, prefix_cache=index, **fields), swapped
+
+
+def _allocate_host(cache, need: jax.Array, eligible: jax.Array):
+    """``allocate`` over the host pool: pages free of rows and of cached prefix pages first, then
+    cached ones least recently used, which leave the index (their descendants with them)."""
+    host, index, p = cache.host, cache.prefix_cache, cache.num_pages
+    if index is None or index.entries == p:
+        return (*allocate(host.ref_counts, need, eligible), index)
+    order = page_index.eviction_order(_host_part(cache), host.ref_counts == 0)
+    counts, served, first, free_ids = allocate(host.ref_counts, need, eligible, order)
+    taken = jnp.pad((host.ref_counts == 0) & (counts > 0), (p, 0))
+    return counts, served, first, free_ids, page_index.unindex(index, taken,
+                                                               cache.max_pages_per_seq)
+
+
+def _host_part(cache) -> page_index.PageIndex:
+    """The index's entries of the host pages."""
+    return page_index.part(cache.prefix_cache, cache.num_pages, cache.prefix_cache.entries)
 
 
 def swap_in(op: str, cache, rows: jax.Array, max_pages: int):
@@ -203,3 +222,80 @@ def released(host: HostPages, mask: jax.Array) -> HostPages:
     freed = jnp.where(mask[:, None] & (host.table >= 0), host.table, host.num_pages)
     return dataclasses.replace(host, ref_counts=host.ref_counts.at[freed].set(0, mode="drop"),
                                table=jnp.where(mask[:, None], NO_PAGE, host.table))
+
+
+# --- the prefix cache's host tier --------------------------------------------------------------
+def spill(cache, max_pages: int):
+    """``PagedKVCache.spill_prefix``'s body: up to ``max_pages`` cached free device pages, least
+    recently used first, move to host pages free of rows and of cached pages (one transfer); their
+    index entries move with them and the device pages become never-cached free pages."""
+    p, host, index = cache.num_pages, cache.host, cache.prefix_cache
+    n_host = host.num_pages
+    device = page_index.part(index, 0, p)
+    cached_free = device.indexed & (cache.ref_counts == 0)
+    order = page_index.eviction_order(device, cached_free)  # the cached free ones, LRU first
+    room = (host.ref_counts == 0) & ~_host_part(cache).indexed
+    host_ids = jnp.nonzero(room, size=n_host, fill_value=n_host)[0].astype(jnp.int32)
+    n = jnp.minimum(jnp.minimum(jnp.sum(cached_free), jnp.sum(room)), max_pages)
+    i = jnp.arange(max_pages, dtype=jnp.int32)
+    live = i < n
+    src = jnp.where(live, order[jnp.clip(i, 0, p - 1)], 0)
+    dst = jnp.where(live, host_ids[jnp.clip(i, 0, n_host - 1)], n_host)
+    host_fields = {name: _to_host(PAGE_AXIS[cache.layout], host_pool, device_pool, src, dst)
+                   for name, device_pool, host_pool in _pools(cache)}
+    index = page_index.move(index, jnp.where(live, src, -1), jnp.where(live, p + dst, -1))
+    return dataclasses.replace(cache, prefix_cache=index,
+                               host=dataclasses.replace(host, **host_fields)), n.astype(jnp.int32)
+
+
+def bring_back(cache, found: jax.Array, run: jax.Array, budget: int):
+    """``match_prefix``'s pages on the host brought to device pages.
+
+    ``found`` int32 ``[B, K]`` (entry ids: a host page ``h`` is ``num_pages + h``), ``run``
+    int32 ``[B]``: each row's match (``page_index.lookup``). Rows in slot order while their host
+    pages fit in ``budget`` (one transfer) and device pages last; a row past them keeps its match
+    up to its first host page. **Returns** ``(cache, found, run)``: the pages moved (data and
+    index entries), ``found`` naming device pages only within ``run``, and the reference counts
+    of every page in the runs raised by one."""
+    p = cache.num_pages
+    b, k = found.shape
+    level = jnp.arange(k, dtype=jnp.int32)[None, :]
+    on_host = (level < run[:, None]) & (found >= p)
+    # A host page two rows found in one call comes back once: the first row brings it, and a
+    # later row's match stops before it (it finds the page on the device next time).
+    n_entries = cache.prefix_cache.entries
+    at = jnp.arange(b * k, dtype=jnp.int32).reshape(b, k)
+    owner = jnp.full((n_entries + 1,), b * k, jnp.int32).at[
+        jnp.where(on_host, found, n_entries)].min(at)
+    foreign = on_host & (owner[jnp.clip(found, 0, n_entries)] != at)
+    run = jnp.minimum(run, jnp.min(jnp.where(foreign, level, k), axis=1))
+    taken = level < run[:, None]
+    on_host = taken & (found >= p)
+    count = jnp.sum(on_host, axis=1, dtype=jnp.int32)
+    before_host = jnp.minimum(run, jnp.min(jnp.where(on_host, level, k), axis=1))
+    if budget == 0:  # nothing comes back: each row matches up to its first host page
+        device = (level < before_host[:, None]) & (found >= 0)
+        counts = cache.ref_counts.at[jnp.where(device, found, p)].add(1, mode="drop")
+        return dataclasses.replace(cache, ref_counts=counts), found, before_host
+    fits = jnp.cumsum(count) <= budget
+    need = jnp.where(fits, count, 0)
+    runs = jnp.where(fits, run, before_host)
+    # The device pages of every run are held while pages are taken for the host ones, so that
+    # the allocator cannot evict them.
+    device = (level < runs[:, None]) & (found >= 0) & (found < p)
+    held = cache.ref_counts.at[jnp.where(device, found, p)].add(1, mode="drop")
+    ref_counts, served, first, free_ids, index = cache._allocate(need, need > 0, held)
+    runs = jnp.where((need > 0) & ~served, before_host, runs)
+    ref_counts = ref_counts.at[jnp.where(device & (level >= runs[:, None]), found, p)].add(
+        -1, mode="drop")
+    moving = on_host & (served & (need > 0))[:, None]
+    j = jnp.cumsum(on_host, axis=1, dtype=jnp.int32) - 1
+    slot = jnp.where(moving, first[:, None] + j, budget)
+    new = jnp.where(moving, free_ids[jnp.clip(slot, 0, p - 1)], -1)
+    src = jnp.zeros((budget,), jnp.int32).at[slot].set(found - p, mode="drop")
+    dst = jnp.full((budget,), p, jnp.int32).at[slot].set(new, mode="drop")
+    fields = {name: _from_host(PAGE_AXIS[cache.layout], device_pool, host_pool, src, dst)
+              for name, device_pool, host_pool in _pools(cache)}
+    index = page_index.move(index, jnp.where(dst < p, src + p, -1), jnp.where(dst < p, dst, -1))
+    cache = dataclasses.replace(cache, ref_counts=ref_counts, prefix_cache=index, **fields)
+    return cache, jnp.where(moving, new, found), runs

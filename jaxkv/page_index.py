@@ -17,6 +17,10 @@ Invariants, kept by every function here:
 Eviction (``eviction_order``): never-indexed free pages first, then indexed free pages least
 recently used, deeper pages first on a tie. Matching and inserting touch a chain from its first
 page, so a page is used at least as recently as any of its descendants.
+
+With a host tier (``jaxkv.host_tier``) the index has an entry per device page and then one per
+host page: entry ``num_pages + h`` is host page ``h``. A chain may run through both tiers (its
+parents are entry ids), and ``move`` carries an entry from one tier to the other.
 """
 
 from __future__ import annotations
@@ -58,6 +62,43 @@ class PageIndex:
     @property
     def indexed(self) -> jax.Array:
         return self.depth != UNINDEXED
+
+    @property
+    def entries(self) -> int:
+        return self.depth.shape[0]
+
+
+def part(index: PageIndex, lo: int, hi: int) -> PageIndex:
+    """Entries ``[lo, hi)`` (one tier's), as an index of their own (parents keep their ids)."""
+    return jax.tree.map(lambda x: x[lo:hi], index)
+
+
+def mask_of(index: PageIndex, ids: jax.Array, where: jax.Array) -> jax.Array:
+    """bool ``[entries]``: the entries ``ids[where]`` (any shape)."""
+    n = index.entries
+    ids = jnp.where(where & (ids >= 0) & (ids < n), ids, n)
+    return jnp.zeros((n + 1,), bool).at[ids].set(True)[:n]
+
+
+def move(index: PageIndex, src: jax.Array, dst: jax.Array) -> PageIndex:
+    """Entries ``src[i]`` move to ``dst[i]`` (int32 ``[M]``; a pair with an id out of range
+    moves nothing): the entry copied, its old place unindexed, and every parent that named the
+    old id names the new one, so chains stay whole across the move."""
+    n = index.entries
+    ok = (src >= 0) & (src < n) & (dst >= 0) & (dst < n)
+    s, d = jnp.where(ok, src, n), jnp.where(ok, dst, n)
+    remap = jnp.arange(n + 1, dtype=jnp.int32).at[s].set(d, mode="drop")[:n]
+    take = lambda x: x[jnp.clip(src, 0, n - 1)]  # noqa: E731
+    moved = dataclasses.replace(
+        index, depth=index.depth.at[s].set(UNINDEXED, mode="drop"),
+        parent=jnp.where(index.parent >= 0, remap[jnp.maximum(index.parent, 0)], index.parent))
+    return dataclasses.replace(
+        moved,
+        tokens=moved.tokens.at[d].set(take(index.tokens), mode="drop"),
+        chain_hash=moved.chain_hash.at[d].set(take(index.chain_hash), mode="drop"),
+        parent=moved.parent.at[d].set(take(moved.parent), mode="drop"),
+        depth=moved.depth.at[d].set(take(index.depth), mode="drop"),
+        used=moved.used.at[d].set(take(index.used), mode="drop"))
 
 
 # --- hashing -----------------------------------------------------------------------------------

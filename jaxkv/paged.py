@@ -157,7 +157,9 @@ class PagedKVCache:
         if not isinstance(prefix_cache, bool):
             raise TypeError(f"{op}: prefix_cache must be a bool, got {type(prefix_cache).__name__}")
         if prefix_cache:
-            leaves["prefix_cache"] = lambda full: page_index.PageIndex.empty(num_pages, page_size,
+            # an entry per device page, then one per host page (jaxkv.page_index)
+            entries = num_pages + (host_pages if isinstance(host_pages, int) else 0)
+            leaves["prefix_cache"] = lambda full: page_index.PageIndex.empty(entries, page_size,
                                                                              full)
         divides = dict(max_batch=(max_batch, "batch"), num_pages=(num_pages, "batch"),
                        num_kv_heads=(num_kv_heads, "heads"))
@@ -450,24 +452,25 @@ class PagedKVCache:
                                           src_pages, dst_pages, layout=self.layout)
             fields = dict(k_scales=ks[..., 0], v_scales=vs[..., 0])
         if self.prefix_cache is not None:
-            written = jnp.where((dst_pages >= 0) & (dst_pages < self.num_pages), dst_pages,
-                                self.num_pages)
-            mask = jnp.zeros((self.num_pages + 1,), bool).at[written].set(True)[:self.num_pages]
-            fields["prefix_cache"] = page_index.unindex(self.prefix_cache, mask,
+            written = page_index.mask_of(self.prefix_cache, dst_pages,
+                                         (dst_pages >= 0) & (dst_pages < self.num_pages))
+            fields["prefix_cache"] = page_index.unindex(self.prefix_cache, written,
                                                         self.max_pages_per_seq)
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages, **fields)
 
-    def _allocate(self, need: jax.Array, eligible: jax.Array):
-        """``allocate`` over this cache's free pages: with a prefix index, pages never indexed
-        first, then indexed ones least recently used, which leave the index (their descendants
-        with them). Returns ``allocate``'s results and the new index."""
+    def _allocate(self, need: jax.Array, eligible: jax.Array, ref_counts=None):
+        """``allocate`` over this cache's free pages (of ``ref_counts``, default the cache's):
+        with a prefix index, pages never indexed first, then indexed ones least recently used,
+        which leave the index (their descendants with them, on either tier). Returns
+        ``allocate``'s results and the new index."""
         index = self.prefix_cache
+        counts = self.ref_counts if ref_counts is None else ref_counts
         if index is None:
-            return (*allocate(self.ref_counts, need, eligible), None)
-        order = page_index.eviction_order(index, self.ref_counts == 0)
-        ref_counts, served, first, free_ids = allocate(self.ref_counts, need, eligible, order)
-        taken = (self.ref_counts == 0) & (ref_counts > 0)
-        return (ref_counts, served, first, free_ids,
+            return (*allocate(counts, need, eligible), None)
+        order = page_index.eviction_order(page_index.part(index, 0, self.num_pages), counts == 0)
+        new_counts, served, first, free_ids = allocate(counts, need, eligible, order)
+        taken = jnp.pad((counts == 0) & (new_counts > 0), (0, index.entries - self.num_pages))
+        return (new_counts, served, first, free_ids,
                 page_index.unindex(index, taken, self.max_pages_per_seq))
 
     # The host tier.
@@ -503,6 +506,27 @@ class PagedKVCache:
         op = "PagedKVCache.swap_in"
         return host_tier.swap_in(op, self, *self._swap_args(op, rows, max_pages))
 
+    @per_shard(out=(None, Combined("sum")))
+    def spill_prefix(self, max_pages: int | None = None):
+        """Moves cached pages that no row holds (those ``reserve`` would evict next, least
+        recently used first) to free host pages, at most ``max_pages`` (static: the size of the
+        one transfer; default ``max_pages_per_seq``). They stay findable: ``match_prefix`` brings
+        them back. The device pages become never-cached free pages, which ``reserve`` takes
+        first, so a server that spills ahead of its needs loses no cached prefix to eviction
+        while the host has room. Host pages holding rows (``swap_out``) or cached pages are not
+        overwritten; ``swap_out`` evicts cached host pages least recently used when it needs
+        them.
+
+        **Returns:** ``(cache, spilled)``, ``spilled`` int32 ``[]``: pages moved.
+        """
+        op = "PagedKVCache.spill_prefix"
+        if self.host is None or self.prefix_cache is None:
+            raise ValueError(f"{op}: the cache needs a prefix index and a host tier "
+                             "(PagedKVCache.create(..., prefix_cache=True, host_pages=N))")
+        max_pages = self.max_pages_per_seq if max_pages is None else max_pages
+        validate.static_int(op, "max_pages", max_pages, lo=1, hi=INT32_MAX)
+        return host_tier.spill(self, max_pages)
+
     def _swap_args(self, op: str, rows, max_pages) -> tuple[jax.Array, int]:
         if self.host is None:
             raise ValueError(f"{op}: the cache has no host tier "
@@ -517,7 +541,8 @@ class PagedKVCache:
 
     # The prefix cache.
     @per_shard(tokens=Role(ROWS), num_tokens=Role(ROWS), out=(None, Role(ROWS)))
-    def match_prefix(self, tokens: jax.Array, num_tokens: jax.Array):
+    def match_prefix(self, tokens: jax.Array, num_tokens: jax.Array, *,
+                     max_host_pages: int | None = None):
         """Starts empty rows on the cached pages of their prompts' longest indexed prefix.
 
         ``tokens`` int32 ``[max_batch, T]``: each row's prompt; ``num_tokens`` int32
@@ -531,6 +556,12 @@ class PagedKVCache:
         starts with. An asking row that is not empty, a count outside ``[0, min(T, capacity)]``
         or a negative id among a row's tokens is reported through ``checkify``; such a row
         matches nothing and changes nothing.
+
+        With a host tier, pages the index holds on the host (``spill_prefix``) are found too and
+        come back to device pages (taken as ``reserve`` takes them) in one transfer of at most
+        ``max_host_pages`` pages (static; default ``max_pages_per_seq``): rows in slot order
+        while the transfer and the device pool have room; a row past them matches up to its
+        first page on the host.
         """
         op = "PagedKVCache.match_prefix"
         index = self._index_args(op, tokens, num_tokens)
@@ -546,19 +577,31 @@ class PagedKVCache:
             return self, jnp.zeros((rows,), jnp.int32)
         limit = jnp.where(ok, (num_tokens - 1) // size, 0)
         found, run = page_index.lookup(index, pages, page_index.chain_hashes(pages), limit)
+        cache = self
+        if index.entries > self.num_pages:  # pages found on the host come back to the device
+            cache, found, run = host_tier.bring_back(cache, found, run,
+                                                     self._host_budget(op, max_host_pages))
+        else:
+            taken = jnp.arange(k)[None, :] < run[:, None]
+            cache = dataclasses.replace(cache, ref_counts=cache.ref_counts.at[
+                jnp.where(taken, found, self.num_pages)].add(1, mode="drop"))
         taken = jnp.arange(k)[None, :] < run[:, None]
         mapped = jnp.where(taken, found, NO_PAGE)
         width = self.max_pages_per_seq  # a where over whole rows, not an update of a slice
         wide = jnp.pad(mapped, ((0, 0), (0, width - k)), constant_values=NO_PAGE)
         page_table = jnp.where(run[:, None] > 0, wide, self.page_table)
-        ref_counts = self.ref_counts.at[jnp.where(taken, found, self.num_pages)].add(
-            1, mode="drop")
         matched = run * size
+        now = cache.prefix_cache
+        assert now is not None  # _index_args checked it; bring_back keeps it
         cache = dataclasses.replace(
-            self, page_table=page_table, ref_counts=ref_counts,
-            lengths=jnp.where(run > 0, matched, self.lengths),
-            prefix_cache=page_index.touch(index, mapped))
+            cache, page_table=page_table, lengths=jnp.where(run > 0, matched, self.lengths),
+            prefix_cache=page_index.touch(now, mapped))
         return cache, matched
+
+    def _host_budget(self, op: str, max_host_pages) -> int:
+        if max_host_pages is None:
+            return self.max_pages_per_seq
+        return validate.static_int(op, "max_host_pages", max_host_pages, lo=0, hi=INT32_MAX)
 
     @per_shard(tokens=Role(ROWS), num_tokens=Role(ROWS))
     def insert_prefix(self, tokens: jax.Array, num_tokens: jax.Array) -> "PagedKVCache":

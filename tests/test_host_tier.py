@@ -378,3 +378,226 @@ def test_bad_arguments_are_refused_at_trace_time():
         cache.swap_out(jnp.zeros((3,), bool))
     with pytest.raises(ValueError, match="max_pages must be"):
         cache.swap_out(jnp.zeros((4,), bool), 0)
+
+
+# --- the prefix cache's host tier ----------------------------------------------------------------
+@jax.jit
+def fill_tokens(cache, tokens, n):
+    """Reserves and appends ``tokens[b, lengths[b]:lengths[b] + n[b]]`` (``kv_of_at`` them)."""
+    cache, served = cache.reserve(n)
+    n = jnp.where(served, n, 0)
+    t = tokens.shape[1]
+    pick = jnp.clip(cache.lengths[:, None] + jnp.arange(t)[None, :], 0, t - 1)
+    chunk = jnp.take_along_axis(tokens, pick, axis=1)
+    pos = (cache.lengths[:, None] + jnp.arange(t)[None, :]).astype(jnp.float32)
+    k, v = kv_of_at(chunk, pos)
+    return cache.append_layers(k, v, n).commit(n), served
+
+
+def kv_of_at(tokens, pos):
+    """K and V ``[L, B, H, T, D]``, a function of each token id and its position, so that any
+    page can be checked against the tokens it claims to hold."""
+    base = (jnp.asarray(tokens, jnp.float32) * 0.37 + pos * 0.011)[None, :, None, :, None]
+    grid = jnp.arange(L * H * D, dtype=jnp.float32).reshape(L, 1, H, 1, D) * 0.001
+    return jnp.sin(base + grid), jnp.cos(base + grid)
+
+
+def assert_rows_hold_their_tokens(cache, tokens, what=""):
+    """Every row on the device reads K/V equal to ``kv_of_at`` its tokens."""
+    t = tokens.shape[1]
+    want_k, want_v = kv_of_at(tokens, jnp.arange(t, dtype=jnp.float32)[None, :])
+    for layer in range(L):
+        k, v = cache.gather(layer, t, split=True)
+        for b in range(cache.max_batch):
+            n = int(cache.lengths[b])
+            if bool(cache.on_host[b]) or n == 0:
+                continue
+            np.testing.assert_array_equal(k[b, :, :n], want_k[layer, b, :, :n], f"{what} row {b}")
+            np.testing.assert_array_equal(v[b, :, :n], want_v[layer, b, :, :n], f"{what} row {b}")
+
+
+def prefix_cache(num_pages=8, host_pages=8, page_size=2, max_batch=2, max_pages_per_seq=4, **kw):
+    return make(num_pages=num_pages, host_pages=host_pages, page_size=page_size,
+                max_batch=max_batch, max_pages_per_seq=max_pages_per_seq, prefix_cache=True,
+                **kw)
+
+
+def test_spilled_prefix_survives_device_pressure_and_comes_back():
+    """Without a spill, reserve evicts the cached chain; spilled, the chain is found on the host
+    after the device pool was used up by another row, and comes back byte for byte."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 50, (2, 8)), jnp.int32)
+    for spill in (False, True):
+        cache = prefix_cache(num_pages=4)
+        cache, _ = fill_tokens(cache, tokens, jnp.array([6, 0], jnp.int32))
+        cache = cache.insert_prefix(tokens, jnp.array([6, 0], jnp.int32))
+        cache = cache.release(jnp.array([True, False]))
+        if spill:
+            cache, spilled = cache.spill_prefix()
+            assert int(spilled) == 3 and int(cache.num_free_pages) == 4
+        # Row 1 takes the whole pool: every cached page left on the device is evicted.
+        cache, served = fill_tokens(cache, tokens.at[1].add(100), jnp.array([0, 8], jnp.int32))
+        assert bool(served[1])
+        cache = cache.release(jnp.array([False, True]))
+        cache, matched = cache.match_prefix(tokens, jnp.array([8, 0], jnp.int32))
+        assert int(matched[0]) == (6 if spill else 0)
+    assert_rows_hold_their_tokens(cache, tokens, "brought back")
+    # The chain is on the device again, held once: released, it is found without the host.
+    assert int(cache.ref_counts.sum()) == 3
+    assert not bool(jnp.any(cache.prefix_cache.indexed[cache.num_pages:]))
+
+
+@pytest.mark.parametrize("dtype,scaling,layout", [(jnp.float8_e4m3fn, "per_token_head", "NHD"),
+                                                  (jnp.int8, "per_tensor", "HND")])
+def test_spill_and_bring_back_keep_bytes_and_scales(dtype, scaling, layout):
+    cache = prefix_cache(num_pages=8, dtype=dtype, scaling=scaling, layout=layout)
+    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    cache = filled(cache, [8, 0], jnp.bfloat16)
+    cache = cache.insert_prefix(tokens, jnp.array([8, 0], jnp.int32))
+    before = row_bytes(cache, 0)
+    cache = cache.release(jnp.array([True, False]))
+    cache, spilled = cache.spill_prefix(8)
+    assert int(spilled) == 4
+    cache = filled(cache, [0, 8], jnp.bfloat16)  # the spilled device pages are written over
+    cache, matched = cache.match_prefix(tokens, jnp.array([8, 0], jnp.int32))
+    assert int(matched[0]) == 6  # one token at least is left to compute
+    for got, want in zip(row_bytes(cache, 0), before):
+        assert_bytes_equal(got, want[(slice(None),) * (2 if layout == "HND" else 1) + (
+            slice(0, 3),)], "three pages back")
+
+
+def test_host_pages_come_back_within_the_budget_and_the_pool():
+    tokens = jnp.tile(jnp.arange(8, dtype=jnp.int32), (2, 1))  # both rows: the same prompt
+    cache = prefix_cache(num_pages=8, max_batch=2)
+    cache, _ = fill_tokens(cache, tokens, jnp.array([8, 0], jnp.int32))
+    cache = cache.insert_prefix(tokens, jnp.array([8, 0], jnp.int32))
+    cache = cache.release(jnp.array([True, False]))
+    cache, _ = cache.spill_prefix(2)  # the two least recently used: the chain's deepest pages
+    assert np.asarray(cache.prefix_cache.indexed[:8]).sum() == 2
+    ask = jnp.array([8, 0], jnp.int32)
+    _, matched = cache.match_prefix(tokens, ask, max_host_pages=0)
+    assert int(matched[0]) == 4  # up to its first page on the host
+    got, matched = cache.match_prefix(tokens, ask, max_host_pages=1)
+    assert int(matched[0]) == 6  # three of the four pages (one token is left to compute)
+    assert_rows_hold_their_tokens(got, tokens)
+    # Both rows ask for the same pages: the first brings the host page back, the second stops
+    # before it (the page comes back once) and shares the first's device pages.
+    got, matched = cache.match_prefix(tokens, jnp.array([8, 8], jnp.int32), max_host_pages=2)
+    assert np.asarray(matched).tolist() == [6, 4]
+    assert np.asarray(got.page_table[1, :2]).tolist() == np.asarray(got.page_table[0, :2]).tolist()
+    # Two chains on the host, a transfer of one page: the second row stops before its host page.
+    two = jnp.stack([jnp.arange(8), jnp.arange(8) + 20]).astype(jnp.int32)
+    both = prefix_cache(num_pages=8, max_batch=2)
+    both, _ = fill_tokens(both, two, jnp.array([6, 6], jnp.int32))
+    both = both.insert_prefix(two, jnp.array([6, 6], jnp.int32)).release(jnp.ones((2,), bool))
+    both, spilled = both.spill_prefix(2)  # the deepest page of each chain
+    assert int(spilled) == 2
+    got, matched = both.match_prefix(two, jnp.array([7, 7], jnp.int32), max_host_pages=1)
+    assert np.asarray(matched).tolist() == [6, 4]
+    assert_rows_hold_their_tokens(got, two)
+    # The device pool is short: no host page comes back, the device part is still matched.
+    full = prefix_cache(num_pages=3, max_batch=2)
+    full, _ = fill_tokens(full, tokens, jnp.array([6, 0], jnp.int32))
+    full = full.insert_prefix(tokens, jnp.array([6, 0], jnp.int32)).release(
+        jnp.array([True, False]))
+    full, _ = full.spill_prefix(1)
+    full, _ = fill_tokens(full, tokens.at[1].add(50), jnp.array([0, 2], jnp.int32))  # 1 page
+    assert int(full.num_free_pages) == 2  # the two cached pages left on the device, held by no one
+    got, matched = full.match_prefix(tokens, jnp.array([7, 0], jnp.int32))
+    assert int(matched[0]) == 4 and int(got.num_free_pages) == 0
+    assert bool(jnp.any(got.prefix_cache.indexed[3:]))  # the page stays cached on the host
+
+
+def test_swap_out_evicts_cached_host_pages_least_recently_used():
+    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    cache = prefix_cache(num_pages=8, host_pages=4)
+    cache, _ = fill_tokens(cache, tokens, jnp.array([8, 0], jnp.int32))
+    cache = cache.insert_prefix(tokens, jnp.array([8, 0], jnp.int32))
+    cache = cache.release(jnp.array([True, False]))
+    cache, spilled = cache.spill_prefix(4)
+    assert int(spilled) == 4 and int(cache.num_free_host_pages) == 4
+    cache, _ = fill_tokens(cache, tokens, jnp.array([0, 6], jnp.int32))  # row 1: 3 pages
+    cache, swapped = cache.swap_out(jnp.array([False, True]))
+    assert bool(swapped[1])
+    # The three least recently used cached host pages (the chain's deepest) were evicted, and
+    # with them everything below them: only the chain's first page is still findable.
+    assert int(cache.prefix_cache.indexed.sum()) == 1
+    probe, matched = cache.match_prefix(tokens, jnp.array([8, 0], jnp.int32))
+    assert int(matched[0]) == 2
+    cache, served = cache.swap_in(jnp.array([False, True]))
+    assert bool(served[1])
+    assert_rows_hold_their_tokens(cache, tokens)
+
+
+def test_random_tiered_prefix_operations_keep_every_invariant():
+    """match / insert / spill / reserve+append / release / swap in any order: every row on the
+    device reads its own tokens (matched pages included), every indexed entry hangs under an
+    indexed parent one level up, and reference counts equal the page-table references."""
+    rng = np.random.default_rng(7)
+    P, N, B, K, S, T = 10, 6, 3, 4, 2, 8
+    cache = prefix_cache(num_pages=P, host_pages=N, page_size=S, max_batch=B,
+                         max_pages_per_seq=K)
+    prompts = rng.integers(0, 3, (4, T)).astype(np.int32)
+    rows = np.zeros((B, T), np.int32)
+    match = jax.jit(PagedKVCache.match_prefix, static_argnames="max_host_pages")
+    spill = jax.jit(PagedKVCache.spill_prefix, static_argnums=1)
+    for step in range(50):
+        op = rng.integers(6)
+        if op == 0:
+            n = np.where(np.asarray(cache.lengths) == 0, rng.integers(0, T + 1, B), 0)
+            n = (n * (np.asarray(cache.pages_held) == 0) * ~np.asarray(cache.on_host)).astype(
+                np.int32)
+            pick = prompts[rng.integers(0, len(prompts), B)]
+            rows = np.where((n > 0)[:, None], pick, rows)
+            cache, got = match(cache, jnp.asarray(rows), jnp.asarray(n),
+                               max_host_pages=int(rng.integers(0, 4)))
+            rest = np.where(np.asarray(cache.on_host), 0, np.maximum(n - np.asarray(got), 0))
+            cache, _ = fill_tokens(cache, jnp.asarray(rows), jnp.asarray(rest, jnp.int32))
+        elif op == 1:
+            n = np.minimum(rng.integers(0, T + 1, B), np.asarray(cache.lengths)).astype(np.int32)
+            cache = cache.insert_prefix(jnp.asarray(rows), jnp.asarray(n))
+        elif op == 2:
+            cache, _ = spill(cache, int(rng.integers(1, 5)))
+        elif op == 3:
+            cache = cache.release(jnp.asarray(rng.random(B) < 0.4))
+        elif op == 4:
+            cache, _ = swap_out(cache, jnp.asarray(rng.random(B) < 0.5), 8)
+        else:
+            cache, _ = swap_in(cache, jnp.asarray(rng.random(B) < 0.6), 8)
+        assert_rows_hold_their_tokens(cache, jnp.asarray(rows), f"step {step}")
+        idx = cache.prefix_cache
+        depth, parent = np.asarray(idx.depth), np.asarray(idx.parent)
+        for e in np.flatnonzero(depth >= 0):
+            if depth[e] == 0:
+                assert parent[e] == -1, (step, e)
+            else:
+                assert depth[parent[e]] == depth[e] - 1, (step, e)
+        table = np.asarray(cache.page_table)
+        refs = np.bincount(table[table >= 0], minlength=P)
+        assert np.array_equal(refs, np.asarray(cache.ref_counts)), step
+        host_table = np.asarray(cache.host.table)
+        host_refs = np.bincount(host_table[host_table >= 0], minlength=N)
+        assert np.array_equal(host_refs, np.asarray(cache.host.ref_counts)), step
+        # a host page holds a row's pages or a cached page, never both
+        assert not np.any((host_refs > 0) & (depth[P:] >= 0)), step
+
+
+def test_spill_and_match_run_in_place():
+    """spill_prefix and a match that brings pages back copy neither pool, device or host."""
+    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    cache = prefix_cache(num_pages=8)
+    cache, _ = fill_tokens(cache, tokens, jnp.array([8, 0], jnp.int32))
+    cache = cache.insert_prefix(tokens, jnp.array([8, 0], jnp.int32))
+    cache = cache.release(jnp.array([True, False]))
+    spill = jax.jit(PagedKVCache.spill_prefix, static_argnums=1, donate_argnums=0)
+    match = jax.jit(PagedKVCache.match_prefix, donate_argnums=0)
+    ask = jnp.array([8, 0], jnp.int32)
+    for fn, args in ((spill, (4,)), (match, (tokens, ask))):
+        hlo = fn.lower(cache, *args).compile().as_text()
+        for leaf in (cache.k_pages, cache.host.k_pages, cache.prefix_cache.tokens):
+            assert copies_of(hlo, leaf) == [], (fn, leaf.shape)
+        ptrs = [cache.v_pages.unsafe_buffer_pointer(), cache.host.k_pages.unsafe_buffer_pointer()]
+        cache, _ = fn(cache, *args)
+        assert [cache.v_pages.unsafe_buffer_pointer(),
+                cache.host.k_pages.unsafe_buffer_pointer()] == ptrs
+    assert int(cache.lengths[0]) == 6
+    assert_rows_hold_their_tokens(cache, tokens)
