@@ -213,7 +213,8 @@ class LinearKVCache:
     def instantiate(self, saved, batch_idx: IntOrArray) -> "LinearKVCache":
         """Writes a ``jaxkv.SavedKV`` into tokens ``[0, T)`` of row ``batch_idx`` (an int, an int32
         scalar or an int32 ``[n]`` array of rows), every layer in one launch. Lengths are
-        unchanged: pass ``saved.length`` to ``reset``."""
+        unchanged: pass ``saved.length`` to ``reset``. An 8-bit cache takes a float prefix too,
+        quantized as ``append`` would store it."""
         (buffer,), scales = reuse.instantiate_saved_kv(
             "LinearKVCache.instantiate", [self.buffer], ["buffer"], saved, batch_idx,
             quantization.scales_of(self))

@@ -272,6 +272,7 @@ class KVCacheManager:
         """Writes ``saved`` into tokens ``[0, T)`` of row ``batch_idx`` (an int, an int32 scalar or
         an int32 ``[n]`` array of rows), every layer in one launch (see
         ``jaxkv.instantiate_kv_cache``). Lengths are unchanged: pass ``saved.length`` to ``reset``.
+        An 8-bit cache takes a float prefix too, quantized as ``append`` would store it.
         """
         layers, scales = reuse.instantiate_saved_kv(
             "KVCacheManager.instantiate", list(self.layers), self._names(), saved, batch_idx,

@@ -18,6 +18,7 @@ import numpy as np
 from . import _ffi
 from . import _validate as validate
 from . import ops
+from . import reference
 from ._checks import check, elsewhere
 from .layout import LAYER, REPLICATED, SAVED
 from .sharding import FromOwner, Role, per_shard, row_ids
@@ -264,6 +265,32 @@ def save_saved_kv(op, buffers, names, batch_idx, seq_len, scales=None) -> SavedK
                                                         else "per_tensor"))
 
 
+def _quantized(op: str, saved: SavedKV, dtype, scaling: str, k_scales, v_scales) -> SavedKV:
+    """An unquantized saved prefix quantized for an 8-bit cache of ``dtype``, exactly as that
+    cache's ``append`` would store it (``jaxkv.reference.quantize``): per token and head, its own
+    scales; per tensor, the cache's scale of each layer. A pass over the prefix before the copy
+    (a temporary of the prefix's 8-bit bytes), not a quantizing copy kernel."""
+    for i, layer in enumerate(saved.layers):
+        if np.dtype(layer.dtype) not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16),
+                                         np.dtype(jnp.float16)):
+            raise TypeError(f"{op}: saved.layers[{i}] has dtype {layer.dtype}; an 8-bit cache "
+                            "takes a float32, bfloat16 or float16 prefix (quantized on the way)")
+    layers, ks, vs = [], [], []
+    for i, layer in enumerate(saved.layers):
+        if scaling == "per_token_head":
+            q, s = reference.quantize(layer, dtype)  # [2, H, T, D], scales [2, H, T]
+            ks.append(s[0])
+            vs.append(s[1])
+        else:
+            ks.append(jnp.asarray(k_scales[i], jnp.float32))
+            vs.append(jnp.asarray(v_scales[i], jnp.float32))
+            q = jnp.stack([reference.quantize(layer[0], dtype, ks[-1])[0],
+                           reference.quantize(layer[1], dtype, vs[-1])[0]])
+        layers.append(q)
+    return SavedKV(layers=tuple(layers), length=saved.length, k_scales=tuple(ks),
+                   v_scales=tuple(vs), scaling=scaling)
+
+
 def _scale_buffers(k_scales, v_scales):
     """The per-token scale leaves as kernel layers, and their names."""
     if isinstance(k_scales, tuple):
@@ -282,11 +309,12 @@ def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx, scales=N
     v_scales: Any
     k_scales, v_scales, per_token = scales if scales is not None else (None, None, False)
     scaling = None if scales is None else ("per_token_head" if per_token else "per_tensor")
+    if saved.scaling is None and scaling is not None:
+        saved = _quantized(op, saved, buffers[0].dtype, scaling, k_scales, v_scales)
     if saved.scaling != scaling:
         raise ValueError(
             f"{op}: saved was saved from a cache with scaling={saved.scaling!r}, this cache has "
-            f"scaling={scaling!r}: a prefix instantiates into a cache of its own kind (quantizing "
-            "an unquantized prefix on the way in is not supported yet)")
+            f"scaling={scaling!r}: an 8-bit prefix instantiates into a cache of its own kind")
     names_saved = [f"saved.layers[{i}]" for i in range(saved.num_layers)]
     items, saved_items = list(buffers), list(saved.layers)
     if per_token:

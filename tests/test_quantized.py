@@ -225,7 +225,38 @@ def test_save_and_instantiate_keep_bytes_and_scales(kind, scaling):
         assert "per-tensor scales differ" in err.get()
     plain = make(kind, jnp.bfloat16).reset(jnp.full((B,), 4, jnp.int32))
     with pytest.raises(ValueError, match="scaling="):
-        c.instantiate(plain.save(0, 3), 0)
+        plain.instantiate(saved, 0)  # 8-bit bytes go only into a cache of their own kind
+
+
+@pytest.mark.parametrize("kind", ["linear", "manager"])
+@pytest.mark.parametrize("dtype,scaling", [(jnp.float8_e4m3fn, "per_token_head"),
+                                           (jnp.int8, "per_tensor")])
+def test_an_unquantized_prefix_is_quantized_on_instantiate(kind, dtype, scaling):
+    """A bfloat16 prompt saved once instantiates into an 8-bit cache as that cache's append
+    would store it: reference.quantize's bytes and scales, bit for bit."""
+    plain = started(kind, jnp.bfloat16, [6, 6, 6, 6])
+    saved = plain.save(1, 5)
+    kw = dict(k_scale=0.05, v_scale=0.07) if scaling == "per_tensor" else {}
+    c = started(kind, dtype, [6, 6, 6, 6], scaling, **kw)
+    out = jax.jit(lambda c, s: c.instantiate(s, jnp.asarray([0, 2], jnp.int32)))(c, saved)
+    assert out.scaling == scaling
+    for kv in (0, 1):
+        scale = None if scaling == "per_token_head" else (0.05, 0.07)[kv]
+        for layer in range(L):
+            src, _ = token_view(plain, layer, kv)
+            want, want_s = quantize_on_cpu(src[1, :, :5], dtype, scale)
+            data, scales = token_view(c, layer, kv)
+            got, got_s = token_view(out, layer, kv)
+            for row in (0, 2):
+                assert_bytes_equal(got[row, :, :5], want, "bytes")
+                assert_bytes_equal(got[row, :, 5:], data[row, :, 5:], "past T untouched")
+                if scaling == "per_token_head":
+                    assert_bytes_equal(got_s[row, :, :5], want_s, "scales")
+            assert_bytes_equal(got[1], data[1], "other rows untouched")
+            assert_bytes_equal(got[3], data[3], "other rows untouched")
+    raw = dataclasses.replace(saved, layers=tuple(x.astype(jnp.int8) for x in saved.layers))
+    with pytest.raises(TypeError, match="takes a float32, bfloat16 or float16 prefix"):
+        c.instantiate(raw, 0)  # bytes without scales cannot be quantized
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
