@@ -244,7 +244,7 @@ def test_serve_preempt_swap_reports_swaps_and_agrees(tmp_path, capsys, monkeypat
                      "--decode-steps", "4", "--json", str(path)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "swaps out / in, bytes moved" in out
+    assert "to the host tier: swaps out / in, pages spilled; bytes" in out
     assert "first 12 requests: fixed 12/12 identical, paged 12/12 identical" in out
     paged = json.loads(path.read_text())["engines"]["paged"]
     assert paged["preemptions"] > 0 and paged["swaps_out"] > 0 and paged["swap_bytes"] > 0
@@ -340,6 +340,27 @@ def test_prefix_caching_reuses_pages_and_generates_what_recomputation_does(strea
     assert done == m["prefill_requested"] if not m["preemptions"] else done >= m[
         "prefill_requested"]
     assert eng.cache_copies() == 0
+
+
+def test_prefix_cache_spills_to_the_host_and_finds_pages_there():
+    """A prefix-caching engine with a host tier spills cached pages ahead of eviction and finds
+    them on the host later: the same tokens as recomputation, more reuse than without a host
+    tier at the same device budget."""
+    system, requests = S.make_stream(SHARED, CFG.vocab_size)
+    want = serve_cli.recompute(CFG, PARAMS, system, requests, len(requests), 40, None)
+    reuse = {}
+    for host in (0, 32):  # 13 pages: one sequence of max_seq_len, and the pool runs short
+        plan = S.Plan("paged-prefix", batch=4, num_pages=13, page_size=4)
+        kind = S.make_kind("paged-prefix", CFG, "float32", plan, host_pages=host)
+        eng = S.ServeEngine(CFG, PARAMS, kind, batch=4, max_seq_len=40, system_prompt=system,
+                            prefill_rows=2, prefill_chunk=4, decode_steps=4, mixed_steps=2)
+        reqs = S.fresh(requests)
+        m = eng.run(reqs)
+        assert [r.output for r in reqs] == want
+        reuse[host] = m["prefill_matched"]
+        assert (m["spilled_pages"] > 0) == bool(host)
+        assert eng.cache_copies() == 0
+    assert reuse[32] > reuse[0]
 
 
 def test_serve_prefix_cache_flag_reports_reuse(tmp_path, capsys, monkeypatch):

@@ -355,6 +355,11 @@ class PagedKind:
     def pages_held(self, cache):
         return self._unpad(cache.pages_held)
 
+    def uncached_free_pages(self, cache):
+        """int32 []: free device pages that hold no cached prefix (reserve takes them first)."""
+        cached = cache.prefix_cache.indexed[:cache.num_pages]
+        return jnp.sum((cache.ref_counts == 0) & ~cached, dtype=jnp.int32)
+
     def host_pages_held(self, cache):
         return self._unpad(cache.host.held)
 

@@ -180,9 +180,10 @@ class ServeEngine(loop.Engine):
         self.decode_steps = decode_steps
         self.mixed_steps = min(decode_steps, mixed_steps or decode_steps)
         self.prefix = bool(getattr(kind, "prefix_cache", False))  # automatic prefix caching
-        self.swap = bool(getattr(kind, "host_pages", 0))  # preemption by swap (host tier)
-        if self.swap and self.prefix:
-            raise ValueError("a serving engine swaps or caches prefixes, not both yet")
+        # A host tier: a prefix-caching engine spills cached pages to it ahead of eviction;
+        # any other paged engine preempts by swapping rows to it.
+        tier = bool(getattr(kind, "host_pages", 0))
+        self.swap, self.spill = tier and not self.prefix, tier and self.prefix
         # On a mesh: the small per-row arrays replicated.
         sharding = getattr(kind, "sharding", None)
         mesh = getattr(kind, "mesh", None) or (sharding.mesh if sharding is not None else None)
@@ -282,9 +283,10 @@ class ServeEngine(loop.Engine):
             init = (cache, tok, remaining, out, jnp.zeros((batch,), bool))
             cache, tok, remaining, out, stalled = jax.lax.fori_loop(0, steps, body, init)
             live = kind.live(cache)
+            uncached = kind.uncached_free_pages(cache) if self.spill else jnp.int32(0)
             usage = jnp.stack([jnp.sum(live, dtype=i32),
                                jnp.sum(jnp.where(live, kind.lengths(cache), 0), dtype=i32),
-                               kind.reserved_tokens(cache)])
+                               kind.reserved_tokens(cache), uncached])
             # `remaining` is donated to the next call; the host reads which rows are done
             return placed(cache), pin(tok), pin(remaining), out, stalled, usage, remaining == 0
 
@@ -313,15 +315,21 @@ class ServeEngine(loop.Engine):
             cache, moved = kind.swap_in(cache, rows, size)
             return placed(cache), moved, jnp.sum(jnp.where(moved, kind.pages_held(cache), 0))
 
+        def spill(cache, size):  # -> (cache, pages spilled)
+            cache, n = cache.spill_prefix(size)
+            return placed(cache), n
+
         if self.swap:  # a transfer of at most `size` pages (static: compiled per size)
             fns.update(swap_out=jax.jit(swap_out, donate_argnums=(0,), static_argnums=(2,)),
                        swap_in=jax.jit(swap_in, donate_argnums=(0,), static_argnums=(2,)))
+        if self.spill:
+            fns["spill"] = jax.jit(spill, donate_argnums=(0,), static_argnums=(1,))
         return fns
 
     @property
     def swap_sizes(self) -> tuple[int, ...]:
         """The transfer sizes the swaps are compiled for: powers of two, then a whole row."""
-        if not self.swap:
+        if not (self.swap or self.spill):
             return ()
         whole = -(-self.max_seq_len // self.kind.page_size)
         return tuple(sorted({min(1 << i, whole) for i in range(whole.bit_length() + 1)}))
@@ -334,8 +342,9 @@ class ServeEngine(loop.Engine):
         # the weights as placed (tensor parallel: split over the mesh)
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                              sharding=x.sharding), self.params)
-        if self.swap:  # lowered from a real cache: a ShapeDtypeStruct cannot say that the host
-            # tier lives in host memory, and the compiled functions would expect device memory
+        if self.swap or self.spill:  # lowered from a real cache: a ShapeDtypeStruct cannot
+            # say that the host tier lives in host memory, and the compiled functions would
+            # expect device memory
             cache = self.kind.create(self.batch, self.max_seq_len)
         else:
             cache = jax.eval_shape(lambda: self.kind.create(self.batch, self.max_seq_len))
@@ -365,7 +374,8 @@ class ServeEngine(loop.Engine):
                        for r in self.lane_sizes}
         decode = {f"decode{n}": (params, cache, row, row, i32(), n) for n in self.step_counts}
         swaps = {f"{d}{n}": (cache, bools(self.batch), n)
-                 for d in ("swap_out", "swap_in") for n in self.swap_sizes}
+                 for d in ("swap_out", "swap_in") for n in self.swap_sizes if self.swap}
+        swaps.update({f"spill{n}": (cache, n) for n in self.swap_sizes if self.spill})
         return dict(**prefill, **decode, **swaps, evict=(cache, row, row, row), save=(cache,))
 
     @staticmethod
@@ -488,6 +498,9 @@ class ServeEngine(loop.Engine):
                 cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, mapping)
             if self.swap:
                 cache = self._swap(fns, sched, cache)
+            if self.spill and (pages := sched.spill_wanted()):
+                cache, n = fns[f"spill{self.swap_size(pages)}"](cache)
+                sched.m["spilled"].append(n)  # read at the end: no wait here
             if chunk is not None:
                 extra = () if self.prefix else (saved,)
                 cache, tok, remaining, *prefilled = fns[f"prefill{chunk.width}"](
@@ -532,7 +545,8 @@ class ServeEngine(loop.Engine):
         if mapping is not None:
             cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, mapping)
         self.final_cache = cache
-        m.update(wall=wall, compile_s=compile_s, usage=np.array(sched.usage).reshape(-1, 3),
+        m.update(wall=wall, compile_s=compile_s, usage=np.array(sched.usage).reshape(-1, 4),
+                 spilled_pages=int(sum(int(n) for n in m["spilled"])),
                  page_size=sched.page_size or 0,
                  profile=profile_summary(trace_dir, window) if trace_dir else None)
         return m
@@ -599,12 +613,15 @@ class Schedule:
         self.short = False  # a row got no page in the last iteration
         self.order = self.done = 0
         self.live: list = []
-        self.usage: list = []  # [live rows, live tokens, reserved tokens] after each decode call
+        # [live rows, live tokens, reserved tokens, never-cached free pages] after each decode
+        self.usage: list = []
+        self.uncached = num_pages  # never-cached free pages (a prefix cache), as last read
         self.prefilling = 0  # rows still prefilling after the current chunk
         self.m = dict(iterations=0, prefill_calls=0, decode_calls=0, evict_calls=0,
                       decode_steps=0, preemptions=0, peak_live=0, peak_decoding=0, busy_host=0.0,
                       prefill_requested=0, prefill_computed=0, prefill_matched=0,
-                      swaps_out=0, swaps_in=0, swap_pages_out=0, swap_pages_in=0)
+                      swaps_out=0, swaps_in=0, swap_pages_out=0, swap_pages_in=0,
+                      spilled=[])
 
     def arrive(self, t: float) -> None:
         while self.future and self.future[0].arrival <= t:
@@ -667,6 +684,20 @@ class Schedule:
         self.live = self.slots.rows()
         self.m["peak_live"] = max(self.m["peak_live"], len(self.live))
         return admitted
+
+    def spill_wanted(self) -> int:
+        """Pages to spill to the host now (a prefix-caching engine with a host tier): what the
+        next iteration may take beyond the never-cached free pages, so that reserve evicts no
+        cached page the host has room for."""
+        e, size = self.engine, self.page_size
+        decoding = sum(r.phase == "decode" for _, r in self.slots.rows())
+        ahead = (e.prefill_rows * _pages(e.prefill_chunk, size) + 1
+                 + decoding * _pages(max(e.decode_steps, 1), size))
+        want = ahead - self.uncached
+        if want <= 0:
+            return 0
+        self.uncached += want  # until the next read: do not spill the same pages twice
+        return want
 
     def _swap_ins(self, room: int) -> int:
         """Plans bringing swapped requests back, oldest first, while their pages fit in
@@ -767,6 +798,7 @@ class Schedule:
         out, stalled, usage, done = got[:4]
         self.decoded(live, out, done, stalled, now())
         self.pages_in_use(usage[2])
+        self.uncached = int(usage[3])
         self.usage.append(usage)
         self.preempt_if_short()
         self.m["busy_host"] += time.perf_counter() - host
@@ -905,7 +937,9 @@ def summarize(requests: list[ServeRequest], m: dict, per_token: int, allocated: 
         prefill_calls=m["prefill_calls"], evict_calls=m["evict_calls"],
         decode_steps=m["decode_steps"], preemptions=m["preemptions"],
         swaps_out=m["swaps_out"], swaps_in=m["swaps_in"],
-        swap_bytes=(m["swap_pages_out"] + m["swap_pages_in"]) * per_token * m["page_size"],
+        spilled_pages=m["spilled_pages"],
+        swap_bytes=(m["swap_pages_out"] + m["swap_pages_in"] + m["spilled_pages"]) * per_token
+        * m["page_size"],
         host_s=m["busy_host"], compile_s=m["compile_s"], profile=m["profile"],
         prefill_requested=m["prefill_requested"], prefill_computed=m["prefill_computed"],
         prefill_matched=m["prefill_matched"], oracle_reuse=best,

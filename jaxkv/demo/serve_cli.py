@@ -75,7 +75,8 @@ def parse_args(argv):
              "(default, until the swap path is measured on a GPU) or swap its pages to host "
              "memory and back (engine paged-swap always swaps)")
     add("--host-kv-gib", type=float,
-        help="the host tier of a swapping engine, GiB (default: the KV budget)")
+        help="the host tier of a swapping engine, GiB (default: the KV budget); given, the "
+             "prefix-caching engine gets one too and spills cached pages to it")
     add("--prefix-cache", action="store_true",
         help="also run the paged engine with automatic prefix caching (paged-prefix)")
     add("--duration", type=float,
@@ -216,8 +217,9 @@ def table(results: dict[str, dict], profiled: bool) -> list[str]:
                                                       for r in runs)),
             ("KV holding live tokens, mean", *(size(r["kv_live_mean_bytes"]) for r in runs)),
             ("preemptions", *(str(r["preemptions"]) for r in runs)),
-            ("swaps out / in, bytes moved", *(f"{r['swaps_out']} / {r['swaps_in']}, "
-                                              f"{size(r['swap_bytes'])}" for r in runs)),
+            ("to the host tier: swaps out / in, pages spilled; bytes",
+             *(f"{r['swaps_out']} / {r['swaps_in']}, {r['spilled_pages']}; "
+               f"{size(r['swap_bytes'])}" for r in runs)),
             ("prefill tokens computed / requested",
              *(f"{r['prefill_computed']} / {r['prefill_requested']}" for r in runs)),
             ("prefix tokens reused / oracle's best",
@@ -288,7 +290,8 @@ def run_engine(name, args, cfg, params, system, requests, kv_gib, per_token, mea
         raise SystemExit(f"{name}: --kv-gib {kv_gib} does not hold one sequence of "
                          f"--max-seq-len {args.max_seq_len}")
     host_pages = 0
-    swaps = name == "paged-swap" or (args.preempt == "swap" and name in ("paged", "paged-8bit"))
+    swaps = (name == "paged-swap" or (args.preempt == "swap" and name in ("paged", "paged-8bit"))
+             or (name == "paged-prefix" and args.host_kv_gib))  # the prefix cache spills
     if swaps and p.num_pages:  # the host tier: --host-kv-gib, or as many pages as the device
         host_gib = args.host_kv_gib or kv_gib
         host_pages = max(1, int(host_gib * 2**30) // (per_token * args.page_size))
