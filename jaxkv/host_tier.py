@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -45,7 +46,9 @@ class HostPages:
     k_scales: Any  # host memory: per-token-head scale pools (an 8-bit cache's), else None
     v_scales: Any
     ref_counts: jax.Array  # int32 [num_host_pages]: 1 where a swapped row holds the page
-    table: jax.Array  # int32 [max_batch, max_pages_per_seq]: a swapped row's host pages, in order
+    # int32 [max_batch, max_pages_per_seq]: a swapped row's host pages at the positions of the
+    # pages it moved; the shared pages it kept on the device (a prefix) stay in its page table
+    table: jax.Array
 
     @property
     def num_pages(self) -> int:
@@ -54,7 +57,7 @@ class HostPages:
     @property
     def on_host(self) -> jax.Array:
         """bool ``[max_batch]``: rows swapped out."""
-        return self.table[:, 0] != NO_PAGE
+        return jnp.any(self.table != NO_PAGE, axis=1)
 
     @property
     def held(self) -> jax.Array:
@@ -91,6 +94,16 @@ def _host_gather(axis: int, pool, ids):
     return jnp.take(pool, ids, axis=axis, mode="clip")
 
 
+def _on_host(fn, *args):
+    """``fn(*args)`` (a jitted function whose results stay in host memory) run on the host:
+    ``compute_on("device_host")``, whose signature jax 0.12 changed (the compute type and the
+    results' memory spaces became keyword arguments)."""
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+        return compute_on(fn, compute_type="device_host",  # type: ignore[call-arg]
+                          out_memory_spaces=jax.memory.Space.Host)(*args)
+    return compute_on("device_host")(fn)(*args)
+
+
 def _in_host_memory(x) -> bool:
     return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
@@ -103,14 +116,14 @@ def _to_host(axis: int, host_pool, device_pool, src, dst):
         return _host_scatter(axis, host_pool, dst, staging)
     staging = jax.device_put(staging, jax.memory.Space.Host)
     dst = jax.device_put(dst, jax.memory.Space.Host)
-    return compute_on("device_host")(_host_scatter)(axis, host_pool, dst, staging)
+    return _on_host(functools.partial(_host_scatter, axis), host_pool, dst, staging)
 
 
 def _from_host(axis: int, device_pool, host_pool, src, dst):
     """Host pages ``src`` -> device pages ``dst`` (a ``dst`` out of range moves nothing)."""
     if _in_host_memory(host_pool):
         src = jax.device_put(src, jax.memory.Space.Host)
-        staging = compute_on("device_host")(_host_gather)(axis, host_pool, src)
+        staging = _on_host(functools.partial(_host_gather, axis), host_pool, src)
         staging = jax.device_put(staging, jax.memory.Space.Device)
     else:
         staging = _host_gather(axis, host_pool, src)
@@ -129,14 +142,14 @@ def _pools(cache):
     return pairs.values()
 
 
-def _moves(table: jax.Array, counts: jax.Array, moved: jax.Array, first: jax.Array,
-           free_ids: jax.Array, max_pages: int, limit: int):
-    """The transfer's page pairs: entry ``first[b] + j`` moves page ``table[b, j]`` to
+def _moves(table: jax.Array, start: jax.Array, counts: jax.Array, moved: jax.Array,
+           first: jax.Array, free_ids: jax.Array, max_pages: int, limit: int):
+    """The transfer's page pairs: slot ``first[b] + j`` moves page ``table[b, start[b] + j]`` to
     ``free_ids[first[b] + j]``, for ``j < counts[b]`` of each moved row. Returns ``(src, dst,
     new_rows)``: ``src``, ``dst`` int32 ``[max_pages]`` (unused entries: ``dst = limit``, out of
     range), ``new_rows`` each moved row's destination pages laid out like ``table``."""
-    j = jnp.arange(table.shape[1], dtype=jnp.int32)[None, :]
-    live = moved[:, None] & (j < counts[:, None])
+    j = jnp.arange(table.shape[1], dtype=jnp.int32)[None, :] - start[:, None]
+    live = moved[:, None] & (j >= 0) & (j < counts[:, None])
     slot = jnp.where(live, first[:, None] + j, max_pages)
     src = jnp.zeros((max_pages,), jnp.int32).at[slot].set(table, mode="drop")
     new_rows = jnp.where(live, free_ids[jnp.clip(slot, 0, free_ids.shape[0] - 1)], NO_PAGE)
@@ -151,25 +164,32 @@ def _budget(need: jax.Array, eligible: jax.Array, max_pages: int) -> jax.Array:
 
 
 def swap_out(op: str, cache, rows: jax.Array, max_pages: int):
-    """``PagedKVCache.swap_out``'s body (arguments checked)."""
+    """``PagedKVCache.swap_out``'s body (arguments checked). A row's leading pages that another
+    row also holds (a forked or matched prefix) stay on the device, held by the row: moving them
+    would free nothing and bring them back unshared."""
     host = cache.host
     held = cache.pages_held
     on_host = host.on_host
-    check(~rows | (~on_host & (held > 0)),
-          f"{op}: a selected row is already on the host or holds no pages (nothing moved)")
-    eligible = _budget(held, rows & ~on_host & (held > 0), max_pages)
-    host_counts, swapped, first, free_ids, index = _allocate_host(cache, held, eligible)
-    src, dst, host_rows = _moves(cache.page_table, held, swapped, first, free_ids, max_pages,
+    table = cache.page_table
+    shared = (table >= 0) & (cache.ref_counts[jnp.clip(table, 0, cache.num_pages - 1)] > 1)
+    kept = jnp.sum(jnp.cumprod(shared, axis=1), axis=1, dtype=jnp.int32)
+    own = held - kept
+    check(~rows | (~on_host & (own > 0)),
+          f"{op}: a selected row is already on the host or holds no pages of its own (nothing "
+          "moved)")
+    eligible = _budget(own, rows & ~on_host & (own > 0), max_pages)
+    host_counts, swapped, first, free_ids, index = _allocate_host(cache, own, eligible)
+    src, dst, host_rows = _moves(table, kept, own, swapped, first, free_ids, max_pages,
                                  host.num_pages)
     fields: dict[str, jax.Array] = {}
     host_fields: dict[str, jax.Array] = {}
     for name, device_pool, host_pool in _pools(cache):
         host_fields[name] = _to_host(PAGE_AXIS[cache.layout], host_pool, device_pool, src, dst)
-    # The device pages go back to the pool (a shared page when its last holder leaves).
-    mine = swapped[:, None] & (cache.page_table >= 0)
-    pages = jnp.where(mine, cache.page_table, cache.num_pages)
-    fields.update(ref_counts=cache.ref_counts.at[pages].add(-1, mode="drop"),
-                  page_table=jnp.where(swapped[:, None], NO_PAGE, cache.page_table),
+    # The pages moved go back to the pool; the shared prefix stays in the page table.
+    gone = host_rows >= 0
+    fields.update(ref_counts=cache.ref_counts.at[jnp.where(gone, table, cache.num_pages)].add(
+                      -1, mode="drop"),
+                  page_table=jnp.where(gone, NO_PAGE, table),
                   new_tokens=jnp.where(swapped, 0, cache.new_tokens))
     host = dataclasses.replace(host, ref_counts=host_counts,
                                table=jnp.where(swapped[:, None], host_rows, host.table),
@@ -203,8 +223,8 @@ def swap_in(op: str, cache, rows: jax.Array, max_pages: int):
     held = host.held
     eligible = _budget(held, rows & on_host, max_pages)
     ref_counts, served, first, free_ids, index = cache._allocate(held, eligible)
-    src, dst, device_rows = _moves(host.table, held, served, first, free_ids, max_pages,
-                                   cache.num_pages)
+    src, dst, device_rows = _moves(host.table, cache.pages_held, held, served, first, free_ids,
+                                   max_pages, cache.num_pages)
     fields: dict[str, jax.Array] = {}
     for name, device_pool, host_pool in _pools(cache):
         fields[name] = _from_host(PAGE_AXIS[cache.layout], device_pool, host_pool, src, dst)
@@ -213,7 +233,7 @@ def swap_in(op: str, cache, rows: jax.Array, max_pages: int):
                                table=jnp.where(served[:, None], NO_PAGE, host.table))
     cache = dataclasses.replace(
         cache, host=host, ref_counts=ref_counts, prefix_cache=index,
-        page_table=jnp.where(served[:, None], device_rows, cache.page_table), **fields)
+        page_table=jnp.where(device_rows >= 0, device_rows, cache.page_table), **fields)
     return cache, served
 
 

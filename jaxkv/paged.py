@@ -154,16 +154,16 @@ class PagedKVCache:
         # The scale pools: the pools without D, in either layout.
         leaves.update(quantization.scale_leaves(op, scaling, num_layers, shape[:4], k_scale,
                                                 v_scale))
+        host_pages = validate.static_int(op, "host_pages", host_pages, lo=0, hi=INT32_MAX)
         if not isinstance(prefix_cache, bool):
             raise TypeError(f"{op}: prefix_cache must be a bool, got {type(prefix_cache).__name__}")
         if prefix_cache:
             # an entry per device page, then one per host page (jaxkv.page_index)
-            entries = num_pages + (host_pages if isinstance(host_pages, int) else 0)
+            entries = num_pages + host_pages
             leaves["prefix_cache"] = lambda full: page_index.PageIndex.empty(entries, page_size,
                                                                              full)
         divides = dict(max_batch=(max_batch, "batch"), num_pages=(num_pages, "batch"),
                        num_kv_heads=(num_kv_heads, "heads"))
-        validate.static_int(op, "host_pages", host_pages, lo=0, hi=INT32_MAX)
         if host_pages and sharding is not None:
             raise ValueError(f"{op}: host_pages is not supported on a sharded cache yet")
         cache = create(cls, op, sharding, leaves, divides, layout=layout, scaling=scaling)
@@ -568,8 +568,9 @@ class PagedKVCache:
         rows, size = self.max_batch, self.page_size
         capacity = self.max_pages_per_seq * size
         asking = num_tokens > 0
-        empty = (self.lengths == 0) & (self.pages_held == 0)
-        check(empty | ~asking, f"{op}: a row asking for a prefix must be empty (release it)")
+        empty = (self.lengths == 0) & (self.pages_held == 0) & ~self.on_host
+        check(empty | ~asking,
+              f"{op}: a row asking for a prefix must be empty (release it; a row on the host too)")
         ok = page_index.row_ok(op, tokens, num_tokens, capacity) & empty & asking
         pages = page_index.token_pages(tokens, size, self.max_pages_per_seq)
         k = pages.shape[1]

@@ -544,8 +544,8 @@ def test_random_tiered_prefix_operations_keep_every_invariant():
         op = rng.integers(6)
         if op == 0:
             n = np.where(np.asarray(cache.lengths) == 0, rng.integers(0, T + 1, B), 0)
-            n = (n * (np.asarray(cache.pages_held) == 0) * ~np.asarray(cache.on_host)).astype(
-                np.int32)
+            n = (n * (np.asarray(cache.pages_held) == 0)).astype(np.int32)  # rows on the host
+            # with nothing committed ask too: they must be refused
             pick = prompts[rng.integers(0, len(prompts), B)]
             rows = np.where((n > 0)[:, None], pick, rows)
             cache, got = match(cache, jnp.asarray(rows), jnp.asarray(n),
@@ -601,3 +601,61 @@ def test_spill_and_match_run_in_place():
                 cache.host.k_pages.unsafe_buffer_pointer()] == ptrs
     assert int(cache.lengths[0]) == 6
     assert_rows_hold_their_tokens(cache, tokens)
+
+
+def test_a_shared_prefix_stays_on_the_device_and_stays_shared():
+    """A forked row's shared pages stay on the device (held by it) when it swaps out; only its
+    own pages move, and they come back behind the shared ones: the pool uses no more pages after
+    a round trip than before, and both rows read what they wrote."""
+    cache = filled(make(num_pages=12, max_batch=3), [5, 0, 0])  # 3 pages, the last partial
+    cache, forked = cache.fork(0, jnp.array([1], jnp.int32))
+    assert bool(forked[0])
+    cache = filled(cache, [0, 3, 0])  # row 1: the 2 shared full pages, its copy, one more page
+    before = [row_bytes(cache, b) for b in (0, 1)]
+    used = int(cache.num_pages - cache.num_free_pages)
+    shared = np.asarray(cache.page_table[1, :2]).tolist()
+    cache, swapped = swap_out(cache, jnp.array([False, True, False]), 8)
+    assert bool(swapped[1]) and bool(cache.on_host[1])
+    assert np.asarray(cache.page_table[1]).tolist() == shared + [NO_PAGE, NO_PAGE]
+    assert int(cache.host.held[1]) == 2 and int(cache.lengths[1]) == 8
+    cache = filled(cache, [0, 0, 8])  # row 2 takes the freed pages and writes over them
+    cache = cache.release(jnp.array([False, False, True]))
+    cache, served = swap_in(cache, jnp.array([False, True, False]), 8)
+    assert bool(served[1]) and np.asarray(cache.page_table[1, :2]).tolist() == shared
+    assert int(cache.num_pages - cache.num_free_pages) == used  # nothing unshared
+    for b in (0, 1):
+        for got, want in zip(row_bytes(cache, b), before[b]):
+            assert_bytes_equal(got, want, f"row {b}")
+    # A row holding only shared pages has nothing of its own to move: a reported no-op.
+    only = filled(make(num_pages=12, max_batch=3), [4, 0, 0])
+    only, _ = only.fork(0, jnp.array([2], jnp.int32))
+    err, (_, swapped) = checkify.checkify(lambda c: c.swap_out(jnp.array([0, 0, 1], bool)))(only)
+    assert "no pages of its own" in err.get() and not bool(swapped[2])
+
+
+def test_a_row_on_the_host_with_nothing_committed_is_not_empty_for_match():
+    """Reserved but not committed, then swapped: length 0, no device page, yet on the host.
+    match_prefix must not map cached pages into it (they would leak when it comes back)."""
+    tokens = jnp.tile(jnp.arange(8, dtype=jnp.int32), (2, 1))
+    cache = prefix_cache(num_pages=8, max_batch=2)
+    cache, _ = fill_tokens(cache, tokens, jnp.array([8, 0], jnp.int32))
+    cache = cache.insert_prefix(tokens, jnp.array([8, 0], jnp.int32))
+    cache = cache.release(jnp.array([True, False]))
+    cache, _ = cache.reserve(jnp.array([0, 3], jnp.int32))
+    cache, swapped = swap_out(cache, jnp.array([False, True]), 8)
+    assert bool(swapped[1]) and int(cache.lengths[1]) == 0
+    ask = jnp.array([0, 8], jnp.int32)
+    err, (out, matched) = checkify.checkify(lambda c: c.match_prefix(tokens, ask))(cache)
+    assert "must be empty" in err.get() and int(matched[1]) == 0
+    out, served = swap_in(out, jnp.array([False, True]), 8)
+    assert bool(served[1])
+    table = np.asarray(out.page_table)
+    refs = np.bincount(table[table >= 0], minlength=8)
+    assert np.array_equal(refs, np.asarray(out.ref_counts))
+
+
+def test_host_pages_may_be_a_numpy_int():
+    cache = prefix_cache(host_pages=np.int64(4))
+    assert cache.host.num_pages == 4 and cache.prefix_cache.entries == cache.num_pages + 4
+    cache, spilled = cache.spill_prefix()
+    assert int(spilled) == 0

@@ -127,6 +127,26 @@ def test_pool_pressure_swaps_pages_to_the_host_and_back():
     assert np.asarray(cache.ref_counts).tolist().count(0) == cache.num_pages - 2
 
 
+def test_a_swapped_request_that_cannot_fit_beside_others_still_finishes():
+    """Two long requests in a pool of 11 pages (one at most fits): when no row runs, the oldest
+    swapped request comes back whatever the host's estimate, or is recomputed if the device
+    cannot take it: the schedule never stalls (a run that did went on for ever)."""
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 256, 5).astype(np.int32)
+    requests = [S.ServeRequest(i, rng.integers(0, 256, 10).astype(np.int32), 25, 0.0)
+                for i in range(2)]
+    kind = S.make_kind("paged-swap", CFG, "float32", S.Plan("paged-swap", 4, 11, 4),
+                       host_pages=11)
+    eng = S.ServeEngine(CFG, PARAMS, kind, batch=4, max_seq_len=40, system_prompt=system,
+                        prefill_rows=2, prefill_chunk=4, decode_steps=4, mixed_steps=2)
+    reqs = S.fresh(requests)
+    m = eng.run(reqs, duration=120)  # a stalled schedule ends here, unfinished
+    assert [r.phase for r in reqs] == ["done", "done"]
+    assert [r.output for r in reqs] == serve_cli.recompute(CFG, PARAMS, system, requests, 2, 40,
+                                                           None)
+    assert m["swaps_out"] > 0 and m["iterations"] < 100
+
+
 def test_end_token_stops_requests_on_the_device():
     longest = max(recomputed(), key=len)
     eos = longest[len(longest) // 2]  # a token the model does generate

@@ -701,8 +701,10 @@ class Schedule:
 
     def _swap_ins(self, room: int) -> int:
         """Plans bringing swapped requests back, oldest first, while their pages fit in
-        ``room`` and no preemption is pending; returns the pages they take."""
-        active = sum(r.phase in ("prefill", "decode") for _, r in self.slots.rows())
+        ``room`` and no preemption is pending; returns the pages they take. With no row running,
+        the oldest comes back whatever the estimate says (the device decides), so that the
+        schedule always moves."""
+        active = self._active()
         if self.hold and active:
             return 0
         swapped = sorted((r for _, r in self.slots.rows()
@@ -710,19 +712,23 @@ class Schedule:
         taken = 0
         for r in swapped:
             need = self._pages_held(r)
-            if taken + need > room:
+            if taken + need > room and (active or taken):
                 break
             taken += need
             self.to_device.append(r)
         return taken
 
+    def _active(self) -> int:
+        return sum(r.phase in ("prefill", "decode") for _, r in self.slots.rows())
+
     def _pages_held(self, r: ServeRequest) -> int:
-        """The most pages request ``r``'s row can hold: its tokens in the cache, and what the
-        calls in flight may have added."""
+        """The most pages of its own request ``r``'s row can hold (the system prompt's full
+        pages are shared with the prompt row: a swap leaves them on the device): its tokens in
+        the cache, and what the calls in flight may have added."""
         e = self.engine
         tokens = self.syslen + (len(r.prompt) + len(r.output) + max(e.decode_steps, 1)
                                 if "decode" in (r.phase, r.resume) else r.offset + e.prefill_chunk)
-        return _pages(tokens + 1, self.page_size)
+        return max(1, _pages(tokens + 1, self.page_size) - self.syslen // self.page_size)
 
     def swaps(self) -> list:
         """(direction, row, request, most pages) of the swaps to dispatch now, outs first."""
@@ -735,8 +741,9 @@ class Schedule:
 
     def swapped(self, direction: str, r: ServeRequest, moved: bool, pages: int) -> None:
         """A swap's outcome. A request whose pages found no room on the host is preempted by
-        recomputation instead; one that found no room on the device stays on the host."""
-        if direction == "swap_out" and not moved:
+        recomputation instead; one that found no room on the device stays on the host, unless no
+        row is running: then it could only wait for itself, and is recomputed instead."""
+        if not moved and (direction == "swap_out" or not self._active()):
             self._requeue(r)
         elif moved:
             kind = "out" if direction == "swap_out" else "in"
