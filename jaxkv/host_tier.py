@@ -99,7 +99,7 @@ def _on_host(fn, *args):
     ``compute_on("device_host")``, whose signature jax 0.12 changed (the compute type and the
     results' memory spaces became keyword arguments)."""
     if "out_memory_spaces" in inspect.signature(compute_on).parameters:
-        return compute_on(fn, compute_type="device_host",  # type: ignore[call-arg]
+        return compute_on(fn, compute_type="device_host",
                           out_memory_spaces=jax.memory.Space.Host)(*args)
     return compute_on("device_host")(fn)(*args)
 
