@@ -476,9 +476,10 @@ class PagedKVCache:
     # The host tier.
     @per_shard(rows=Role(ROWS), out=(None, Role(ROWS)))
     def swap_out(self, rows: jax.Array, max_pages: int | None = None):
-        """Moves every page of each selected row (all layers, K, V and per-token scales) to the
-        host tier and frees its device pages; the row keeps its length and is ``on_host`` until
-        ``swap_in``.
+        """Moves the pages of each selected row (all layers, K, V and per-token scales) to the
+        host tier and frees them on the device; the row keeps its length and is ``on_host`` until
+        ``swap_in``. Its leading pages that another row also holds (a forked or matched prefix)
+        stay on the device, held by the row: moving them would free nothing.
 
         ``rows``: bool ``[max_batch]``, like ``release``'s mask. ``max_pages``: the most pages
         this call moves (static: the size of its one transfer; default ``max_pages_per_seq``, a
@@ -486,8 +487,8 @@ class PagedKVCache:
         the free host pages; the first that does not fit stops the rest.
 
         **Returns:** ``(cache, swapped)``, ``swapped`` bool ``[max_batch]``. A selected row that
-        is already on the host or holds no pages is left as it was and reported through
-        ``checkify``; one that did not fit reads false.
+        is already on the host or holds no pages of its own is left as it was and reported
+        through ``checkify``; one that did not fit reads false.
         """
         op = "PagedKVCache.swap_out"
         return host_tier.swap_out(op, self, *self._swap_args(op, rows, max_pages))
