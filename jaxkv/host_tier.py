@@ -98,7 +98,7 @@ def _on_host(fn, *args):
     """``fn(*args)`` (a jitted function whose results stay in host memory) run on the host:
     ``compute_on("device_host")``, whose signature jax 0.12 changed (the compute type and the
     results' memory spaces became keyword arguments)."""
-    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+    if next(iter(inspect.signature(compute_on).parameters), None) == "f":  # compute_on(f, ...)
         return compute_on(fn, compute_type="device_host",
                           out_memory_spaces=jax.memory.Space.Host)(*args)
     return compute_on("device_host")(fn)(*args)
