@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import page_index
+
 
 def allocate(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array, order=None):
     """Takes ``need[b]`` free pages for each eligible row, in row order, while they last: the
@@ -31,3 +33,16 @@ def allocate(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array, order=
     total = jnp.sum(take)
     taken = jnp.where(jnp.arange(num_pages) < total, free_ids, num_pages)
     return ref_counts.at[taken].set(1, mode="drop"), served, first.astype(jnp.int32), free_ids
+
+
+def allocate_indexed(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array,
+                     index: page_index.PageIndex, first_entry: int, max_depth: int):
+    """``allocate`` over a pool whose pages are the prefix index's entries ``[first_entry,
+    first_entry + pages)``: never-indexed free pages first, then indexed ones least recently
+    used, which leave the index (their descendants with them, on either tier). Returns
+    ``allocate``'s results and the new index."""
+    last = first_entry + ref_counts.shape[0]
+    order = page_index.eviction_order(page_index.part(index, first_entry, last), ref_counts == 0)
+    counts, served, first, free_ids = allocate(ref_counts, need, eligible, order)
+    taken = jnp.pad((ref_counts == 0) & (counts > 0), (first_entry, index.entries - last))
+    return counts, served, first, free_ids, page_index.unindex(index, taken, max_depth)

@@ -5,10 +5,10 @@
 an 8-bit cache), with an allocator and a table of host pages per row kept on the device, so that
 swapping runs under ``jit`` with no host round trip.
 
-A swapped row keeps its length; its device pages go back to the pool and its page-table row
-empties, so nothing reads or writes memory it no longer owns: ``append``, ``reserve``,
-``commit``, ``fork`` and attention see a row on the host and report it. Its host pages are listed
-in ``HostPages.table`` in the row's order.
+A swapped row keeps its length; its own device pages go back to the pool and leave its page table
+(a prefix it shares with other rows stays), so nothing reads or writes memory it no longer owns:
+``append``, ``reserve``, ``commit``, ``fork`` and attention see a row on the host and report it.
+Its host pages are listed in ``HostPages.table`` at the positions of the pages they hold.
 
 Data moves in one transfer per direction and call: the pages of every selected row and every
 layer are gathered on the device into one staging array of ``max_pages`` pages, moved by one
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
 
 from . import page_index
-from ._allocator import allocate
+from ._allocator import allocate, allocate_indexed
 from ._checks import check
 
 NO_PAGE = -1
@@ -104,16 +104,10 @@ def _on_host(fn, *args):
     return compute_on("device_host")(fn)(*args)
 
 
-def _in_host_memory(x) -> bool:
-    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
-
-
 def _to_host(axis: int, host_pool, device_pool, src, dst):
     """Device pages ``src`` -> host pages ``dst`` (int32 ``[M]``; a ``dst`` out of range moves
     nothing): one gather on the device, one transfer, one scatter on the host."""
     staging = jnp.take(device_pool, src, axis=axis, mode="clip")
-    if not _in_host_memory(host_pool):  # a host pool placed in device memory stays there
-        return _host_scatter(axis, host_pool, dst, staging)
     staging = jax.device_put(staging, jax.memory.Space.Host)
     dst = jax.device_put(dst, jax.memory.Space.Host)
     return _on_host(functools.partial(_host_scatter, axis), host_pool, dst, staging)
@@ -121,25 +115,19 @@ def _to_host(axis: int, host_pool, device_pool, src, dst):
 
 def _from_host(axis: int, device_pool, host_pool, src, dst):
     """Host pages ``src`` -> device pages ``dst`` (a ``dst`` out of range moves nothing)."""
-    if _in_host_memory(host_pool):
-        src = jax.device_put(src, jax.memory.Space.Host)
-        staging = _on_host(functools.partial(_host_gather, axis), host_pool, src)
-        staging = jax.device_put(staging, jax.memory.Space.Device)
-    else:
-        staging = _host_gather(axis, host_pool, src)
+    src = jax.device_put(src, jax.memory.Space.Host)
+    staging = _on_host(functools.partial(_host_gather, axis), host_pool, src)
+    staging = jax.device_put(staging, jax.memory.Space.Device)
     index = (slice(None),) * axis + (dst,)
     return device_pool.at[index].set(staging, mode="drop")
 
 
-def _pools(cache):
-    """(device pool, host pool) pairs of a cache with a host tier: K, V and per-token scales."""
-    host = cache.host
-    pairs = {"k_pages": ("k_pages", cache.k_pages, host.k_pages),
-             "v_pages": ("v_pages", cache.v_pages, host.v_pages)}
-    if cache.scaling == "per_token_head":
-        pairs["k_scales"] = ("k_scales", cache.k_scales, host.k_scales)
-        pairs["v_scales"] = ("v_scales", cache.v_scales, host.v_scales)
-    return pairs.values()
+def _pools(cache) -> list:
+    """(name, device pool, host pool) of a cache with a host tier: K, V and per-token scales
+    (the fields have the same names in the cache and in ``HostPages``)."""
+    names = ["k_pages", "v_pages"] + (["k_scales", "v_scales"]
+                                      if cache.scaling == "per_token_head" else [])
+    return [(n, getattr(cache, n), getattr(cache.host, n)) for n in names]
 
 
 def _moves(table: jax.Array, start: jax.Array, counts: jax.Array, moved: jax.Array,
@@ -181,20 +169,19 @@ def swap_out(op: str, cache, rows: jax.Array, max_pages: int):
     host_counts, swapped, first, free_ids, index = _allocate_host(cache, own, eligible)
     src, dst, host_rows = _moves(table, kept, own, swapped, first, free_ids, max_pages,
                                  host.num_pages)
-    fields: dict[str, jax.Array] = {}
-    host_fields: dict[str, jax.Array] = {}
-    for name, device_pool, host_pool in _pools(cache):
-        host_fields[name] = _to_host(PAGE_AXIS[cache.layout], host_pool, device_pool, src, dst)
-    # The pages moved go back to the pool; the shared prefix stays in the page table.
-    gone = host_rows >= 0
-    fields.update(ref_counts=cache.ref_counts.at[jnp.where(gone, table, cache.num_pages)].add(
-                      -1, mode="drop"),
-                  page_table=jnp.where(gone, NO_PAGE, table),
-                  new_tokens=jnp.where(swapped, 0, cache.new_tokens))
+    host_fields = {name: _to_host(PAGE_AXIS[cache.layout], host_pool, device_pool, src, dst)
+                   for name, device_pool, host_pool in _pools(cache)}
     host = dataclasses.replace(host, ref_counts=host_counts,
                                table=jnp.where(swapped[:, None], host_rows, host.table),
                                **host_fields)
-    return dataclasses.replace(cache, host=host, prefix_cache=index, **fields), swapped
+    # The pages moved go back to the pool; the shared prefix stays in the page table.
+    gone = host_rows >= 0
+    return dataclasses.replace(
+        cache, host=host, prefix_cache=index,
+        ref_counts=cache.ref_counts.at[jnp.where(gone, table, cache.num_pages)].add(
+            -1, mode="drop"),
+        page_table=jnp.where(gone, NO_PAGE, table),
+        new_tokens=jnp.where(swapped, 0, cache.new_tokens)), swapped
 
 
 def _allocate_host(cache, need: jax.Array, eligible: jax.Array):
@@ -203,16 +190,7 @@ def _allocate_host(cache, need: jax.Array, eligible: jax.Array):
     host, index, p = cache.host, cache.prefix_cache, cache.num_pages
     if index is None or index.entries == p:
         return (*allocate(host.ref_counts, need, eligible), index)
-    order = page_index.eviction_order(_host_part(cache), host.ref_counts == 0)
-    counts, served, first, free_ids = allocate(host.ref_counts, need, eligible, order)
-    taken = jnp.pad((host.ref_counts == 0) & (counts > 0), (p, 0))
-    return counts, served, first, free_ids, page_index.unindex(index, taken,
-                                                               cache.max_pages_per_seq)
-
-
-def _host_part(cache) -> page_index.PageIndex:
-    """The index's entries of the host pages."""
-    return page_index.part(cache.prefix_cache, cache.num_pages, cache.prefix_cache.entries)
+    return allocate_indexed(host.ref_counts, need, eligible, index, p, cache.max_pages_per_seq)
 
 
 def swap_in(op: str, cache, rows: jax.Array, max_pages: int):
@@ -225,14 +203,10 @@ def swap_in(op: str, cache, rows: jax.Array, max_pages: int):
     ref_counts, served, first, free_ids, index = cache._allocate(held, eligible)
     src, dst, device_rows = _moves(host.table, cache.pages_held, held, served, first, free_ids,
                                    max_pages, cache.num_pages)
-    fields: dict[str, jax.Array] = {}
-    for name, device_pool, host_pool in _pools(cache):
-        fields[name] = _from_host(PAGE_AXIS[cache.layout], device_pool, host_pool, src, dst)
-    freed = jnp.where(served[:, None] & (host.table >= 0), host.table, host.num_pages)
-    host = dataclasses.replace(host, ref_counts=host.ref_counts.at[freed].set(0, mode="drop"),
-                               table=jnp.where(served[:, None], NO_PAGE, host.table))
+    fields = {name: _from_host(PAGE_AXIS[cache.layout], device_pool, host_pool, src, dst)
+              for name, device_pool, host_pool in _pools(cache)}
     cache = dataclasses.replace(
-        cache, host=host, ref_counts=ref_counts, prefix_cache=index,
+        cache, host=released(host, served), ref_counts=ref_counts, prefix_cache=index,
         page_table=jnp.where(device_rows >= 0, device_rows, cache.page_table), **fields)
     return cache, served
 
@@ -254,7 +228,7 @@ def spill(cache, max_pages: int):
     device = page_index.part(index, 0, p)
     cached_free = device.indexed & (cache.ref_counts == 0)
     order = page_index.eviction_order(device, cached_free)  # the cached free ones, LRU first
-    room = (host.ref_counts == 0) & ~_host_part(cache).indexed
+    room = (host.ref_counts == 0) & ~page_index.part(index, p, index.entries).indexed
     host_ids = jnp.nonzero(room, size=n_host, fill_value=n_host)[0].astype(jnp.int32)
     n = jnp.minimum(jnp.minimum(jnp.sum(cached_free), jnp.sum(room)), max_pages)
     i = jnp.arange(max_pages, dtype=jnp.int32)

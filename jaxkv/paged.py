@@ -21,7 +21,7 @@ from . import ops
 from . import page_index
 from . import paged_ops
 from . import quantization
-from ._allocator import allocate
+from ._allocator import allocate, allocate_indexed
 from ._checks import check, elsewhere
 from ._validate import INT32_MAX
 from .layout import (KV, KV_LAYERS, LAYER, LAYOUTS, POOL, REPLICATED, ROWS, pool_geometry,
@@ -467,11 +467,7 @@ class PagedKVCache:
         counts = self.ref_counts if ref_counts is None else ref_counts
         if index is None:
             return (*allocate(counts, need, eligible), None)
-        order = page_index.eviction_order(page_index.part(index, 0, self.num_pages), counts == 0)
-        new_counts, served, first, free_ids = allocate(counts, need, eligible, order)
-        taken = jnp.pad((counts == 0) & (new_counts > 0), (0, index.entries - self.num_pages))
-        return (new_counts, served, first, free_ids,
-                page_index.unindex(index, taken, self.max_pages_per_seq))
+        return allocate_indexed(counts, need, eligible, index, 0, self.max_pages_per_seq)
 
     # The host tier.
     @per_shard(rows=Role(ROWS), out=(None, Role(ROWS)))
@@ -524,9 +520,7 @@ class PagedKVCache:
         if self.host is None or self.prefix_cache is None:
             raise ValueError(f"{op}: the cache needs a prefix index and a host tier "
                              "(PagedKVCache.create(..., prefix_cache=True, host_pages=N))")
-        max_pages = self.max_pages_per_seq if max_pages is None else max_pages
-        validate.static_int(op, "max_pages", max_pages, lo=1, hi=INT32_MAX)
-        return host_tier.spill(self, max_pages)
+        return host_tier.spill(self, self._transfer_size(op, "max_pages", max_pages, lo=1))
 
     def _swap_args(self, op: str, rows, max_pages) -> tuple[jax.Array, int]:
         if self.host is None:
@@ -536,9 +530,13 @@ class PagedKVCache:
         if rows.dtype != jnp.bool_:
             raise TypeError(f"{op}: rows must be bool, got {rows.dtype}")
         validate.shape(op, "rows", rows, (self.max_batch,), "[max_batch]")
-        if max_pages is None:
-            max_pages = self.max_pages_per_seq
-        return rows, validate.static_int(op, "max_pages", max_pages, lo=1, hi=INT32_MAX)
+        return rows, self._transfer_size(op, "max_pages", max_pages, lo=1)
+
+    def _transfer_size(self, op: str, name: str, pages, lo: int) -> int:
+        """A host transfer's static size in pages: ``pages``, or a full row when None."""
+        if pages is None:
+            return self.max_pages_per_seq
+        return validate.static_int(op, name, pages, lo=lo, hi=INT32_MAX)
 
     # The prefix cache.
     @per_shard(tokens=Role(ROWS), num_tokens=Role(ROWS), out=(None, Role(ROWS)))
@@ -581,8 +579,8 @@ class PagedKVCache:
         found, run = page_index.lookup(index, pages, page_index.chain_hashes(pages), limit)
         cache = self
         if index.entries > self.num_pages:  # pages found on the host come back to the device
-            cache, found, run = host_tier.bring_back(cache, found, run,
-                                                     self._host_budget(op, max_host_pages))
+            cache, found, run = host_tier.bring_back(
+                cache, found, run, self._transfer_size(op, "max_host_pages", max_host_pages, lo=0))
         else:
             taken = jnp.arange(k)[None, :] < run[:, None]
             cache = dataclasses.replace(cache, ref_counts=cache.ref_counts.at[
@@ -599,11 +597,6 @@ class PagedKVCache:
             cache, page_table=page_table, lengths=jnp.where(run > 0, matched, self.lengths),
             prefix_cache=page_index.touch(now, mapped))
         return cache, matched
-
-    def _host_budget(self, op: str, max_host_pages) -> int:
-        if max_host_pages is None:
-            return self.max_pages_per_seq
-        return validate.static_int(op, "max_host_pages", max_host_pages, lo=0, hi=INT32_MAX)
 
     @per_shard(tokens=Role(ROWS), num_tokens=Role(ROWS))
     def insert_prefix(self, tokens: jax.Array, num_tokens: jax.Array) -> "PagedKVCache":
@@ -663,10 +656,9 @@ class PagedKVCache:
         return self._appended(op, layer_idx, k, v, new_lengths)
 
     def _appended(self, op, layer_idx, k, v, new_lengths) -> "PagedKVCache":
-        if self.host is not None:  # its table row is empty: the kernel writes nothing for it
-            writes = (jnp.ones((self.max_batch,), bool) if new_lengths is None
-                      else jnp.asarray(new_lengths) > 0)
-            check(~(self.on_host & writes), f"{op}: a row is on the host (swap_in first)")
+        # A row on the host has no page past its shared prefix: the kernel writes nothing for it.
+        writes = True if new_lengths is None else jnp.asarray(new_lengths) > 0
+        check(~(self.on_host & writes), f"{op}: a row is on the host (swap_in first)")
         k_pages, v_pages, k_scales, v_scales = paged_ops.append_tokens(
             op, self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, k, v,
             new_lengths, self.layout, quantization.scales_of(self))
@@ -693,9 +685,7 @@ class PagedKVCache:
         op = "PagedKVCache.commit"
         n = _lengths.increment_arg(op, "num_new_tokens", num_new_tokens, self.max_batch)
         capacity = self.pages_held * self.page_size
-        if self.host is None:
-            return dataclasses.replace(self, lengths=_lengths.grow(op, self.lengths, n, capacity))
-        home = ~self.on_host  # a swapped row holds no device page but keeps its length
+        home = ~self.on_host  # a swapped row keeps its length, past the pages it holds
         check(home | (n == 0), f"{op}: a row is on the host (swap_in first)")
         return dataclasses.replace(self, lengths=_lengths.grow(op, self.lengths, n, capacity,
                                                                rows=home))

@@ -270,13 +270,12 @@ def _quantized(op: str, saved: SavedKV, dtype, scaling: str, k_scales, v_scales)
     cache's ``append`` would store it (``jaxkv.reference.quantize``): per token and head, its own
     scales; per tensor, the cache's scale of each layer. A pass over the prefix before the copy
     (a temporary of the prefix's 8-bit bytes), not a quantizing copy kernel."""
+    layers, ks, vs = [], [], []
     for i, layer in enumerate(saved.layers):
         if np.dtype(layer.dtype) not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16),
                                          np.dtype(jnp.float16)):
             raise TypeError(f"{op}: saved.layers[{i}] has dtype {layer.dtype}; an 8-bit cache "
                             "takes a float32, bfloat16 or float16 prefix (quantized on the way)")
-    layers, ks, vs = [], [], []
-    for i, layer in enumerate(saved.layers):
         if scaling == "per_token_head":
             q, s = reference.quantize(layer, dtype)  # [2, H, T, D], scales [2, H, T]
             ks.append(s[0])
