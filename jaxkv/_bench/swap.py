@@ -5,6 +5,11 @@ In one run: the roofline, an array of the swap's size copied device -> pinned ho
 ``swap_in`` of whole rows whose pages are scattered over the pool (every layer, K and V), each
 direction the same bytes. Wall time per call, median of ``reps`` calls; each swap is checked
 byte for byte against the pages it moved before any time is reported.
+
+Then the overlap: a decode workload (``steps`` decode steps over every layer of a second cache)
+alone, a swap alone, and both in one ``jit``. Overlapped, the pair takes the longer of the two;
+``decode_kept`` is the decode's time alone over the pair's, the share of the GPU's decode work
+kept while a swap runs (the issue's "GPU busy while swapping" when the decode is the longer).
 """
 
 from __future__ import annotations
@@ -17,13 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import PagedKVCache
+from jaxkv import PagedKVCache, attention
 
 SIZES = {  # rows x pages per row, page, heads, head_dim, layers: the bytes swapped per direction
     "gpu": dict(rows=16, pages_per_row=64, page_size=16, heads=8, head_dim=128, layers=32,
-                num_pages=4096, reps=5),  # 16 x 64 pages of 1 MiB (32 layers, K and V) = 1 GiB
+                num_pages=4096, reps=5,  # 16 x 64 pages of 1 MiB (32 layers, K and V) = 1 GiB
+                # the decode beside it: 32 rows of 1024 tokens, 32 query heads, ~1 ms a step
+                decode_rows=32, decode_pages_per_row=64, q_heads=32, steps=20),
     "cpu": dict(rows=4, pages_per_row=8, page_size=16, heads=2, head_dim=64, layers=2,
-                num_pages=96, reps=3),
+                num_pages=96, reps=3, decode_rows=2, decode_pages_per_row=4, q_heads=4, steps=2),
 }
 
 
@@ -48,26 +55,32 @@ def copy_roofline(nbytes: int, reps: int) -> dict:
     return dict(d2h_gbps=nbytes / d2h / 1e9, h2d_gbps=nbytes / h2d / 1e9)
 
 
+def scattered(s: dict, rows: int, per_row: int, num_pages: int, host_pages: int,
+              seed: int) -> PagedKVCache:
+    """A bf16 NHD cache whose ``rows`` full rows hold ``per_row`` pages each, a random
+    permutation of the pool, random bytes in every page."""
+    cache = PagedKVCache.create(
+        num_layers=s["layers"], num_pages=num_pages, page_size=s["page_size"],
+        num_kv_heads=s["heads"], head_dim=s["head_dim"], max_batch=rows,
+        max_pages_per_seq=per_row, dtype=jnp.bfloat16, layout="NHD", host_pages=host_pages)
+    rng = np.random.default_rng(seed)
+    table = rng.permutation(num_pages)[:rows * per_row].reshape(rows, per_row)
+    bits = rng.integers(0, 2**16, cache.k_pages.shape, dtype=np.uint16)
+    ref_counts = np.zeros(num_pages, np.int32)
+    ref_counts[table.ravel()] = 1
+    return dataclasses.replace(
+        cache, k_pages=jax.device_put(bits.view(jnp.bfloat16)),
+        v_pages=jax.device_put(np.roll(bits, 1).view(jnp.bfloat16)),
+        page_table=jnp.asarray(table, jnp.int32),
+        lengths=jnp.full((rows,), per_row * s["page_size"], jnp.int32),
+        ref_counts=jnp.asarray(ref_counts))
+
+
 def measure(size: str) -> dict:
     s = SIZES[size]
     rows, per_row, reps = s["rows"], s["pages_per_row"], s["reps"]
-    cache = PagedKVCache.create(
-        num_layers=s["layers"], num_pages=s["num_pages"], page_size=s["page_size"],
-        num_kv_heads=s["heads"], head_dim=s["head_dim"], max_batch=rows,
-        max_pages_per_seq=per_row, dtype=jnp.bfloat16, layout="NHD",
-        host_pages=rows * per_row)
-    # Rows of scattered pages: a random permutation of the pool, random bytes in every page.
-    rng = np.random.default_rng(0)
-    table = rng.permutation(s["num_pages"])[:rows * per_row].reshape(rows, per_row)
-    bits = rng.integers(0, 2**16, cache.k_pages.shape, dtype=np.uint16)
-    k_pages = jax.device_put(bits.view(jnp.bfloat16))
-    v_pages = jax.device_put(np.roll(bits, 1).view(jnp.bfloat16))
-    ref_counts = np.zeros(s["num_pages"], np.int32)
-    ref_counts[table.ravel()] = 1
-    cache = dataclasses.replace(
-        cache, k_pages=k_pages, v_pages=v_pages, page_table=jnp.asarray(table, jnp.int32),
-        lengths=jnp.full((rows,), per_row * s["page_size"], jnp.int32),
-        ref_counts=jnp.asarray(ref_counts))
+    cache = scattered(s, rows, per_row, s["num_pages"], rows * per_row, seed=0)
+    table = np.asarray(cache.page_table)
     page_bytes = 2 * s["layers"] * s["page_size"] * s["heads"] * s["head_dim"] * 2
     nbytes = rows * per_row * page_bytes
     everyone = jnp.ones((rows,), bool)
@@ -96,7 +109,52 @@ def measure(size: str) -> dict:
         gbps = nbytes / statistics.median(ts) / 1e9
         result[f"{name}_gbps"] = gbps
         result[f"{name}_of_copy"] = gbps / roof["d2h_gbps" if name == "swap_out" else "h2d_gbps"]
+    result.update(overlap(s, cache, out, back))
     return result
+
+
+def overlap(s: dict, cache: PagedKVCache, out, back) -> dict:
+    """Seconds of a decode workload alone, of each swap alone (``out``, ``back``: the jitted
+    swaps, ``cache`` on the device) and of the decode and each swap in one ``jit``."""
+    d_rows, d_per_row, reps = s["decode_rows"], s["decode_pages_per_row"], s["reps"]
+    reader = scattered(s, d_rows, d_per_row, d_rows * d_per_row, 0, seed=1)
+    q = jax.random.normal(jax.random.key(2), (d_rows, s["q_heads"], s["head_dim"]),
+                          jnp.bfloat16)
+    layers, steps = s["layers"], s["steps"]
+
+    def work(reader):  # each step reads every layer; its output is the next step's query
+        def layer(i, x):
+            return attention.decode(x, reader, i % layers)
+        return jax.lax.fori_loop(0, steps * layers, layer, q)
+
+    decode = jax.jit(work)
+    # Swapping out and in in turn, so that each call finds the rows where it needs them.
+    calls = (("swap_out_s", out, False), ("swap_in_s", back, False),
+             ("out_with_decode_s", jax.jit(lambda c, r: (out(c), work(r)), donate_argnums=0), True),
+             ("in_with_decode_s", jax.jit(lambda c, r: (back(c), work(r)), donate_argnums=0), True))
+    jax.block_until_ready(decode(reader))
+    t = {"decode_s": _median_s(lambda: decode(reader), reps)}
+    samples: dict = {key: [] for key, _, _ in calls}
+    for i in range(reps + 1):  # the first round compiles
+        for key, fn, with_decode in calls:
+            start = time.perf_counter()
+            if with_decode:
+                (cache, moved), x = fn(cache, reader)
+                jax.block_until_ready(x)
+            else:
+                cache, moved = fn(cache)
+            jax.block_until_ready(cache)
+            if i:
+                samples[key].append(time.perf_counter() - start)
+            if not bool(jnp.all(moved)):
+                raise RuntimeError(f"{key}: not every row moved")
+    t.update({key: statistics.median(v) for key, v in samples.items()})
+    for name in ("out", "in"):
+        swap_s, pair_s = t[f"swap_{name}_s"], t[f"{name}_with_decode_s"]
+        # 1: the shorter of the two hidden entirely under the longer; 0: run one after the other
+        t[f"{name}_overlap"] = (swap_s + t["decode_s"] - pair_s) / min(swap_s, t["decode_s"])
+        t[f"{name}_decode_kept"] = t["decode_s"] / pair_s
+    return t
 
 
 def report(r: dict) -> str:
@@ -107,4 +165,9 @@ def report(r: dict) -> str:
         f"  pinned copy roofline: device -> host {r['d2h_gbps']:.1f} GB/s, "
         f"host -> device {r['h2d_gbps']:.1f} GB/s",
         f"  swap_out {r['swap_out_gbps']:.1f} GB/s ({r['swap_out_of_copy']:.0%} of the copy), "
-        f"swap_in {r['swap_in_gbps']:.1f} GB/s ({r['swap_in_of_copy']:.0%}); target >= 90%"])
+        f"swap_in {r['swap_in_gbps']:.1f} GB/s ({r['swap_in_of_copy']:.0%}); target >= 90%",
+        f"  overlap with a decode workload of {r['decode_s'] * 1e3:.2f} ms in the same jit: "
+        + ", ".join(f"swap_{d} {r[f'swap_{d}_s'] * 1e3:.2f} ms alone, "
+                    f"{r[f'{d}_with_decode_s'] * 1e3:.2f} ms with the decode (overlap "
+                    f"{r[f'{d}_overlap']:.0%}, decode kept {r[f'{d}_decode_kept']:.0%})"
+                    for d in ("out", "in"))])
