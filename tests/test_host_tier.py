@@ -57,8 +57,9 @@ def host_row_bytes(cache, b):
     pages = [int(p) for p in np.asarray(cache.host.table[b]) if p >= 0]
     axis = 2 if cache.layout == "HND" else 1
     h = cache.host
-    leaves = [h.k_pages, h.v_pages] + ([h.k_scales, h.v_scales] if h.k_scales is not None else [])
-    return [np.take(np.asarray(x), pages, axis=axis) for x in leaves]
+    # The host pool is page-major [pages, K/V, *page]: laid out as the device pools to compare.
+    leaves = [h.pages] + ([h.scales] if h.scales is not None else [])
+    return [np.moveaxis(np.asarray(x)[pages][:, kv], 0, axis) for x in leaves for kv in (0, 1)]
 
 
 CASES = [(jnp.float32, None, "HND"), (jnp.bfloat16, None, "NHD"), (jnp.float16, None, "HND"),
@@ -193,13 +194,13 @@ def test_in_place_under_donation_and_scan():
     rows = jnp.array([True, False, True, False])
     for fn in (swap_out, swap_in):
         hlo = fn.lower(cache, rows, 8).compile().as_text()
-        for leaf in (cache.k_pages, cache.host.k_pages):
+        for leaf in (cache.k_pages, cache.host.pages):
             assert copies_of(hlo, leaf) == [], (fn, leaf.shape)
-        ptrs = [cache.k_pages.unsafe_buffer_pointer(), cache.host.v_pages.unsafe_buffer_pointer()]
+        ptrs = [cache.k_pages.unsafe_buffer_pointer(), cache.host.pages.unsafe_buffer_pointer()]
         cache, _ = fn(cache, rows, 8)
         assert [cache.k_pages.unsafe_buffer_pointer(),
-                cache.host.v_pages.unsafe_buffer_pointer()] == ptrs
-        assert cache.host.k_pages.sharding.memory_kind == "pinned_host"
+                cache.host.pages.unsafe_buffer_pointer()] == ptrs
+        assert cache.host.pages.sharding.memory_kind == "pinned_host"
 
     @functools.partial(jax.jit, donate_argnums=0)
     def loop(cache):
@@ -211,7 +212,7 @@ def test_in_place_under_donation_and_scan():
 
     before = [row_bytes(cache, b) for b in range(4)]
     hlo = loop.lower(cache).compile().as_text()
-    assert copies_of(hlo, cache.k_pages) == [] and copies_of(hlo, cache.host.k_pages) == []
+    assert copies_of(hlo, cache.k_pages) == [] and copies_of(hlo, cache.host.pages) == []
     cache = loop(cache)
     for b in range(4):
         for got, want in zip(row_bytes(cache, b), before[b]):
@@ -593,12 +594,12 @@ def test_spill_and_match_run_in_place():
     ask = jnp.array([8, 0], jnp.int32)
     for fn, args in ((spill, (4,)), (match, (tokens, ask))):
         hlo = fn.lower(cache, *args).compile().as_text()
-        for leaf in (cache.k_pages, cache.host.k_pages, cache.prefix_cache.tokens):
+        for leaf in (cache.k_pages, cache.host.pages, cache.prefix_cache.tokens):
             assert copies_of(hlo, leaf) == [], (fn, leaf.shape)
-        ptrs = [cache.v_pages.unsafe_buffer_pointer(), cache.host.k_pages.unsafe_buffer_pointer()]
+        ptrs = [cache.v_pages.unsafe_buffer_pointer(), cache.host.pages.unsafe_buffer_pointer()]
         cache, _ = fn(cache, *args)
         assert [cache.v_pages.unsafe_buffer_pointer(),
-                cache.host.k_pages.unsafe_buffer_pointer()] == ptrs
+                cache.host.pages.unsafe_buffer_pointer()] == ptrs
     assert int(cache.lengths[0]) == 6
     assert_rows_hold_their_tokens(cache, tokens)
 
