@@ -170,7 +170,7 @@ class PagedKVCache:
         if not host_pages:
             return cache
         return dataclasses.replace(cache, host=host_tier.empty(
-            host_pages, shape, dtype, layout, scaling == "per_token_head", max_batch,
+            host_pages, cache.k_pages, layout, scaling == "per_token_head", max_batch,
             max_pages_per_seq))
 
     # Static configuration, read off the shapes.

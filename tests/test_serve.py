@@ -257,11 +257,13 @@ def test_serve_preempt_swap_reports_swaps_and_agrees(tmp_path, capsys, monkeypat
     the table reports the swaps and bytes moved; the tokens agree with recomputation."""
     monkeypatch.setitem(M.PRESETS, "tiny", CFG)
     path = tmp_path / "serve.json"
-    rc = entry.main(["serve", "--engines", "fixed,paged", "--preempt", "swap", "--requests",
-                     "12", "--max-seq-len", "40", "--system-len", "5", "--mean-prompt", "10",
-                     "--mean-output", "10", "--kv-gib", str(56 * PER_TOKEN / 2**30),
-                     "--max-batch", "4", "--page-size", "4", "--prefill-chunk", "4",
-                     "--decode-steps", "4", "--json", str(path)])
+    # float32 at full matmul precision: greedy tokens equal recomputation on a GPU too
+    with jax.default_matmul_precision("highest"):
+        rc = entry.main(["serve", "--engines", "fixed,paged", "--preempt", "swap", "--requests",
+                         "12", "--max-seq-len", "40", "--system-len", "5", "--mean-prompt",
+                         "10", "--mean-output", "10", "--kv-gib", str(56 * PER_TOKEN / 2**30),
+                         "--max-batch", "4", "--page-size", "4", "--prefill-chunk", "4",
+                         "--decode-steps", "4", "--dtype", "float32", "--json", str(path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "to the host tier: swaps out / in, pages spilled; bytes" in out

@@ -5,14 +5,24 @@ Each candidate moves M pages of every layer (K only: one pool) from a device poo
 and back under ``jit`` with the pools donated; it is checked byte for byte, timed (median), and
 its compiled HLO searched for copies of a pool-sized buffer. Run on the GPU machine:
 
-    python3 tools/host_transfer_probe.py [--pages M]
+    python3 tools/host_transfer_probe.py [--pages M] [--overlap-only]
+
+Measured 2026-11-25 (1 GiB in pages of 1 MiB; the contiguous copy 53-54 GB/s each way): a host
+pool written or read at one contiguous place (B, D) 49-50 GB/s out, 41-42 GB/s in, but that needs
+contiguous host allocations; one copy per page at scattered host pages, 32 per loop iteration, no
+staging array (E direct) 48 GB/s out, 37 GB/s in (H100), which jaxkv.host_tier uses. No
+candidate overlapped a chain of matmuls in the same jit (the copies run on the compute stream);
+``compute_on("gpu_stream:1")`` around the loop fails to compile under jax 0.11.2 ("No
+ExecutionStreamId found for call-start").
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
+import inspect
 import time
 import traceback
 
@@ -22,7 +32,8 @@ import numpy as np
 
 HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device
-L, T, H, D = int(__import__("os").environ.get("PROBE_LAYERS", 32)), 16, 8, 128  # layers, tokens per page, heads, head_dim (bf16: 1 MiB per page)
+# layers (PROBE_LAYERS, 32), tokens per page, heads, head_dim: bf16 pages of 1 MiB
+L, T, H, D = int(os.environ.get("PROBE_LAYERS", 32)), 16, 8, 128
 
 
 def timed(fn, state, *args, reps=5):
@@ -58,6 +69,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--pages", type=int, default=1024)
     p.add_argument("--device-pages", type=int, default=4096)
+    p.add_argument("--overlap-only", action="store_true", help="only the overlap candidates")
     args = p.parse_args()
     m, pool_pages = args.pages, args.device_pages
     hp = 2 * m  # host pages
@@ -76,6 +88,48 @@ def main():
         except Exception as e:  # a candidate XLA refuses: say why, try the next
             print(f"{name:48s} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
             traceback.print_exc(limit=1)
+
+    # Overlap: the direct loop out and in beside a chain of matmuls in one jit.
+    def overlapped():
+        k = 8192 if jax.default_backend() == "gpu" else 256
+        a = jax.random.normal(jax.random.key(0), (k, k), jnp.bfloat16)
+
+        def work(a):
+            return jax.lax.fori_loop(0, 40, lambda i, x: (x @ a) * 0.01, a)
+        w = jax.jit(work)
+        _, t_work = timed(lambda _: w(a), None)
+        host = jax.device_put(jnp.zeros((hp, L, T, H, D), jnp.bfloat16), HOST)
+        dst = jnp.asarray(rng.permutation(hp)[:m], jnp.int32)
+
+        def out(host, dev, src, dst):
+            def chunk(c, h):
+                for j in range(8):
+                    i = c * 8 + j
+                    page = jnp.swapaxes(jax.lax.dynamic_slice_in_dim(dev, src[i], 1, 1), 0, 1)
+                    h = jax.lax.dynamic_update_slice(h, jax.device_put(page, HOST),
+                                                     (dst[i], 0, 0, 0, 0))
+                return h
+            return jax.lax.fori_loop(0, m // 8, chunk, host)
+        f = jax.jit(out, donate_argnums=0)
+        host, t_swap = timed(f, host, dev, src, dst)
+        for stream in (None, "gpu_stream:1"):
+            def swap(h, d, s, t):
+                if stream is None:
+                    return out(h, d, s, t)
+                from jax.experimental.compute_on import compute_on
+                if next(iter(inspect.signature(compute_on).parameters)) == "f":  # jax >= 0.11
+                    return compute_on(out, compute_type=stream,
+                                      out_memory_spaces=jax.memory.Space.Host)(h, d, s, t)
+                return compute_on(stream)(out)(h, d, s, t)
+            both = jax.jit(lambda h, d, s, t, a: (swap(h, d, s, t), work(a)), donate_argnums=0)
+            (host, _), t_both = timed(lambda st, *r: both(st[0], *r), (host, None), dev, src,
+                                      dst, a)
+            print(f"overlap ({stream or 'one stream'}): matmuls {t_work * 1e3:.2f} ms, swap out "
+                  f"{t_swap * 1e3:.2f} ms, both in one jit {t_both * 1e3:.2f} ms (sum "
+                  f"{(t_work + t_swap) * 1e3:.2f})", flush=True)
+    attempt("overlap", overlapped)
+    if args.overlap_only:
+        return
 
     # Plain copies: the roofline.
     x = jnp.asarray(want)
@@ -227,34 +281,6 @@ def main():
             for direction in ("out", "in"):
                 attempt("E", lambda: looped(unroll, staged, direction))
 
-    # Overlap: the direct loop out and in beside a chain of matmuls in one jit.
-    def overlapped():
-        k = 8192 if jax.default_backend() == "gpu" else 256
-        a = jax.random.normal(jax.random.key(0), (k, k), jnp.bfloat16)
-
-        def work(a):
-            return jax.lax.fori_loop(0, 40, lambda i, x: (x @ a) * 0.01, a)
-        w = jax.jit(work)
-        _, t_work = timed(lambda _: w(a), None)
-        host = jax.device_put(jnp.zeros((hp, L, T, H, D), jnp.bfloat16), HOST)
-        dst = jnp.asarray(rng.permutation(hp)[:m], jnp.int32)
-
-        def out(host, dev, src, dst):
-            def chunk(c, h):
-                for j in range(8):
-                    i = c * 8 + j
-                    page = jnp.swapaxes(jax.lax.dynamic_slice_in_dim(dev, src[i], 1, 1), 0, 1)
-                    h = jax.lax.dynamic_update_slice(h, jax.device_put(page, HOST),
-                                                     (dst[i], 0, 0, 0, 0))
-                return h
-            return jax.lax.fori_loop(0, m // 8, chunk, host)
-        f = jax.jit(out, donate_argnums=0)
-        host, t_swap = timed(f, host, dev, src, dst)
-        both = jax.jit(lambda h, d, s, t, a: (out(h, d, s, t), work(a)), donate_argnums=0)
-        (host, _), t_both = timed(lambda st, *r: both(st[0], *r), (host, None), dev, src, dst, a)
-        print(f"overlap: matmuls {t_work * 1e3:.2f} ms, swap out {t_swap * 1e3:.2f} ms, both in "
-              f"one jit {t_both * 1e3:.2f} ms (sum {(t_work + t_swap) * 1e3:.2f})", flush=True)
-    attempt("overlap", overlapped)
 
     # F: a jaxkv custom call with host-memory operands (the GPU kernel reading and writing
     # pinned host memory through unified addressing).
