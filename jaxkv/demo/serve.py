@@ -319,7 +319,7 @@ class ServeEngine(loop.Engine):
             cache, n = cache.spill_prefix(size)
             return placed(cache), n
 
-        if self.swap:  # a transfer of at most `size` pages (static: compiled per size)
+        if self.swap:  # `size`: static, the most pages a call moves (a whole row)
             fns.update(swap_out=jax.jit(swap_out, donate_argnums=(0,), static_argnums=(2,)),
                        swap_in=jax.jit(swap_in, donate_argnums=(0,), static_argnums=(2,)))
         if self.spill:
@@ -327,15 +327,21 @@ class ServeEngine(loop.Engine):
         return fns
 
     @property
-    def swap_sizes(self) -> tuple[int, ...]:
-        """The transfer sizes the swaps are compiled for: powers of two, then a whole row."""
-        if not (self.swap or self.spill):
+    def spill_sizes(self) -> tuple[int, ...]:
+        """The most pages a spill moves, compiled per size: powers of two, then a whole row. (A
+        swap moves one row, whatever its size, in one compiled function: a transfer's cost is
+        the pages it moves.)"""
+        if not self.spill:
             return ()
-        whole = -(-self.max_seq_len // self.kind.page_size)
+        whole = self.whole_row
         return tuple(sorted({min(1 << i, whole) for i in range(whole.bit_length() + 1)}))
 
-    def swap_size(self, pages: int) -> int:
-        return min(n for n in self.swap_sizes if n >= min(pages, self.swap_sizes[-1]))
+    @property
+    def whole_row(self) -> int:
+        return -(-self.max_seq_len // self.kind.page_size)
+
+    def spill_size(self, pages: int) -> int:
+        return min(n for n in self.spill_sizes if n >= min(pages, self.spill_sizes[-1]))
 
     def example_args(self) -> dict[str, tuple]:
         shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
@@ -373,9 +379,9 @@ class ServeEngine(loop.Engine):
                                        i32(r), i32())
                        for r in self.lane_sizes}
         decode = {f"decode{n}": (params, cache, row, row, i32(), n) for n in self.step_counts}
-        swaps = {f"{d}{n}": (cache, bools(self.batch), n)
-                 for d in ("swap_out", "swap_in") for n in self.swap_sizes if self.swap}
-        swaps.update({f"spill{n}": (cache, n) for n in self.swap_sizes if self.spill})
+        swaps = {d: (cache, bools(self.batch), self.whole_row)
+                 for d in ("swap_out", "swap_in") if self.swap}
+        swaps.update({f"spill{n}": (cache, n) for n in self.spill_sizes})
         return dict(**prefill, **decode, **swaps, evict=(cache, row, row, row), save=(cache,))
 
     @staticmethod
@@ -499,7 +505,7 @@ class ServeEngine(loop.Engine):
             if self.swap:
                 cache = self._swap(fns, sched, cache)
             if self.spill and (pages := sched.spill_wanted()):
-                cache, n = fns[f"spill{self.swap_size(pages)}"](cache)
+                cache, n = fns[f"spill{self.spill_size(pages)}"](cache)
                 sched.m["spilled"].append(n)  # read at the end: no wait here
             if chunk is not None:
                 extra = () if self.prefix else (saved,)
@@ -555,11 +561,10 @@ class ServeEngine(loop.Engine):
     def _swap(self, fns, sched: "Schedule", cache):
         """Dispatches the schedule's swaps, a row per call, and reads whether each moved (a
         small read that waits for the device; it happens only around a preemption)."""
-        for direction, row, r, pages in sched.swaps():
+        for direction, row, r in sched.swaps():
             mask = np.zeros((self.batch,), bool)
             mask[row] = True
-            cache, moved, count = fns[f"{direction}{self.swap_size(pages)}"](cache,
-                                                                            jnp.asarray(mask))
+            cache, moved, count = fns[direction](cache, jnp.asarray(mask))
             sched.swapped(direction, r, bool(np.asarray(moved)[row]), int(count))
         return cache
 
@@ -731,9 +736,9 @@ class Schedule:
         return max(1, _pages(tokens + 1, self.page_size) - self.syslen // self.page_size)
 
     def swaps(self) -> list:
-        """(direction, row, request, most pages) of the swaps to dispatch now, outs first."""
+        """(direction, row, request) of the swaps to dispatch now, outs first."""
         rows = {id(r): row for row, r in self.slots.rows()}
-        plan = [(d, rows[id(r)], r, self._pages_held(r))
+        plan = [(d, rows[id(r)], r)
                 for d, queue in (("swap_out", self.to_host), ("swap_in", self.to_device))
                 for r in queue if id(r) in rows and r.phase == "swapped"]
         self.to_host, self.to_device = [], []

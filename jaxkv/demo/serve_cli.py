@@ -72,7 +72,7 @@ def parse_args(argv):
     add("--prefix-len", type=int, help="shared: tokens of each long prompt (2048 on 1b and 8b)")
     add("--preempt", choices=S.PREEMPT, default="recompute",
         help="what the paged engines do with a preempted request: recompute its prompt "
-             "(default, until the swap path is measured on a GPU) or swap its pages to host "
+             "(default: swapping is not yet shown faster on a GPU) or swap its pages to host "
              "memory and back (engine paged-swap always swaps)")
     add("--host-kv-gib", type=float,
         help="the host tier of a swapping engine, GiB (default: the KV budget); given, the "
