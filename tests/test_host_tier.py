@@ -660,3 +660,25 @@ def test_host_pages_may_be_a_numpy_int():
     assert cache.host.num_pages == 4 and cache.prefix_cache.entries == cache.num_pages + 4
     cache, spilled = cache.spill_prefix()
     assert int(spilled) == 0
+
+
+@pytest.mark.parametrize("scaling", [None, "per_token_head"])
+def test_the_host_pool_is_page_major_in_host_memory(scaling):
+    """``pages`` ``[N, 2, *page]`` (K then V of every layer) and ``scales`` likewise, in
+    ``pinned_host`` memory from the start; under ``eval_shape`` the same shapes."""
+    dtype = jnp.float8_e4m3fn if scaling else jnp.bfloat16
+    for layout in ("HND", "NHD"):
+        cache = make(layout=layout, dtype=dtype, scaling=scaling, host_pages=6)
+        axis = 2 if layout == "HND" else 1
+        page = cache.k_pages.shape[:axis] + cache.k_pages.shape[axis + 1:]
+        assert cache.host.pages.shape == (6, 2) + page
+        assert cache.host.pages.dtype == dtype
+        assert cache.host.pages.sharding.memory_kind == "pinned_host"
+        if scaling:
+            assert cache.host.scales.shape == (6, 2) + page[:3]
+            assert cache.host.scales.sharding.memory_kind == "pinned_host"
+        else:
+            assert cache.host.scales is None
+        shapes = jax.eval_shape(lambda: make(layout=layout, dtype=dtype, scaling=scaling,
+                                             host_pages=6))
+        assert jax.tree.map(lambda x: x.shape, shapes) == jax.tree.map(lambda x: x.shape, cache)

@@ -4,7 +4,11 @@
 # XLA baseline. Logs go to $OUT (default /tmp/jaxkv-gpu). SKIP_TESTS=1 / SKIP_BENCH=1 / SKIP_DEMO=1
 # / SKIP_SANITIZE=1 / SKIP_SOAK=1 / SKIP_BUILD=1 / SKIP_SERVE=1 skip parts; BENCH_OPS="op ..." limits the benchmark to those ops,
 # MEMCHECK / RACECHECK="test files" replace the sanitizers' default test lists, RACECHECK_SELECT
-# racecheck's -k expression.
+# racecheck's -k expression. WHEEL=path installs a wheel built on the CPU machine instead of
+# building here (device time: the CUDA build takes minutes there, 1.5 here), then copies the
+# tree's Python over it, so that only a change under ffi/ needs a new wheel:
+#   JAXKV_CUDA=ON JAXKV_CUDA_ARCHITECTURES=90 PYENV_VERSION=3.12.1 python3.12 -m pip wheel \
+#     --no-deps -w build/gpu-wheel .        # then carry build/gpu-wheel, WHEEL=build/gpu-wheel/*.whl
 #   bash tools/gpu_check.sh [pytest args...]
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxkv-gpu}
@@ -16,7 +20,14 @@ export PYTHONUNBUFFERED=1
   python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 } 2>&1 | tee "$OUT/env.log"
 
-if [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: a second call on a warm machine
+if [ -n "${WHEEL:-}" ]; then  # a wheel built beforehand (below), its Python replaced by the tree's
+  wheel=$(compgen -G "$WHEEL" | head -1)  # a pattern is fine: build/gpu-wheel/*.whl
+  echo "== install $wheel" | tee "$OUT/build.log"
+  python3 -m pip install --no-deps --no-index --force-reinstall "$wheel" >>"$OUT/build.log" 2>&1 \
+    || { tail -50 "$OUT/build.log"; exit 1; }
+  site=$(cd /tmp && python3 -c "import jaxkv, os; print(os.path.dirname(jaxkv.__file__))")
+  cp -r jaxkv/* "$site/"
+elif [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: a second call on a warm machine
   echo "== build" | tee "$OUT/build.log"
   JAXKV_CUDA=ON JAXKV_CUDA_ARCHITECTURES=90 python3 -m pip install --no-build-isolation --no-deps \
     --no-index . >>"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
