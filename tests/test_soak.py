@@ -21,3 +21,15 @@ def test_paged_soak(layout):
 def test_linear_soak():
     counts = soak.soak_linear(200, check_every=10, seed=2)
     assert min(counts[a] for a in ("append", "admit", "compact")) > 5, counts
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_paged_soak_with_a_host_tier(layout):
+    """Swaps out and in among the other steps, pools small enough that both tiers run out: the
+    refused swaps and appends leave every row as the model has it."""
+    shape = soak.PagedShape(layout=layout, num_pages=16, host_pages=8)
+    counts = soak.soak_paged(200, check_every=10, seed=3, shape=shape)
+    assert min(counts[a] for a in ("append", "fork", "release", "compact", "swap_out",
+                                   "swap_in")) > 5, counts
+    assert counts["swapped_out"] > 0 and counts["swapped_in"] > 0, counts
+    assert counts["unserved"] > 0, counts

@@ -40,6 +40,7 @@ class PagedShape:
     max_pages_per_seq: int = 6
     tokens: int = 5  # most tokens one row appends in a step
     layout: str = "HND"
+    host_pages: int = 0  # a host tier: rows swapped out and in among the other steps
 
 
 def _silent(err, what):
@@ -68,17 +69,22 @@ def _paged_steps(layout):
 
     release = donate(lambda cache, mask: cache.release(mask))
     compact = donate(checkify.checkify(lambda cache, m: cache.compact(m)))
+    swap_out = donate(checkify.checkify(lambda cache, rows: cache.swap_out(rows)))
+    swap_in = donate(checkify.checkify(lambda cache, rows: cache.swap_in(rows)))
 
     @jax.jit
     def read(cache):
         max_len = cache.max_pages_per_seq * cache.page_size
         return jnp.stack([cache.gather(l, max_len) for l in range(cache.num_layers)])
 
-    return reserve, append_commit, fork, release, compact, read
+    return reserve, append_commit, fork, release, compact, read, swap_out, swap_in
 
 
-def check_paged(cache, model, read):
-    """The cache equals the model, token for token, and its pool is whole."""
+def check_paged(cache, model, read, on_host=None):
+    """The cache equals the model, token for token, and its pools are whole. ``on_host``: bool
+    [B], the rows the model has swapped out (their pages on the host: a device prefix they share,
+    then host pages; their tokens are checked once they are back)."""
+    on_host = np.zeros(len(model), bool) if on_host is None else on_host
     table = np.asarray(cache.page_table)
     lengths = np.asarray(cache.lengths)
     refs = np.asarray(cache.ref_counts)
@@ -87,11 +93,26 @@ def check_paged(cache, model, read):
     np.testing.assert_array_equal(refs, named, "ref_counts != table entries naming each page")
     held = table != jaxkv.NO_PAGE
     assert not np.any(~held[:, :-1] & held[:, 1:]), "held pages are not a prefix"
-    np.testing.assert_array_equal(held.sum(1), -(-lengths // cache.page_size), "pages held")
+    pages = held.sum(1)
+    if cache.host is not None:
+        host_table = np.asarray(cache.host.table)
+        on_host_pages = host_table != jaxkv.NO_PAGE
+        np.testing.assert_array_equal(np.asarray(cache.on_host), on_host, "rows on the host")
+        assert not np.any(held & on_host_pages), "a position held on both tiers"
+        n = cache.host.num_pages
+        np.testing.assert_array_equal(
+            np.asarray(cache.host.ref_counts),
+            np.bincount(host_table[on_host_pages], minlength=n) > 0, "host ref_counts")
+        assert np.bincount(host_table[on_host_pages], minlength=n).max(initial=0) <= 1, \
+            "a host page held twice"
+        pages = pages + on_host_pages.sum(1)
+    np.testing.assert_array_equal(pages, -(-lengths // cache.page_size), "pages held")
     want_lengths = [m.shape[3] for m in model]
     np.testing.assert_array_equal(lengths, want_lengths, "lengths")
     out = np.asarray(read(cache))  # [L, B, 2, H, M, D]
     for b, tokens in enumerate(model):
+        if on_host[b]:
+            continue
         got = out[:, b, :, :, : tokens.shape[3]]
         if not np.array_equal(got.view(np.uint8), tokens.view(np.uint8)):
             raise AssertionError(f"row {b}: tokens differ from the model")
@@ -103,18 +124,25 @@ def soak_paged(steps: int, check_every: int = 25, seed: int = 0, shape: PagedSha
     rng = np.random.default_rng(seed)
     s = shape
     cache = jaxkv.PagedKVCache.create(s.num_layers, s.num_pages, s.page_size, s.num_kv_heads,
-                                      s.head_dim, s.max_batch, s.max_pages_per_seq, dtype, s.layout)
-    reserve, append_commit, fork, release, compact, read = _paged_steps(s.layout)
+                                      s.head_dim, s.max_batch, s.max_pages_per_seq, dtype, s.layout,
+                                      host_pages=s.host_pages)
+    reserve, append_commit, fork, release, compact, read, swap_out, swap_in = _paged_steps(
+        s.layout)
+    on_host = np.zeros(s.max_batch, bool)  # the model's rows swapped out
     capacity = s.max_pages_per_seq * s.page_size
     empty = np.zeros((s.num_layers, 2, s.num_kv_heads, 0, s.head_dim), np.dtype(dtype))
     model = [empty] * s.max_batch  # per row [L, 2, H, length, D]
     counts = dict(append=0, fork=0, release=0, compact=0, checks=0, unserved=0, forks_made=0)
+    actions = ["append"] * 6 + ["fork", "release", "compact"]
+    if s.host_pages:
+        actions += ["swap_out", "swap_in"]
+        counts.update(swap_out=0, swap_in=0, swapped_out=0, swapped_in=0)
     for step in range(steps):
-        action = rng.choice(["append"] * 6 + ["fork", "release", "compact"])
+        action = rng.choice(actions)
         lengths = np.array([m.shape[3] for m in model])
         if action == "append":
             n = rng.integers(0, s.tokens + 1, s.max_batch).astype(np.int32)
-            n[rng.random(s.max_batch) < 0.3] = 0
+            n[(rng.random(s.max_batch) < 0.3) | on_host] = 0
             n = np.minimum(n, capacity - lengths).astype(np.int32)
             cache, served = reserve(cache, jnp.asarray(n))
             served = np.asarray(served)
@@ -129,11 +157,13 @@ def soak_paged(steps: int, check_every: int = 25, seed: int = 0, shape: PagedSha
                 new = np.stack([k[:, b, :, : n[b]], v[:, b, :, : n[b]]], axis=1)
                 model[b] = np.concatenate([model[b], new], axis=3)
         elif action == "fork":
-            live = np.flatnonzero(lengths > 0)
+            live = np.flatnonzero((lengths > 0) & ~on_host)
             if live.size == 0:
                 continue
             src = int(rng.choice(live))
-            others = [b for b in range(s.max_batch) if b != src]
+            others = [b for b in range(s.max_batch) if b != src and not on_host[b]]
+            if len(others) < 2:
+                continue
             dst = rng.choice(others, size=int(rng.integers(1, 3)), replace=False).astype(np.int32)
             err, (cache, forked) = fork(cache, jnp.int32(src), jnp.asarray(dst))
             forked = np.asarray(forked)
@@ -148,6 +178,25 @@ def soak_paged(steps: int, check_every: int = 25, seed: int = 0, shape: PagedSha
             cache = release(cache, jnp.asarray(mask))
             for b in np.flatnonzero(mask):
                 model[b] = empty
+            on_host &= ~mask
+        elif action == "swap_out":  # rows with tokens, on the device; a full host skips some
+            rows = (rng.random(s.max_batch) < 0.3) & (lengths > 0) & ~on_host
+            err, (cache, swapped) = swap_out(cache, jnp.asarray(rows))
+            swapped = np.asarray(swapped)
+            msg = err.get()
+            if msg is not None and "holds no pages of its own" not in msg:
+                raise AssertionError(f"swap_out reported on a valid step: {msg}")
+            assert not np.any(swapped & ~rows), "swap_out moved a row not selected"
+            on_host |= swapped
+            counts["swapped_out"] += int(swapped.sum())
+        elif action == "swap_in":
+            rows = (rng.random(s.max_batch) < 0.5) & on_host
+            err, (cache, served) = swap_in(cache, jnp.asarray(rows))
+            _silent(err, "swap_in")
+            served = np.asarray(served)
+            assert not np.any(served & ~rows), "swap_in moved a row not selected"
+            on_host &= ~served
+            counts["swapped_in"] += int(served.sum())
         else:  # evict some sequences and move the rest to random slots (any injective mapping)
             keep = rng.random(s.max_batch) < 0.7
             slots = rng.permutation(s.max_batch)
@@ -155,15 +204,21 @@ def soak_paged(steps: int, check_every: int = 25, seed: int = 0, shape: PagedSha
             err, cache = compact(cache, jnp.asarray(mapping))
             _silent(err, "compact")
             new = [empty] * s.max_batch
+            new_on_host = np.zeros(s.max_batch, bool)
             for b in range(s.max_batch):
                 if mapping[b] >= 0:
                     new[mapping[b]] = model[b]
-            model = new
+                    new_on_host[mapping[b]] = on_host[b]
+            model, on_host = new, new_on_host
         counts[action] += 1
         if (step + 1) % check_every == 0 or step == steps - 1:
-            check_paged(cache, model, read)
+            check_paged(cache, model, read, on_host)
             counts["checks"] += 1
-    check_paged(cache, model, read)
+    if s.host_pages:  # everyone back, then every token checked
+        err, (cache, served) = swap_in(cache, jnp.asarray(on_host))
+        _silent(err, "swap_in")
+        on_host &= ~np.asarray(served)
+    check_paged(cache, model, read, on_host)
     counts["tokens_live"] = int(sum(m.shape[3] for m in model))
     counts["pages_free"] = int(cache.num_free_pages)
     return counts
@@ -285,6 +340,9 @@ def main(argv=None) -> int:
     print(f"soak on {jax.default_backend()} ({jax.devices()[0].device_kind})", flush=True)
     for name, run in (("paged", lambda: soak_paged(args.steps, args.check_every, args.seed,
                                                    PagedShape(layout=args.layout))),
+                      ("paged with a host tier", lambda: soak_paged(
+                          args.steps, args.check_every, args.seed,
+                          PagedShape(layout=args.layout, host_pages=24))),
                       ("linear", lambda: soak_linear(args.steps, args.check_every, args.seed))):
         start = time.perf_counter()
         counts = run()
