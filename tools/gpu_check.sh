@@ -8,7 +8,7 @@
 # building here (device time: the CUDA build takes minutes there, 1.5 here), then copies the
 # tree's Python over it, so that only a change under ffi/ needs a new wheel:
 #   JAXKV_CUDA=ON JAXKV_CUDA_ARCHITECTURES=90 PYENV_VERSION=3.12.1 python3.12 -m pip wheel \
-#     --no-deps -w build/gpu-wheel .        # then carry build/gpu-wheel, WHEEL=build/gpu-wheel/*.whl
+#     --no-deps -w build/gpu-wheel .     # then: carry build/gpu-wheel, WHEEL=build/gpu-wheel/*.whl
 #   bash tools/gpu_check.sh [pytest args...]
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxkv-gpu}
