@@ -71,14 +71,14 @@ def empty(num_pages: int, device_pool: jax.Array, layout: str, scaled: bool, max
     shape and dtype, in the host memory of its device."""
     axis, shape, dtype = PAGE_AXIS[layout], device_pool.shape, device_pool.dtype
     page = shape[:axis] + shape[axis + 1:]
-    if isinstance(device_pool, jax.core.Tracer):  # traced (eval_shape): the shapes are what count
-        place: Any = jax.memory.Space.Host
-    else:  # zeros from host memory straight to pinned host memory: made on the device, they
-        # would take the pool's size of device memory while they last
-        place = device_pool.sharding.with_memory_kind("pinned_host")
-
     def host(page_shape, dtype):
-        return jax.device_put(np.zeros((num_pages, 2) + page_shape, dtype), place)
+        shape = (num_pages, 2) + page_shape
+        if isinstance(device_pool, jax.core.Tracer):  # traced (jit, eval_shape): made by XLA
+            return jax.device_put(jnp.zeros(shape, dtype), jax.memory.Space.Host)
+        # zeros from host memory straight to pinned host memory: made on the device, they would
+        # take the pool's size of device memory while they last
+        return jax.device_put(np.zeros(shape, dtype),
+                              device_pool.sharding.with_memory_kind("pinned_host"))
 
     return HostPages(pages=host(page, dtype),
                      scales=host(page[:3], jnp.float32) if scaled else None,
@@ -95,13 +95,15 @@ CHUNK = 16
 
 
 def _each_pair(count: jax.Array, body, carry):
-    """``carry = body(i, carry)`` for ``i`` in ``[0, count)``, ``CHUNK`` per loop iteration; the
-    last iteration's spare slots repeat pair ``count - 1`` (the same bytes to the same place)."""
+    """``carry = body(i, carry)`` for ``i`` in ``[0, count)``: ``CHUNK`` per loop iteration, then
+    the rest one by one, so that a call copies the pages it moves and no more."""
     def chunk(c, carry):
         for j in range(CHUNK):
-            carry = body(jnp.minimum(c * CHUNK + j, count - 1), carry)
+            carry = body(c * CHUNK + j, carry)
         return carry
-    return jax.lax.fori_loop(0, (count + CHUNK - 1) // CHUNK, chunk, carry)
+    full = count // CHUNK
+    carry = jax.lax.fori_loop(0, full, chunk, carry)
+    return jax.lax.fori_loop(full * CHUNK, count, body, carry)
 
 
 def _page(pool, axis: int, i):

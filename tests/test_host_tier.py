@@ -96,6 +96,28 @@ def test_round_trip_keeps_every_byte(dtype, scaling, layout):
     assert set(np.asarray(cache.page_table[0])) - {NO_PAGE} != set(range(3))  # new pages
 
 
+@pytest.mark.parametrize("pages", [16, 37])
+def test_a_transfer_longer_than_one_loop_iteration(pages):
+    """A transfer copies 16 pages per loop iteration, then the rest one by one: rows of 37 pages
+    (two iterations and 5 more) and of 16 come back byte for byte, scales included, and the
+    host pool holds them exactly (no page written twice or skipped)."""
+    cache = make(num_pages=2 * pages + 4, max_pages_per_seq=pages, host_pages=pages + 3,
+                 dtype=jnp.float8_e4m3fn, scaling="per_token_head", layout="NHD")
+    cache = filled(cache, [2 * pages, 3, 0, 0], jnp.bfloat16)
+    before = [row_bytes(cache, b) for b in range(2)]
+    both = jnp.array([True, True, False, False])
+    cache, swapped = swap_out(cache, both, pages + 2)
+    assert np.asarray(swapped).tolist() == [True, True, False, False]
+    for b in range(2):
+        for got, want in zip(host_row_bytes(cache, b), before[b]):
+            assert_bytes_equal(got, want, f"host copy of row {b}")
+    cache, served = swap_in(cache, both, pages + 2)
+    assert np.asarray(served).tolist() == [True, True, False, False]
+    for b in range(2):
+        for got, want in zip(row_bytes(cache, b), before[b]):
+            assert_bytes_equal(got, want, f"row {b}")
+
+
 def test_gather_and_attention_after_a_round_trip():
     cache = filled(make(num_pages=20, max_pages_per_seq=6), [9, 4, 11, 6])  # 16 pages
     q = random_array((4, 4, D), jnp.float32)

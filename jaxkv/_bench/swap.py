@@ -26,7 +26,7 @@ from jaxkv import PagedKVCache, attention
 
 SIZES = {  # rows x pages per row, page, heads, head_dim, layers: the bytes swapped per direction
     "gpu": dict(rows=16, pages_per_row=64, page_size=16, heads=8, head_dim=128, layers=32,
-                num_pages=4096, reps=5,  # 16 x 64 pages of 1 MiB (32 layers, K and V) = 1 GiB
+                num_pages=4096, reps=5,  # 16 x 64 pages of 2 MiB (32 layers, K and V) = 2 GiB
                 # the decode beside it: 32 rows of 1024 tokens, 32 query heads, ~1 ms a step
                 decode_rows=32, decode_pages_per_row=64, q_heads=32, steps=20),
     "cpu": dict(rows=4, pages_per_row=8, page_size=16, heads=2, head_dim=64, layers=2,
@@ -89,7 +89,8 @@ def measure(size: str) -> dict:
     back = jax.jit(lambda c: c.swap_in(everyone, budget), donate_argnums=0)
     bits_of = lambda pool, ids: jax.lax.bitcast_convert_type(  # noqa: E731
         jnp.take(pool, ids, axis=1), jnp.uint16)
-    want = bits_of(cache.k_pages, jnp.asarray(table.ravel()))
+    ids = jnp.asarray(table.ravel())
+    want = (bits_of(cache.k_pages, ids), bits_of(cache.v_pages, ids))
 
     times = {"swap_out": [], "swap_in": []}
     for i in range(reps + 1):  # the first round compiles
@@ -101,7 +102,9 @@ def measure(size: str) -> dict:
                 times[name].append(time.perf_counter() - t)
             if not bool(jnp.all(moved)):
                 raise RuntimeError(f"{name}: not every row moved")
-        if not bool(jnp.all(bits_of(cache.k_pages, cache.page_table.ravel()) == want)):
+        ids = cache.page_table.ravel()
+        if not all(bool(jnp.all(bits_of(pool, ids) == w))
+                   for pool, w in zip((cache.k_pages, cache.v_pages), want)):
             raise RuntimeError("a page came back different")
     roof = copy_roofline(nbytes, reps)
     result = dict(size=size, bytes=nbytes, pages=rows * per_row, page_bytes=page_bytes, **roof)

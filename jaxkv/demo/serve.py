@@ -311,9 +311,10 @@ class ServeEngine(loop.Engine):
             return placed(cache), moved, jnp.sum(jnp.where(moved, kind.host_pages_held(cache),
                                                            0))
 
-        def swap_in(cache, rows, size):
+        def swap_in(cache, rows, size):  # the pages moved: those the rows held on the host
+            held = kind.host_pages_held(cache)
             cache, moved = kind.swap_in(cache, rows, size)
-            return placed(cache), moved, jnp.sum(jnp.where(moved, kind.pages_held(cache), 0))
+            return placed(cache), moved, jnp.sum(jnp.where(moved, held, 0))
 
         def spill(cache, size):  # -> (cache, pages spilled)
             cache, n = cache.spill_prefix(size)
