@@ -704,3 +704,6 @@ def test_the_host_pool_is_page_major_in_host_memory(scaling):
         shapes = jax.eval_shape(lambda: make(layout=layout, dtype=dtype, scaling=scaling,
                                              host_pages=6))
         assert jax.tree.map(lambda x: x.shape, shapes) == jax.tree.map(lambda x: x.shape, cache)
+        made = jax.jit(lambda: make(layout=layout, dtype=dtype, scaling=scaling, host_pages=6))()
+        assert made.host.pages.sharding.memory_kind == "pinned_host"
+        assert not np.any(np.asarray(made.host.pages.astype(jnp.float32)))
