@@ -161,9 +161,7 @@ def soak_paged(steps: int, check_every: int = 25, seed: int = 0, shape: PagedSha
             if live.size == 0:
                 continue
             src = int(rng.choice(live))
-            others = [b for b in range(s.max_batch) if b != src and not on_host[b]]
-            if len(others) < 2:
-                continue
+            others = [b for b in range(s.max_batch) if b != src]  # on the host too: released
             dst = rng.choice(others, size=int(rng.integers(1, 3)), replace=False).astype(np.int32)
             err, (cache, forked) = fork(cache, jnp.int32(src), jnp.asarray(dst))
             forked = np.asarray(forked)
@@ -172,6 +170,7 @@ def soak_paged(steps: int, check_every: int = 25, seed: int = 0, shape: PagedSha
                 raise AssertionError(f"fork reported on a valid step: {msg}")
             for d, ok in zip(dst, forked):
                 model[d] = model[src].copy() if ok else empty
+            on_host[dst] = False
             counts["forks_made"] += int(forked.sum())
         elif action == "release":
             mask = rng.random(s.max_batch) < 0.25
