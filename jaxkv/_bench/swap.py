@@ -76,11 +76,26 @@ def scattered(s: dict, rows: int, per_row: int, num_pages: int, host_pages: int,
         ref_counts=jnp.asarray(ref_counts))
 
 
+def decode_workload(s: dict):
+    """``(reader, work)``: a second cache and ``work(reader)``, ``steps`` decode steps over its
+    every layer (each step's output the next step's query)."""
+    d_rows, d_per_row = s["decode_rows"], s["decode_pages_per_row"]
+    reader = scattered(s, d_rows, d_per_row, d_rows * d_per_row, 0, seed=1)
+    q = jax.random.normal(jax.random.key(2), (d_rows, s["q_heads"], s["head_dim"]),
+                          jnp.bfloat16)
+    layers = s["layers"]
+
+    def work(reader):
+        def layer(i, x):
+            return attention.decode(x, reader, i % layers)
+        return jax.lax.fori_loop(0, s["steps"] * layers, layer, q)
+    return reader, work
+
+
 def measure(size: str) -> dict:
     s = SIZES[size]
     rows, per_row, reps = s["rows"], s["pages_per_row"], s["reps"]
     cache = scattered(s, rows, per_row, s["num_pages"], rows * per_row, seed=0)
-    table = np.asarray(cache.page_table)
     page_bytes = 2 * s["layers"] * s["page_size"] * s["heads"] * s["head_dim"] * 2
     nbytes = rows * per_row * page_bytes
     everyone = jnp.ones((rows,), bool)
@@ -89,59 +104,23 @@ def measure(size: str) -> dict:
     back = jax.jit(lambda c: c.swap_in(everyone, budget), donate_argnums=0)
     bits_of = lambda pool, ids: jax.lax.bitcast_convert_type(  # noqa: E731
         jnp.take(pool, ids, axis=1), jnp.uint16)
-    ids = jnp.asarray(table.ravel())
+    ids = cache.page_table.ravel()
     want = (bits_of(cache.k_pages, ids), bits_of(cache.v_pages, ids))
-
-    times = {"swap_out": [], "swap_in": []}
-    for i in range(reps + 1):  # the first round compiles
-        for name, fn in (("swap_out", out), ("swap_in", back)):
-            t = time.perf_counter()
-            cache, moved = fn(cache)
-            jax.block_until_ready(cache)
-            if i:
-                times[name].append(time.perf_counter() - t)
-            if not bool(jnp.all(moved)):
-                raise RuntimeError(f"{name}: not every row moved")
-        ids = cache.page_table.ravel()
-        if not all(bool(jnp.all(bits_of(pool, ids) == w))
-                   for pool, w in zip((cache.k_pages, cache.v_pages), want)):
-            raise RuntimeError("a page came back different")
-    roof = copy_roofline(nbytes, reps)
-    result = dict(size=size, bytes=nbytes, pages=rows * per_row, page_bytes=page_bytes, **roof)
-    for name, ts in times.items():
-        gbps = nbytes / statistics.median(ts) / 1e9
-        result[f"{name}_gbps"] = gbps
-        result[f"{name}_of_copy"] = gbps / roof["d2h_gbps" if name == "swap_out" else "h2d_gbps"]
-    result.update(overlap(s, cache, out, back))
-    return result
-
-
-def overlap(s: dict, cache: PagedKVCache, out, back) -> dict:
-    """Seconds of a decode workload alone, of each swap alone (``out``, ``back``: the jitted
-    swaps, ``cache`` on the device) and of the decode and each swap in one ``jit``."""
-    d_rows, d_per_row, reps = s["decode_rows"], s["decode_pages_per_row"], s["reps"]
-    reader = scattered(s, d_rows, d_per_row, d_rows * d_per_row, 0, seed=1)
-    q = jax.random.normal(jax.random.key(2), (d_rows, s["q_heads"], s["head_dim"]),
-                          jnp.bfloat16)
-    layers, steps = s["layers"], s["steps"]
-
-    def work(reader):  # each step reads every layer; its output is the next step's query
-        def layer(i, x):
-            return attention.decode(x, reader, i % layers)
-        return jax.lax.fori_loop(0, steps * layers, layer, q)
-
+    reader, work = decode_workload(s)
     decode = jax.jit(work)
-    # Swapping out and in in turn, so that each call finds the rows where it needs them.
-    calls = (("swap_out_s", out, False), ("swap_in_s", back, False),
-             ("out_with_decode_s", jax.jit(lambda c, r: (out(c), work(r)), donate_argnums=0), True),
-             ("in_with_decode_s", jax.jit(lambda c, r: (back(c), work(r)), donate_argnums=0), True))
     jax.block_until_ready(decode(reader))
     t = {"decode_s": _median_s(lambda: decode(reader), reps)}
-    samples: dict = {key: [] for key, _, _ in calls}
+
+    # Each swap alone, then each in one jit with the decode workload; out and in in turn, so that
+    # each call finds the rows where it needs them.
+    calls = (("swap_out_s", out), ("swap_in_s", back),
+             ("out_with_decode_s", jax.jit(lambda c, r: (out(c), work(r)), donate_argnums=0)),
+             ("in_with_decode_s", jax.jit(lambda c, r: (back(c), work(r)), donate_argnums=0)))
+    samples: dict = {key: [] for key, _ in calls}
     for i in range(reps + 1):  # the first round compiles
-        for key, fn, with_decode in calls:
+        for key, fn in calls:
             start = time.perf_counter()
-            if with_decode:
+            if key.endswith("with_decode_s"):
                 (cache, moved), x = fn(cache, reader)
                 jax.block_until_ready(x)
             else:
@@ -151,13 +130,24 @@ def overlap(s: dict, cache: PagedKVCache, out, back) -> dict:
                 samples[key].append(time.perf_counter() - start)
             if not bool(jnp.all(moved)):
                 raise RuntimeError(f"{key}: not every row moved")
+        ids = cache.page_table.ravel()
+        if not all(bool(jnp.all(bits_of(pool, ids) == w))
+                   for pool, w in zip((cache.k_pages, cache.v_pages), want)):
+            raise RuntimeError("a page came back different")
     t.update({key: statistics.median(v) for key, v in samples.items()})
-    for name in ("out", "in"):
+
+    roof = copy_roofline(nbytes, reps)
+    result = dict(size=size, bytes=nbytes, pages=rows * per_row, page_bytes=page_bytes, **roof,
+                  **t)
+    for name, copy in (("out", "d2h_gbps"), ("in", "h2d_gbps")):
+        gbps = nbytes / t[f"swap_{name}_s"] / 1e9
+        result[f"swap_{name}_gbps"] = gbps
+        result[f"swap_{name}_of_copy"] = gbps / roof[copy]
         swap_s, pair_s = t[f"swap_{name}_s"], t[f"{name}_with_decode_s"]
         # 1: the shorter of the two hidden entirely under the longer; 0: run one after the other
-        t[f"{name}_overlap"] = (swap_s + t["decode_s"] - pair_s) / min(swap_s, t["decode_s"])
-        t[f"{name}_decode_kept"] = t["decode_s"] / pair_s
-    return t
+        result[f"{name}_overlap"] = (swap_s + t["decode_s"] - pair_s) / min(swap_s, t["decode_s"])
+        result[f"{name}_decode_kept"] = t["decode_s"] / pair_s
+    return result
 
 
 def report(r: dict) -> str:
