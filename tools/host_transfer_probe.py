@@ -143,6 +143,17 @@ def main():
         report("roofline h2d", s, nbytes, True, [], False)
     attempt("roofline", roofline)
 
+    def into_device(name, back, *args):
+        """``back(device pool, *args)`` (donated) fills the pages ``src`` of a zero pool: timed,
+        checked against ``want``, its HLO searched for copies."""
+        f = jax.jit(back, donate_argnums=0)
+        pool = jnp.zeros_like(dev)
+        copies, hc = pool_copies(f, pool, *args)
+        pool, s = timed(f, pool, *args)
+        ok = np.array_equal(np.asarray(jnp.take(pool, src, axis=1)).view(np.uint16),
+                            want.view(np.uint16))
+        report(name, s, nbytes, ok, copies, hc)
+
     # B: page-major host pool [HP, L, T, H, D], the transfer's pages contiguous at `start`.
     def page_major_contiguous():
         host = jax.device_put(jnp.zeros((hp, L, T, H, D), jnp.bfloat16), HOST)
@@ -163,13 +174,7 @@ def main():
             staging = jax.lax.dynamic_slice(host, (start, 0, 0, 0, 0), (m, L, T, H, D))
             staging = jnp.swapaxes(jax.device_put(staging, DEVICE), 0, 1)
             return dev.at[:, dst].set(staging)
-        back = jax.jit(back, donate_argnums=0)
-        dev2 = jnp.zeros_like(dev)
-        copies, hc = pool_copies(back, dev2, host, src, start)
-        dev2, s = timed(back, dev2, host, src, start)
-        ok = np.array_equal(np.asarray(jnp.take(dev2, src, axis=1)).view(np.uint16),
-                            want.view(np.uint16))
-        report("B in: page-major host, contiguous DS", s, nbytes, ok, copies, hc)
+        into_device("B in: page-major host, contiguous DS", back, host, src, start)
     attempt("B", page_major_contiguous)
 
     # D: layer-major host pool [L, HP, ...] (the device layout), contiguous along axis 1.
@@ -190,13 +195,7 @@ def main():
         def back(dev, host, dst, start):
             staging = jax.lax.dynamic_slice(host, (0, start, 0, 0, 0), (L, m, T, H, D))
             return dev.at[:, dst].set(jax.device_put(staging, DEVICE))
-        back = jax.jit(back, donate_argnums=0)
-        dev2 = jnp.zeros_like(dev)
-        copies, hc = pool_copies(back, dev2, host, src, start)
-        dev2, s = timed(back, dev2, host, src, start)
-        ok = np.array_equal(np.asarray(jnp.take(dev2, src, axis=1)).view(np.uint16),
-                            want.view(np.uint16))
-        report("D in: layer-major host, DS along pages", s, nbytes, ok, copies, hc)
+        into_device("D in: layer-major host, DS along pages", back, host, src, start)
     attempt("D", layer_major_contiguous)
 
     # C: page-major host pool, one DUS per page at scattered host pages (a loop of copies).
@@ -263,18 +262,12 @@ def main():
             host, s = timed(f, host, dev, src, dst, n)
             got = np.asarray(jax.device_put(host, DEVICE))[np.asarray(dst)].swapaxes(0, 1)
             ok = np.array_equal(got.view(np.uint16), want.view(np.uint16))
+            report(f"{name} out", s, nbytes, ok, copies, hc)
         else:
             h = np.zeros((hp, L, T, H, D), np.uint16)
             h[np.asarray(dst)] = want.view(np.uint16).swapaxes(0, 1)
             host = jax.device_put(jnp.asarray(h.view(jnp.bfloat16)), HOST)
-            f = jax.jit(back, donate_argnums=0)
-            dev2 = jnp.zeros_like(dev)
-            copies, hc = pool_copies(f, dev2, host, src, dst, n)
-            dev2, s = timed(f, dev2, host, src, dst, n)
-            ok = np.array_equal(np.asarray(jnp.take(dev2, src, axis=1)).view(np.uint16),
-                                want.view(np.uint16))
-        report(f"{name} {direction}", s, nbytes, ok, copies, hc)
-        return f
+            into_device(f"{name} in", back, host, src, dst, n)
 
     for unroll in (8, 32):
         for staged in (True, False):
