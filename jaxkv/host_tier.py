@@ -69,8 +69,8 @@ def empty(num_pages: int, device_pool: jax.Array, layout: str, scaled: bool, max
           max_pages_per_seq: int) -> HostPages:
     """An empty host tier: every host page free, no row swapped; its pages of ``device_pool``'s
     shape and dtype, in the host memory of its device."""
-    axis, shape, dtype = PAGE_AXIS[layout], device_pool.shape, device_pool.dtype
-    page = shape[:axis] + shape[axis + 1:]
+    axis, pool_shape = PAGE_AXIS[layout], device_pool.shape
+    page = pool_shape[:axis] + pool_shape[axis + 1:]
     def host(page_shape, dtype):
         shape = (num_pages, 2) + page_shape
         if isinstance(device_pool, jax.core.Tracer):  # traced (jit, eval_shape): made by XLA
@@ -80,7 +80,7 @@ def empty(num_pages: int, device_pool: jax.Array, layout: str, scaled: bool, max
         return jax.device_put(np.zeros(shape, dtype),
                               device_pool.sharding.with_memory_kind("pinned_host"))
 
-    return HostPages(pages=host(page, dtype),
+    return HostPages(pages=host(page, device_pool.dtype),
                      scales=host(page[:3], jnp.float32) if scaled else None,
                      ref_counts=jnp.zeros((num_pages,), jnp.int32),
                      table=jnp.full((max_batch, max_pages_per_seq), NO_PAGE, jnp.int32))
