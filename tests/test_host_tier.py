@@ -59,7 +59,10 @@ def host_row_bytes(cache, b):
     h = cache.host
     # The host pool is page-major [pages, K/V, *page]: laid out as the device pools to compare.
     leaves = [h.pages] + ([h.scales] if h.scales is not None else [])
-    return [np.moveaxis(np.asarray(x)[pages][:, kv], 0, axis) for x in leaves for kv in (0, 1)]
+    # Read through a device copy: numpy's view of a pinned host array is cached on the array
+    # and holds its buffer, which can then no longer be donated (the next swap would fail).
+    read = lambda x: np.asarray(jax.device_put(x, jax.memory.Space.Device))  # noqa: E731
+    return [np.moveaxis(read(x)[pages][:, kv], 0, axis) for x in leaves for kv in (0, 1)]
 
 
 CASES = [(jnp.float32, None, "HND"), (jnp.bfloat16, None, "NHD"), (jnp.float16, None, "HND"),

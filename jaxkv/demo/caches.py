@@ -552,6 +552,19 @@ class PagedKind:
 
         return _for_new_rows(new, fork, cache)
 
+    def miscounted_pages(self, cache) -> int:
+        """Pages (of either tier) whose reference count differs from the table entries naming
+        them: 0 when the allocator and the tables agree. Read on the host after a run."""
+        table = np.asarray(self._pool_table(cache))
+        named = np.bincount(table[(table >= 0) & (table < cache.num_pages)],
+                            minlength=cache.num_pages)
+        bad = int(np.sum(np.asarray(cache.ref_counts) != named))
+        if cache.host is not None:
+            host = np.asarray(cache.host.table)
+            held = np.bincount(host[host != jaxkv.NO_PAGE], minlength=cache.host.num_pages)
+            bad += int(np.sum(np.asarray(cache.host.ref_counts) != held))
+        return bad
+
     def memory(self, cache) -> tuple[int, int]:
         used = int(np.sum(np.asarray(cache.ref_counts) > 0))
         pool = cache.k_pages.nbytes + cache.v_pages.nbytes

@@ -395,7 +395,8 @@ class ServeEngine(loop.Engine):
         no timed call pays a first execution."""
         if self._compiled is None:
             args = self.example_args()
-            fns = {k: self.functions[k.rstrip("0123456789")].lower(*a).compile()
+            fns = {k: self.functions[k.rstrip("0123456789")].lower(*a).compile(
+                       loop.COMPILER_OPTIONS)
                    for k, a in args.items()}
             self._compiled = fns
             cache, tok, rem, saved = self._start(fns)
@@ -552,6 +553,8 @@ class ServeEngine(loop.Engine):
         if mapping is not None:
             cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, mapping)
         self.final_cache = cache
+        audit = getattr(self.kind, "miscounted_pages", None)  # paged: the allocator's audit
+        m["miscounted_pages"] = None if audit is None else audit(cache)
         m.update(wall=wall, compile_s=compile_s, usage=np.array(sched.usage).reshape(-1, 4),
                  spilled_pages=int(sum(int(n) for n in m["spilled"])),
                  page_size=sched.page_size or 0,
@@ -956,6 +959,7 @@ def summarize(requests: list[ServeRequest], m: dict, per_token: int, allocated: 
         host_s=m["busy_host"], compile_s=m["compile_s"], profile=m["profile"],
         prefill_requested=m["prefill_requested"], prefill_computed=m["prefill_computed"],
         prefill_matched=m["prefill_matched"], oracle_reuse=best,
+        miscounted_pages=m.get("miscounted_pages"),
         reuse_of_oracle=(sum(r.matched for r in started) / best) if best else None,
     )
 

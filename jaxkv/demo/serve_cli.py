@@ -217,6 +217,9 @@ def table(results: dict[str, dict], profiled: bool) -> list[str]:
                                                       for r in runs)),
             ("KV holding live tokens, mean", *(size(r["kv_live_mean_bytes"]) for r in runs)),
             ("preemptions", *(str(r["preemptions"]) for r in runs)),
+            ("pages miscounted at the end (allocator audit)",
+             *("-" if r["miscounted_pages"] is None else str(r["miscounted_pages"])
+               for r in runs)),
             ("to the host tier: swaps out / in, pages spilled; bytes",
              *(f"{r['swaps_out']} / {r['swaps_in']}, {r['spilled_pages']}; "
                f"{size(r['swap_bytes'])}" for r in runs)),
@@ -276,6 +279,19 @@ def recompute(cfg, params, system, requests, n: int, max_seq_len: int, eos):
 
 
 def run_engine(name, args, cfg, params, system, requests, kv_gib, per_token, mean_total):
+    engine, p = make_engine(name, args, cfg, params, system, kv_gib, per_token, mean_total)
+    reqs = S.fresh(requests)
+    oracle = S.oracle_reuse(system, requests, args.page_size)
+    window = ((args.duration or 0) / 2, 4) if args.profile else None  # mid-run, 4 iterations
+    m = engine.run(reqs, eos=args.eos, duration=args.duration, profile=window)
+    allocated = (p.num_pages * args.page_size if p.num_pages else p.batch * args.max_seq_len)
+    summary = S.summarize(reqs, m, per_token, allocated * per_token, oracle)
+    summary.update(engine=name, kv_gib=kv_gib, batch=p.batch, num_pages=p.num_pages)
+    return summary, [r.output for r in reqs]
+
+
+def make_engine(name, args, cfg, params, system, kv_gib, per_token, mean_total):
+    """Engine ``name`` with ``kv_gib`` of KV, and its plan (rows, pages)."""
     if name == "paged-8bit":  # the same budget holds about twice the tokens
         per_token = S.kv_bytes_per_token(cfg, S.KV_DTYPES[args.kv_dtype], scaled=True)
     kv = int(kv_gib * 2**30)
@@ -302,14 +318,7 @@ def run_engine(name, args, cfg, params, system, requests, kv_gib, per_token, mea
                            system_prompt=system, prefill_rows=args.prefill_rows,
                            prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
                            mixed_steps=args.mixed_steps, unroll=args.layers == "unroll")
-    reqs = S.fresh(requests)
-    oracle = S.oracle_reuse(system, requests, args.page_size)
-    window = ((args.duration or 0) / 2, 4) if args.profile else None  # mid-run, 4 iterations
-    m = engine.run(reqs, eos=args.eos, duration=args.duration, profile=window)
-    allocated = (p.num_pages * args.page_size if p.num_pages else p.batch * args.max_seq_len)
-    summary = S.summarize(reqs, m, per_token, allocated * per_token, oracle)
-    summary.update(engine=name, kv_gib=kv_gib, batch=p.batch, num_pages=p.num_pages)
-    return summary, [r.output for r in reqs]
+    return engine, p
 
 
 def main(argv=None) -> int:
@@ -406,6 +415,11 @@ def serve(args, on_gpu: bool) -> int:
                                        if k != "paged-8bit"):
         rc = 1
 
+    miscounted = {k: r["miscounted_pages"] for k, r in results.items() if r["miscounted_pages"]}
+    if miscounted:  # the tables and the reference counts disagree: the served tokens are suspect
+        print("ALLOCATOR AUDIT FAILED, pages miscounted: " + ", ".join(
+            f"{k} {v}" for k, v in miscounted.items()))
+        rc = 1
     doc.update(agreement=agree, recomputed=checked)
     write_json(args.json, doc)
     for kv_gib in args.sweep:

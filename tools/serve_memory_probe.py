@@ -1,0 +1,46 @@
+"""What XLA plans for each compiled function of a serving engine: its memory analysis (arguments,
+outputs, aliased, temporaries) and the copies of 2^26 elements or more in its optimized HLO. A function
+whose plan passes the device's limit is rematerialized by XLA (a warning at compile time).
+
+    python3 tools/serve_memory_probe.py --preset 8b --engines paged --max-seq-len 8192 ...
+(the arguments of ``python -m jaxkv serve``; the stream's mean length sizes the batch)."""
+
+import re
+import sys
+
+import jax
+import numpy as np
+
+from jaxkv.demo import serve as S
+from jaxkv.demo import serve_cli
+
+GiB = 2**30
+
+
+def main(argv) -> None:
+    args = serve_cli.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    args.sharding = serve_cli.cache_sharding(args.mesh)
+    cfg, params, source = serve_cli.load(args)
+    per_token = S.kv_bytes_per_token(cfg, args.dtype)
+    mean_total = args.system_len + args.mean_prompt + args.mean_output
+    weights = sum(x.nbytes for x in jax.tree.leaves(params))
+    print(f"{source}: weights {weights / GiB:.2f} GiB; {jax.devices()[0].device_kind}")
+    for name in args.engines:
+        engine, p = serve_cli.make_engine(name, args, cfg, params, np.arange(args.system_len),
+                                          args.kv_gib, per_token, mean_total)
+        print(f"{name}: rows {p.batch}, pages {p.num_pages}")
+        for fn, a in engine.example_args().items():
+            compiled = engine.functions[fn.rstrip("0123456789")].lower(*a).compile()
+            ma = compiled.memory_analysis()
+            copies = [int(np.prod([int(d) for d in m.group(2).split(",") if d]))
+                      for m in re.finditer(r"= (\w+)\[([\d,]*)\][^=]*? copy\(", compiled.as_text())]
+            big = [c for c in copies if c >= 2**26]
+            print(f"  {fn:10s} args {ma.argument_size_in_bytes / GiB:6.2f} out "
+                  f"{ma.output_size_in_bytes / GiB:6.2f} aliased {ma.alias_size_in_bytes / GiB:6.2f}"
+                  f" temp {ma.temp_size_in_bytes / GiB:6.2f} GiB; copies >= 64 Mi elements: "
+                  f"{len(big)}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
