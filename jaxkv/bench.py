@@ -127,6 +127,10 @@ def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) 
             progress.label(f"{case.op} {case.name}: XLA {name}")
             try:
                 carry, row["xla"][name], _ = measure(step, carry, consts, case, reps)
+                if on_gpu and name == C.OWN_KERNEL:  # beside cuDNN: its device time too
+                    carry, t, _, _ = T.kernel_seconds(step, carry, consts,
+                                                      case.per_step // case.per_launch)
+                    row["xla"][name]["kernel_time_s"] = None if t is None else t / case.per_launch
             except Exception as e:  # an XLA formulation that does not compile or fit
                 row["xla"][name] = dict(error=first_line(e))
                 if "RESOURCE_EXHAUSTED" not in str(e):

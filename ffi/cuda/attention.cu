@@ -327,8 +327,8 @@ __global__ void __launch_bounds__(kThreads)
 // group's q heads are the 16 rows of A (rows past the group are zeros), so one MMA scores 8 tokens
 // for every head of the group. A stage is kTcTokens tokens of K and V, streamed with cp.async into
 // a ring of kTcStages tiles (rows of D elements, 16-byte chunks XOR-swizzled by row so that
-// ldmatrix is conflict-free); every thread copies part of every token, so the ring needs a block
-// barrier per stage. Warp w takes tokens [16w, 16w + 16) of each stage: S = Q K^T (two 16x8 tiles),
+// ldmatrix is conflict-free); kTcLanes threads copy a token and the warps read each other's
+// tokens, so the ring needs a block barrier per stage. Warp w takes tokens [16w, 16w + 16) of each stage: S = Q K^T (two 16x8 tiles),
 // the online softmax on the fragments (rows are heads: four lanes share a row), then O += P V with
 // P taken straight from the S fragments (FlashAttention-2's register layout). The CUDA-core
 // kernel spent most of its time issuing per-token FMAs and shuffles (56% of copy bandwidth on the
@@ -341,6 +341,9 @@ constexpr int kTcTokens = 64;  // per stage: 16 per warp
 // (330 / 399 us: shorter pipelines per block).
 constexpr int kTcStages = 2;
 constexpr int kTcMinBlocks = 3;
+// Threads that copy one token's K and V (kTcLanes 16-byte chunks a copy instruction), measured on
+// the H200 (docs/perf-notes.md item 17): 8 against 16, 4 and 2.
+constexpr int kTcLanes = 8;
 
 template <class T>
 __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
@@ -367,7 +370,14 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
 }
-// Two floats as a pair of T in one register, the first in the low half (the fragments' order).
+// A pair of T in one register (the first in the low half) as two floats, and back.
+template <class T>
+__device__ __forceinline__ float2 unpack2(uint32_t w) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  else
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
 template <class T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   const T a = static_cast<T>(lo), b = static_cast<T>(hi);
@@ -380,13 +390,12 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 template <int kD, class T>
 struct TcRing {
   static constexpr int kChunks = kD * 2 / 16;                      // 16-byte chunks per token
-  static constexpr int kPasses = kTcTokens * kChunks / kThreads;   // copies per thread per tile
   static constexpr size_t kTile = size_t{kTcTokens} * kD * 2;      // bytes of K (or V) per stage
   static constexpr size_t kLive = 2 * kTile * kTcStages;           // byte offset of the live flags
   static constexpr size_t kRingBytes = kLive + sizeof(int) * kTcTokens * kTcStages;
   static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kTcHeads * (kD + 2);
   static constexpr size_t kBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
-  static_assert(kThreads % kChunks == 0 && kChunks % 8 == 0, "copy passes and swizzle");
+  static_assert(kChunks % 8 == 0, "swizzle");
   // Chunk c of token j of K (kind 0) or V (kind 1) in stage `stage`.
   __device__ static unsigned char* chunk(unsigned char* smem, int stage, int kind, int j, int c) {
     return smem + (stage * 2 + kind) * kTile + (static_cast<size_t>(j) * kChunks + (c ^ (j & 7))) * 16;
@@ -454,7 +463,7 @@ __device__ __forceinline__ void tc_finish(unsigned char* smem, const float (&o)[
   }
 }
 
-template <int kD, class T>
+template <int kD, class T, int kLanes>
 __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
     attention_tc_kernel(const AttentionProblem p, int32_t keys_per_split, float* work) {
   using R = TcRing<kD, T>;
@@ -480,38 +489,46 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
   const int g = lane / 4, tq = lane % 4;  // fragment row (head) and column pair
   const int iters = (k1 - k0 + kTcTokens - 1) / kTcTokens;
 
-  // Copies: pass x of a stage moves chunk c (the same in every pass) of token x * kRowsPerPass +
-  // jt0. A thread's addresses: base + page * page_stride + slot * token_stride, slot = pos % page
-  // size (a shift and a mask for the usual power-of-two pages).
-  constexpr int kRowsPerPass = kThreads / R::kChunks;
-  const int c = threadIdx.x % R::kChunks, jt0 = threadIdx.x / R::kChunks;
-  const int64_t base = *p.layer * p.kv.layer_stride + kvh * p.kv.head_stride + c * 16;
+  // Copies: kLanes threads take a token, kLanes consecutive 16-byte chunks per instruction (16
+  // kLanes contiguous bytes), kTcTokens * kLanes / kThreads tokens a stage each, one table entry
+  // and one address per token; entries are loaded a stage ahead. kLanes is a tuning knob
+  // (docs/perf-notes.md): fewer lanes per token, fewer lookups, shorter contiguous runs.
+  constexpr int kPerPass = kThreads / kLanes;               // tokens per pass
+  constexpr int kPasses = kTcTokens / kPerPass;             // tokens per thread and stage
+  constexpr int kChunksPerLane = R::kChunks / kLanes;
+  static_assert(kTcTokens % kPerPass == 0 && R::kChunks % kLanes == 0, "copy geometry");
+  const int c0 = threadIdx.x % kLanes, jt0 = threadIdx.x / kLanes;
+  const int64_t base = *p.layer * p.kv.layer_stride + kvh * p.kv.head_stride + c0 * 16;
   const bool paged = p.kv.page_table != nullptr;
   const int ps = p.kv.page_size;
   const bool pow2 = (ps & (ps - 1)) == 0;
   const int shift = __ffs(ps) - 1;
   const int32_t* table = paged ? p.kv.page_table + int64_t{b} * p.kv.max_pages : nullptr;
-  int32_t raw[R::kPasses];  // table entries of the next stage to issue, loads in flight
+  int32_t raw[kPasses];  // table entries of the next stage to issue, loads in flight
   auto fetch_pages = [&](int i) {
 #pragma unroll
-    for (int x = 0; x < R::kPasses; ++x) {
-      const int32_t j = k0 + i * kTcTokens + x * kRowsPerPass + jt0;
+    for (int x = 0; x < kPasses; ++x) {
+      const int32_t j = k0 + i * kTcTokens + x * kPerPass + jt0;
       raw[x] = i < iters && j < k1 ? (paged ? table[pow2 ? j >> shift : j / ps] : b) : -1;
     }
   };
   auto issue = [&](int i) {
     if (i < iters) {
-      const int slot = i % kTcStages;
+      const int st = i % kTcStages;
 #pragma unroll
-      for (int x = 0; x < R::kPasses; ++x) {
-        const int jt = x * kRowsPerPass + jt0;
+      for (int x = 0; x < kPasses; ++x) {
+        const int jt = x * kPerPass + jt0;
         const int32_t j = k0 + i * kTcTokens + jt;
         const bool ok = p.kv.holds(raw[x]);
         const int32_t in_page = paged ? (pow2 ? j & (ps - 1) : j % ps) : j;
         const int64_t off = ok ? base + raw[x] * p.kv.page_stride + in_page * p.kv.token_stride : 0;
-        copy_async(reinterpret_cast<uint4*>(R::chunk(smem, slot, 0, jt, c)), p.kv.k + off, ok);
-        copy_async(reinterpret_cast<uint4*>(R::chunk(smem, slot, 1, jt, c)), p.kv.v + off, ok);
-        if (c == 0) R::live(smem, slot)[jt] = ok;
+#pragma unroll
+        for (int y = 0; y < kChunksPerLane; ++y) {
+          const int c = c0 + y * kLanes;
+          copy_async(reinterpret_cast<uint4*>(R::chunk(smem, st, 0, jt, c)), p.kv.k + off + 16 * y * kLanes, ok);
+          copy_async(reinterpret_cast<uint4*>(R::chunk(smem, st, 1, jt, c)), p.kv.v + off + 16 * y * kLanes, ok);
+        }
+        if (c0 == 0) R::live(smem, st)[jt] = ok;
       }
     }
     copy_commit();
@@ -521,21 +538,28 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
 #pragma unroll
   for (int i = 0; i < kTcStages - 1; ++i) issue(i);
 
-  // Q as A fragments, pre-scaled (rows past the block's heads are zeros).
+  // Q as A fragments, pre-scaled (rows past the block's heads are zeros): lane (g, tq) needs the
+  // pairs d = 8 c + 2 tq, + 1 of rows g and g + 8, one 4-byte load each from the rows' pointers
+  // (an index computation and a 2-byte load per element were a quarter of a block's work).
   uint32_t qa[kD / 16][4];
   {
     const float qscale = p.scale * kLog2e * *p.k_scale;
     const T* qp = reinterpret_cast<const T*>(p.q);
-    auto qv = [&](int r, int d) {
-      return r < nh ? static_cast<float>(qp[p.q_index(b, t, h0 + r) + d]) * qscale : 0.f;
+    const uint32_t* r0 = reinterpret_cast<const uint32_t*>(qp + p.q_index(b, t, h0 + min(g, nh - 1)));
+    const uint32_t* r1 = reinterpret_cast<const uint32_t*>(qp + p.q_index(b, t, h0 + min(g + 8, nh - 1)));
+    const bool live0 = g < nh, live1 = g + 8 < nh;
+    auto pair = [&](const uint32_t* r, bool live, int d) -> uint32_t {
+      if (!live) return 0u;
+      const float2 f = unpack2<T>(__ldg(r + d / 2));
+      return pack2<T>(f.x * qscale, f.y * qscale);
     };
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
       const int d = ks * 16 + 2 * tq;
-      qa[ks][0] = pack2<T>(qv(g, d), qv(g, d + 1));
-      qa[ks][1] = pack2<T>(qv(g + 8, d), qv(g + 8, d + 1));
-      qa[ks][2] = pack2<T>(qv(g, d + 8), qv(g, d + 9));
-      qa[ks][3] = pack2<T>(qv(g + 8, d + 8), qv(g + 8, d + 9));
+      qa[ks][0] = pair(r0, live0, d);
+      qa[ks][1] = pair(r1, live1, d);
+      qa[ks][2] = pair(r0, live0, d + 8);
+      qa[ks][3] = pair(r1, live1, d + 8);
     }
   }
   float o[kD / 8][4];
@@ -548,7 +572,7 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
     copy_wait<kTcStages - 2>();
     __syncthreads();  // stage i landed for every thread; every warp is done with stage i - 1
     issue(i + kTcStages - 1);
-    const int slot = i % kTcStages;
+    const int st = i % kTcStages;
 
     // S = Q K^T: two tiles of 8 tokens.
     float sc[2][4] = {};
@@ -557,13 +581,13 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
 #pragma unroll
       for (int cg = 0; cg < kD / 32; ++cg) {
         uint32_t kb[4];
-        ldmatrix_x4<false>(kb, R::chunk(smem, slot, 0, jw + nt * 8 + lane % 8, cg * 4 + lane / 8));
+        ldmatrix_x4<false>(kb, R::chunk(smem, st, 0, jw + nt * 8 + lane % 8, cg * 4 + lane / 8));
         mma_16816<T>(sc[nt], qa[2 * cg], kb[0], kb[1]);
         mma_16816<T>(sc[nt], qa[2 * cg + 1], kb[2], kb[3]);
       }
     }
     // Online softmax of rows g, g + 8 over the warp's 16 tokens (columns 2 tq, 2 tq + 1 of each tile).
-    const int* live = R::live(smem, slot);
+    const int* live = R::live(smem, st);
     float mx0 = m0, mx1 = m1;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -605,15 +629,16 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
     l1 = l1 * a1 + sum1;
     // A's registers: {row g, k 0-7}, {row g + 8, k 0-7}, {row g, k 8-15}, {row g + 8, k 8-15}.
     const uint32_t pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
-    // O = O * alpha + P V, V read transposed: two 8-column tiles of O per ldmatrix.
+    // O = O * alpha + P V, V read transposed: two 8-column tiles of O per ldmatrix. The rescale
+    // only where a row's maximum moved in this warp (mostly not, once the maxima settle).
+    if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
 #pragma unroll
-    for (int nt = 0; nt < kD / 8; ++nt) {
-      o[nt][0] *= a0, o[nt][1] *= a0, o[nt][2] *= a1, o[nt][3] *= a1;
+      for (int nt = 0; nt < kD / 8; ++nt) o[nt][0] *= a0, o[nt][1] *= a0, o[nt][2] *= a1, o[nt][3] *= a1;
     }
 #pragma unroll
     for (int c = 0; c < kD / 8; c += 2) {
       uint32_t vb[4];
-      ldmatrix_x4<true>(vb, R::chunk(smem, slot, 1, jw + lane % 8 + ((lane / 8) % 2) * 8, c + lane / 16));
+      ldmatrix_x4<true>(vb, R::chunk(smem, st, 1, jw + lane % 8 + ((lane / 8) % 2) * 8, c + lane / 16));
       mma_16816<T>(o[c], pfrag, vb[0], vb[1]);
       mma_16816<T>(o[c + 1], pfrag, vb[2], vb[3]);
     }
@@ -686,6 +711,8 @@ template <> struct Tc8<S8> {
 // memory, not registers): measured on the H200 in docs/perf-notes.md, item 16.
 constexpr int kTc8Stages = 2;
 constexpr int kTc8MinBlocks = 4;
+// Threads that copy one token (item 17 there): 4 against 2 and 8.
+constexpr int kTc8Lanes = 4;
 
 template <int kD, int kStages>
 struct TcRing8 {
@@ -698,7 +725,7 @@ struct TcRing8 {
   static constexpr size_t kQBytes = kQ + size_t{kD / 16} * 32 * 16;
   static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kTcHeads * (kD + 2);
   static constexpr size_t kBytes = kQBytes > kMergeBytes ? kQBytes : kMergeBytes;
-  static_assert((kD == 64 || kD == 128) && kThreads == 2 * kTcTokens, "head dims 64, 128; 2 threads a token");
+  static_assert(kD == 64 || kD == 128, "head dims 64, 128");
   // 16-byte slot of chunk c of token j. 128-byte lines are XOR-swizzled so that the fragment
   // reads (K: tokens g = 0..7 x chunks of tq; V: tokens 2 tq + e x chunk g, or its half at D 64)
   // are conflict-free: D 128, a token a line, chunk c ^ (j & 7); D 64, two tokens a line, chunk
@@ -718,7 +745,7 @@ struct TcRing8 {
   }
 };
 
-template <int kD, int kStages, class QT, class KT>
+template <int kD, int kStages, class QT, class KT, int kLanes>
 __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
     attention_tc8_kernel(const AttentionProblem p, int32_t keys_per_split, float* work) {
   using R = TcRing8<kD, kStages>;
@@ -744,50 +771,58 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
   const int g = lane / 4, tq = lane % 4;  // fragment row (head) and column pair
   const int iters = (k1 - k0 + kTcTokens - 1) / kTcTokens;
 
-  // Copies: thread (jt, half) = (tid / 2, tid % 2) moves token jt of every stage, chunks 2 k + half
-  // (the pair covers each 32-byte sector in one instruction), its K (half 0) or V (half 1) scale
-  // and (half 0) its live flag: one page lookup and one address per thread and stage. The page
-  // index and slot of the token advance by kTcTokens a stage without a division.
-  constexpr int kPerThread = R::kChunks / 2;
-  const int jt = threadIdx.x / 2, half = threadIdx.x % 2;
+  // Copies: kLanes threads take a token, kLanes consecutive 16-byte chunks per instruction, as in
+  // attention_tc_kernel; lanes 0 and 1 of a token also copy its K and V scale, lane 0 its live flag.
+  constexpr int kPerPass = kThreads / kLanes;  // tokens per pass
+  constexpr int kPasses = kTcTokens / kPerPass;
+  constexpr int kChunksPerLane = R::kChunks / kLanes;
+  static_assert(kTcTokens % kPerPass == 0 && R::kChunks % kLanes == 0 && kLanes >= 2, "copy geometry");
+  const int c0 = threadIdx.x % kLanes, jt0 = threadIdx.x / kLanes;
   const int64_t layer = *p.layer;
-  const int64_t base = layer * p.kv.layer_stride + kvh * p.kv.head_stride + half * 16;
+  const int64_t base = layer * p.kv.layer_stride + kvh * p.kv.head_stride + c0 * 16;
   const bool token_scales = p.scales.k != nullptr;
   const int64_t sbase = layer * p.scales.layer_stride + kvh * p.scales.head_stride;
-  const char* sptr = half ? p.scales.v : p.scales.k;
+  const char* sptr = c0 == 1 ? p.scales.v : p.scales.k;
   const bool paged = p.kv.page_table != nullptr;
-  const int32_t ps = p.kv.page_size;  // a dense cache: the capacity (the slot is the position)
+  const int ps = p.kv.page_size;
+  const bool pow2 = (ps & (ps - 1)) == 0;
+  const int shift = __ffs(ps) - 1;
   const int32_t* table = paged ? p.kv.page_table + int64_t{b} * p.kv.max_pages : nullptr;
-  const int32_t step_pi = kTcTokens / ps, step_slot = kTcTokens % ps;
-  int32_t pi = (k0 + jt) / ps, slot = (k0 + jt) % ps;  // of the stage fetched next
-  int32_t raw = -1, raw_slot = 0;                       // table entry and slot of the next issue
-  auto fetch_page = [&](int i) {
-    const int32_t j = k0 + i * kTcTokens + jt;
-    raw = i < iters && j < k1 ? (paged ? table[pi] : b) : -1;
-    raw_slot = slot;
-    pi += step_pi, slot += step_slot;
-    if (slot >= ps) slot -= ps, ++pi;
+  int32_t raw[kPasses];  // table entries of the next stage to issue, loads in flight
+  auto fetch_pages = [&](int i) {
+#pragma unroll
+    for (int x = 0; x < kPasses; ++x) {
+      const int32_t j = k0 + i * kTcTokens + x * kPerPass + jt0;
+      raw[x] = i < iters && j < k1 ? (paged ? table[pow2 ? j >> shift : j / ps] : b) : -1;
+    }
   };
   auto issue = [&](int i) {
     if (i < iters) {
       const int st = i % kStages;
-      const bool ok = p.kv.holds(raw);
-      const int64_t off = ok ? base + raw * p.kv.page_stride + raw_slot * p.kv.token_stride : 0;
 #pragma unroll
-      for (int x = 0; x < kPerThread; ++x) {
-        copy_async(reinterpret_cast<uint4*>(R::chunk(smem, st, 0, jt, 2 * x + half)), p.kv.k + off + 32 * x, ok);
-        copy_async(reinterpret_cast<uint4*>(R::chunk(smem, st, 1, jt, 2 * x + half)), p.kv.v + off + 32 * x, ok);
-      }
-      if (half == 0) R::live(smem, st)[jt] = ok;
-      if (token_scales) {
-        const int64_t so = ok ? sbase + raw * p.scales.page_stride + raw_slot * p.scales.token_stride : 0;
-        copy_async(R::scales(smem, st, half) + jt, sptr + so, ok);
+      for (int x = 0; x < kPasses; ++x) {
+        const int jt = x * kPerPass + jt0;
+        const int32_t j = k0 + i * kTcTokens + jt;
+        const bool ok = p.kv.holds(raw[x]);
+        const int32_t in_page = paged ? (pow2 ? j & (ps - 1) : j % ps) : j;
+        const int64_t off = ok ? base + raw[x] * p.kv.page_stride + in_page * p.kv.token_stride : 0;
+#pragma unroll
+        for (int y = 0; y < kChunksPerLane; ++y) {
+          const int c = c0 + y * kLanes;
+          copy_async(reinterpret_cast<uint4*>(R::chunk(smem, st, 0, jt, c)), p.kv.k + off + 16 * y * kLanes, ok);
+          copy_async(reinterpret_cast<uint4*>(R::chunk(smem, st, 1, jt, c)), p.kv.v + off + 16 * y * kLanes, ok);
+        }
+        if (c0 == 0) R::live(smem, st)[jt] = ok;
+        if (token_scales && c0 < 2) {
+          const int64_t so = ok ? sbase + raw[x] * p.scales.page_stride + in_page * p.scales.token_stride : 0;
+          copy_async(R::scales(smem, st, c0) + jt, sptr + so, ok);
+        }
       }
     }
     copy_commit();
-    fetch_page(i + 1);
+    fetch_pages(i + 1);
   };
-  fetch_page(0);
+  fetch_pages(0);
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
 
@@ -1036,8 +1071,8 @@ bool try_split_tc(cudaStream_t stream, const AttentionProblem& p, int splits, fl
     allow_shared_memory(kernel, bytes);
     kernel<<<grid, kThreads, bytes, stream>>>(p, per_split, work);
   };
-  if (p.head_dim == 64) launch(attention_tc_kernel<64, T>, TcRing<64, T>::kBytes);
-  else if (p.head_dim == 128) launch(attention_tc_kernel<128, T>, TcRing<128, T>::kBytes);
+  if (p.head_dim == 64) launch(attention_tc_kernel<64, T, kTcLanes>, TcRing<64, T>::kBytes);
+  else if (p.head_dim == 128) launch(attention_tc_kernel<128, T, kTcLanes>, TcRing<128, T>::kBytes);
   else return false;
   if (splits > 1) {
     const dim3 cgrid(static_cast<unsigned>(int64_t{p.batch} * p.tokens), static_cast<unsigned>(p.q_heads));
@@ -1059,8 +1094,8 @@ bool try_split_tc8(cudaStream_t stream, const AttentionProblem& p, int splits, f
     allow_shared_memory(kernel, bytes);
     kernel<<<grid, kThreads, bytes, stream>>>(p, per_split, work);
   };
-  if (p.head_dim == 64) launch(attention_tc8_kernel<64, kTc8Stages, QT, KT>, TcRing8<64, kTc8Stages>::kBytes);
-  else launch(attention_tc8_kernel<128, kTc8Stages, QT, KT>, TcRing8<128, kTc8Stages>::kBytes);
+  if (p.head_dim == 64) launch(attention_tc8_kernel<64, kTc8Stages, QT, KT, kTc8Lanes>, TcRing8<64, kTc8Stages>::kBytes);
+  else launch(attention_tc8_kernel<128, kTc8Stages, QT, KT, kTc8Lanes>, TcRing8<128, kTc8Stages>::kBytes);
   if (splits > 1) {
     const dim3 cgrid(static_cast<unsigned>(int64_t{p.batch} * p.tokens), static_cast<unsigned>(p.q_heads));
     combine_kernel<QT><<<cgrid, std::min(p.head_dim, 256), 0, stream>>>(p, per_split, splits, work);
