@@ -18,7 +18,7 @@ import numpy as np
 from . import _ffi
 from . import _validate as validate
 from . import ops
-from . import reference
+from . import quantization
 from ._checks import check, elsewhere
 from .layout import LAYER, REPLICATED, SAVED
 from .sharding import FromOwner, Role, per_shard, row_ids
@@ -266,8 +266,8 @@ def save_saved_kv(op, buffers, names, batch_idx, seq_len, scales=None) -> SavedK
 
 
 def _quantized(op: str, saved: SavedKV, dtype, scaling: str, k_scales, v_scales) -> SavedKV:
-    """An unquantized saved prefix quantized for an 8-bit cache of ``dtype``, exactly as that
-    cache's ``append`` would store it (``jaxkv.reference.quantize``): per token and head, its own
+    """An unquantized saved prefix quantized for an 8-bit cache of ``dtype`` by the append
+    kernel, exactly as that cache's ``append`` would store it: per token and head, its own
     scales; per tensor, the cache's scale of each layer. A pass over the prefix before the copy
     (a temporary of the prefix's 8-bit bytes), not a quantizing copy kernel."""
     layers, ks, vs = [], [], []
@@ -277,14 +277,15 @@ def _quantized(op: str, saved: SavedKV, dtype, scaling: str, k_scales, v_scales)
             raise TypeError(f"{op}: saved.layers[{i}] has dtype {layer.dtype}; an 8-bit cache "
                             "takes a float32, bfloat16 or float16 prefix (quantized on the way)")
         if scaling == "per_token_head":
-            q, s = reference.quantize(layer, dtype)  # [2, H, T, D], scales [2, H, T]
-            ks.append(s[0])
-            vs.append(s[1])
+            # [2, H, T, D], scales [H, T] each: separate buffers (a slice of one [2, H, T]
+            # array handed to the instantiate kernel read wrong scales on the H200, 2026-11-26)
+            q, k_s, v_s = quantization.quantize_kv(layer, dtype)
+            ks.append(k_s)
+            vs.append(v_s)
         else:
             ks.append(jnp.asarray(k_scales[i], jnp.float32))
             vs.append(jnp.asarray(v_scales[i], jnp.float32))
-            q = jnp.stack([reference.quantize(layer[0], dtype, ks[-1])[0],
-                           reference.quantize(layer[1], dtype, vs[-1])[0]])
+            q, _, _ = quantization.quantize_kv(layer, dtype, (ks[-1], vs[-1]))
         layers.append(q)
     return SavedKV(layers=tuple(layers), length=saved.length, k_scales=tuple(ks),
                    v_scales=tuple(vs), scaling=scaling)
