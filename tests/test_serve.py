@@ -110,6 +110,20 @@ def test_paged_pool_pressure_preempts_recomputes_and_ends_whole():
     # Only the system prompt's two pages are still held (the prompt row's).
     assert np.asarray(cache.ref_counts).tolist().count(0) == cache.num_pages - 2
     assert np.all(np.asarray(cache.ref_counts) <= 1)
+    assert m["miscounted_pages"] == 0
+
+
+def test_the_allocator_audit_sees_a_miscounted_page():
+    """The audit serve prints after each run counts the pages whose reference count is not the
+    number of table entries naming them, on both tiers."""
+    _, m = serve("paged-swap")
+    kind, cache = engine("paged-swap").kind, engine("paged-swap").final_cache
+    assert m["miscounted_pages"] == kind.miscounted_pages(cache) == 0
+    held = int(np.flatnonzero(np.asarray(cache.ref_counts))[0])
+    lost = dataclasses.replace(cache, ref_counts=cache.ref_counts.at[held].set(0))
+    assert kind.miscounted_pages(lost) == 1  # a held page that reserve would give again
+    host = dataclasses.replace(cache.host, ref_counts=cache.host.ref_counts.at[3].set(1))
+    assert kind.miscounted_pages(dataclasses.replace(cache, host=host)) == 1
 
 
 def test_pool_pressure_swaps_pages_to_the_host_and_back():

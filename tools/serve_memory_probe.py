@@ -1,6 +1,7 @@
-"""What XLA plans for each compiled function of a serving engine: its memory analysis (arguments,
-outputs, aliased, temporaries) and the copies of 2^26 elements or more in its optimized HLO. A function
-whose plan passes the device's limit is rematerialized by XLA (a warning at compile time).
+"""What XLA plans for each compiled step of a serving engine: its memory analysis (arguments,
+outputs, aliased, temporaries) and the copies of 2^26 elements or more in its optimized HLO. The
+steps compile here as XLA would by default: a step whose plan passes the device's limit is
+rematerialized (a warning at compile time), which `serve` turns off (docs/serving.md).
 
     python3 tools/serve_memory_probe.py --preset 8b --engines paged --max-seq-len 8192 ...
 (the arguments of ``python -m jaxkv serve``; the stream's mean length sizes the batch)."""
@@ -37,9 +38,9 @@ def main(argv) -> None:
                       for m in re.finditer(r"= (\w+)\[([\d,]*)\][^=]*? copy\(", compiled.as_text())]
             big = [c for c in copies if c >= 2**26]
             print(f"  {fn:10s} args {ma.argument_size_in_bytes / GiB:6.2f} out "
-                  f"{ma.output_size_in_bytes / GiB:6.2f} aliased {ma.alias_size_in_bytes / GiB:6.2f}"
-                  f" temp {ma.temp_size_in_bytes / GiB:6.2f} GiB; copies >= 64 Mi elements: "
-                  f"{len(big)}", flush=True)
+                  f"{ma.output_size_in_bytes / GiB:6.2f} aliased "
+                  f"{ma.alias_size_in_bytes / GiB:6.2f} temp {ma.temp_size_in_bytes / GiB:6.2f} "
+                  f"GiB; copies >= 64 Mi elements: {len(big)}", flush=True)
 
 
 if __name__ == "__main__":
