@@ -405,6 +405,62 @@ struct TcRing {
   }
 };
 
+// The copies of a tensor-core split-KV block into its ring, a stage of kTcTokens tokens at a time:
+// kLanes threads take a token, kLanes consecutive 16-byte chunks per instruction (16 kLanes
+// contiguous bytes), kTcTokens * kLanes / kThreads tokens a stage each, one table entry and one
+// address per token; the entries are loaded a stage ahead. kLanes is a tuning knob
+// (docs/perf-notes.md item 17): fewer lanes per token, fewer lookups, shorter contiguous runs.
+template <int kLanes, int kChunks>
+struct TcCopy {
+  static constexpr int kPerPass = kThreads / kLanes;    // tokens per pass
+  static constexpr int kPasses = kTcTokens / kPerPass;  // tokens per thread and stage
+  static_assert(kTcTokens % kPerPass == 0 && kChunks % kLanes == 0, "copy geometry");
+  const int32_t* table;  // the row's page-table row; null: a dense cache (the row is the page)
+  int32_t b, k0, k1, iters, ps, shift;
+  bool pow2;
+  int c0, jt0;           // this thread's chunk in a token, and its token in a pass
+  int32_t raw[kPasses];  // table entries of the next stage to issue, loads in flight
+
+  __device__ TcCopy(const AttentionProblem& p, int32_t b, int32_t k0, int32_t k1, int iters)
+      : table(p.kv.page_table ? p.kv.page_table + int64_t{b} * p.kv.max_pages : nullptr),
+        b(b), k0(k0), k1(k1), iters(iters), ps(p.kv.page_size), shift(0),
+        pow2((p.kv.page_size & (p.kv.page_size - 1)) == 0),
+        c0(threadIdx.x % kLanes), jt0(threadIdx.x / kLanes) {
+    shift = __ffs(ps) - 1;
+  }
+
+  // Loads the table entries of stage i's tokens (-1: past the split, or no stage i).
+  __device__ void fetch(int i) {
+#pragma unroll
+    for (int x = 0; x < kPasses; ++x) {
+      const int32_t j = k0 + i * kTcTokens + x * kPerPass + jt0;
+      raw[x] = i < iters && j < k1 ? (table ? table[pow2 ? j >> shift : j / ps] : b) : -1;
+    }
+  }
+  // f(jt, ok, page, slot) for each token of stage i (fetched) that this thread copies: its index
+  // in the stage, whether a page holds it, the page and the token's slot in it.
+  template <class F>
+  __device__ void each_token(const KVView& kv, int i, F f) const {
+#pragma unroll
+    for (int x = 0; x < kPasses; ++x) {
+      const int jt = x * kPerPass + jt0;
+      const int32_t j = k0 + i * kTcTokens + jt;
+      f(jt, kv.holds(raw[x]), raw[x], table ? (pow2 ? j & (ps - 1) : j % ps) : j);
+    }
+  }
+  // This thread's K and V chunks of token jt (at byte offset `off` of the pools) into stage st.
+  template <class Ring>
+  __device__ void copy_token(unsigned char* smem, const KVView& kv, int st, int jt, int64_t off,
+                             bool ok) const {
+#pragma unroll
+    for (int y = 0; y < kChunks / kLanes; ++y) {
+      const int c = c0 + y * kLanes;
+      copy_async(reinterpret_cast<uint4*>(Ring::chunk(smem, st, 0, jt, c)), kv.k + off + 16 * y * kLanes, ok);
+      copy_async(reinterpret_cast<uint4*>(Ring::chunk(smem, st, 1, jt, c)), kv.v + off + 16 * y * kLanes, ok);
+    }
+  }
+};
+
 // The end of a tensor-core split-KV block, after its ring is drained: each warp's O (rows g, g + 8
 // of its fragments), max and partial sums merged through shared memory, then the output (one
 // split) or the workspace (several). Fragment column n of tile nt is element d = nt * 8 + n of
@@ -489,52 +545,22 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
   const int g = lane / 4, tq = lane % 4;  // fragment row (head) and column pair
   const int iters = (k1 - k0 + kTcTokens - 1) / kTcTokens;
 
-  // Copies: kLanes threads take a token, kLanes consecutive 16-byte chunks per instruction (16
-  // kLanes contiguous bytes), kTcTokens * kLanes / kThreads tokens a stage each, one table entry
-  // and one address per token; entries are loaded a stage ahead. kLanes is a tuning knob
-  // (docs/perf-notes.md): fewer lanes per token, fewer lookups, shorter contiguous runs.
-  constexpr int kPerPass = kThreads / kLanes;               // tokens per pass
-  constexpr int kPasses = kTcTokens / kPerPass;             // tokens per thread and stage
-  constexpr int kChunksPerLane = R::kChunks / kLanes;
-  static_assert(kTcTokens % kPerPass == 0 && R::kChunks % kLanes == 0, "copy geometry");
-  const int c0 = threadIdx.x % kLanes, jt0 = threadIdx.x / kLanes;
-  const int64_t base = *p.layer * p.kv.layer_stride + kvh * p.kv.head_stride + c0 * 16;
-  const bool paged = p.kv.page_table != nullptr;
-  const int ps = p.kv.page_size;
-  const bool pow2 = (ps & (ps - 1)) == 0;
-  const int shift = __ffs(ps) - 1;
-  const int32_t* table = paged ? p.kv.page_table + int64_t{b} * p.kv.max_pages : nullptr;
-  int32_t raw[kPasses];  // table entries of the next stage to issue, loads in flight
-  auto fetch_pages = [&](int i) {
-#pragma unroll
-    for (int x = 0; x < kPasses; ++x) {
-      const int32_t j = k0 + i * kTcTokens + x * kPerPass + jt0;
-      raw[x] = i < iters && j < k1 ? (paged ? table[pow2 ? j >> shift : j / ps] : b) : -1;
-    }
-  };
+  // Copies (TcCopy): the thread's chunks of its tokens, and (lane 0 of a token) its live flag.
+  TcCopy<kLanes, R::kChunks> cp(p, b, k0, k1, iters);
+  const int64_t base = *p.layer * p.kv.layer_stride + kvh * p.kv.head_stride + cp.c0 * 16;
   auto issue = [&](int i) {
     if (i < iters) {
       const int st = i % kTcStages;
-#pragma unroll
-      for (int x = 0; x < kPasses; ++x) {
-        const int jt = x * kPerPass + jt0;
-        const int32_t j = k0 + i * kTcTokens + jt;
-        const bool ok = p.kv.holds(raw[x]);
-        const int32_t in_page = paged ? (pow2 ? j & (ps - 1) : j % ps) : j;
-        const int64_t off = ok ? base + raw[x] * p.kv.page_stride + in_page * p.kv.token_stride : 0;
-#pragma unroll
-        for (int y = 0; y < kChunksPerLane; ++y) {
-          const int c = c0 + y * kLanes;
-          copy_async(reinterpret_cast<uint4*>(R::chunk(smem, st, 0, jt, c)), p.kv.k + off + 16 * y * kLanes, ok);
-          copy_async(reinterpret_cast<uint4*>(R::chunk(smem, st, 1, jt, c)), p.kv.v + off + 16 * y * kLanes, ok);
-        }
-        if (c0 == 0) R::live(smem, st)[jt] = ok;
-      }
+      cp.each_token(p.kv, i, [&](int jt, bool ok, int32_t page, int32_t slot) {
+        const int64_t off = ok ? base + page * p.kv.page_stride + slot * p.kv.token_stride : 0;
+        cp.template copy_token<R>(smem, p.kv, st, jt, off, ok);
+        if (cp.c0 == 0) R::live(smem, st)[jt] = ok;
+      });
     }
     copy_commit();
-    fetch_pages(i + 1);
+    cp.fetch(i + 1);
   };
-  fetch_pages(0);
+  cp.fetch(0);
 #pragma unroll
   for (int i = 0; i < kTcStages - 1; ++i) issue(i);
 
@@ -771,58 +797,32 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
   const int g = lane / 4, tq = lane % 4;  // fragment row (head) and column pair
   const int iters = (k1 - k0 + kTcTokens - 1) / kTcTokens;
 
-  // Copies: kLanes threads take a token, kLanes consecutive 16-byte chunks per instruction, as in
-  // attention_tc_kernel; lanes 0 and 1 of a token also copy its K and V scale, lane 0 its live flag.
-  constexpr int kPerPass = kThreads / kLanes;  // tokens per pass
-  constexpr int kPasses = kTcTokens / kPerPass;
-  constexpr int kChunksPerLane = R::kChunks / kLanes;
-  static_assert(kTcTokens % kPerPass == 0 && R::kChunks % kLanes == 0 && kLanes >= 2, "copy geometry");
-  const int c0 = threadIdx.x % kLanes, jt0 = threadIdx.x / kLanes;
+  // Copies (TcCopy): the thread's chunks of its tokens; lanes 0 and 1 of a token also its K and V
+  // scale, lane 0 its live flag.
+  static_assert(kLanes >= 2, "two lanes copy a token's scales");
+  TcCopy<kLanes, R::kChunks> cp(p, b, k0, k1, iters);
   const int64_t layer = *p.layer;
-  const int64_t base = layer * p.kv.layer_stride + kvh * p.kv.head_stride + c0 * 16;
+  const int64_t base = layer * p.kv.layer_stride + kvh * p.kv.head_stride + cp.c0 * 16;
   const bool token_scales = p.scales.k != nullptr;
   const int64_t sbase = layer * p.scales.layer_stride + kvh * p.scales.head_stride;
-  const char* sptr = c0 == 1 ? p.scales.v : p.scales.k;
-  const bool paged = p.kv.page_table != nullptr;
-  const int ps = p.kv.page_size;
-  const bool pow2 = (ps & (ps - 1)) == 0;
-  const int shift = __ffs(ps) - 1;
-  const int32_t* table = paged ? p.kv.page_table + int64_t{b} * p.kv.max_pages : nullptr;
-  int32_t raw[kPasses];  // table entries of the next stage to issue, loads in flight
-  auto fetch_pages = [&](int i) {
-#pragma unroll
-    for (int x = 0; x < kPasses; ++x) {
-      const int32_t j = k0 + i * kTcTokens + x * kPerPass + jt0;
-      raw[x] = i < iters && j < k1 ? (paged ? table[pow2 ? j >> shift : j / ps] : b) : -1;
-    }
-  };
+  const char* sptr = cp.c0 == 1 ? p.scales.v : p.scales.k;
   auto issue = [&](int i) {
     if (i < iters) {
       const int st = i % kStages;
-#pragma unroll
-      for (int x = 0; x < kPasses; ++x) {
-        const int jt = x * kPerPass + jt0;
-        const int32_t j = k0 + i * kTcTokens + jt;
-        const bool ok = p.kv.holds(raw[x]);
-        const int32_t in_page = paged ? (pow2 ? j & (ps - 1) : j % ps) : j;
-        const int64_t off = ok ? base + raw[x] * p.kv.page_stride + in_page * p.kv.token_stride : 0;
-#pragma unroll
-        for (int y = 0; y < kChunksPerLane; ++y) {
-          const int c = c0 + y * kLanes;
-          copy_async(reinterpret_cast<uint4*>(R::chunk(smem, st, 0, jt, c)), p.kv.k + off + 16 * y * kLanes, ok);
-          copy_async(reinterpret_cast<uint4*>(R::chunk(smem, st, 1, jt, c)), p.kv.v + off + 16 * y * kLanes, ok);
+      cp.each_token(p.kv, i, [&](int jt, bool ok, int32_t page, int32_t slot) {
+        const int64_t off = ok ? base + page * p.kv.page_stride + slot * p.kv.token_stride : 0;
+        cp.template copy_token<R>(smem, p.kv, st, jt, off, ok);
+        if (cp.c0 == 0) R::live(smem, st)[jt] = ok;
+        if (token_scales && cp.c0 < 2) {
+          const int64_t so = ok ? sbase + page * p.scales.page_stride + slot * p.scales.token_stride : 0;
+          copy_async(R::scales(smem, st, cp.c0) + jt, sptr + so, ok);
         }
-        if (c0 == 0) R::live(smem, st)[jt] = ok;
-        if (token_scales && c0 < 2) {
-          const int64_t so = ok ? sbase + raw[x] * p.scales.page_stride + in_page * p.scales.token_stride : 0;
-          copy_async(R::scales(smem, st, c0) + jt, sptr + so, ok);
-        }
-      }
+      });
     }
     copy_commit();
-    fetch_pages(i + 1);
+    cp.fetch(i + 1);
   };
-  fetch_pages(0);
+  cp.fetch(0);
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
 
