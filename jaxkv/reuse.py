@@ -277,9 +277,7 @@ def _quantized(op: str, saved: SavedKV, dtype, scaling: str, k_scales, v_scales)
             raise TypeError(f"{op}: saved.layers[{i}] has dtype {layer.dtype}; an 8-bit cache "
                             "takes a float32, bfloat16 or float16 prefix (quantized on the way)")
         if scaling == "per_token_head":
-            # [2, H, T, D], scales [H, T] each: separate buffers (a slice of one [2, H, T]
-            # array handed to the instantiate kernel read wrong scales on the H200, 2026-11-26)
-            q, k_s, v_s = quantization.quantize_kv(layer, dtype)
+            q, k_s, v_s = quantization.quantize_kv(layer, dtype)  # [2, H, T, D]; [H, T] each
             ks.append(k_s)
             vs.append(v_s)
         else:
