@@ -89,8 +89,8 @@ def empty(num_pages: int, device_pool: jax.Array, layout: str, scaled: bool, max
 # --- the transfers: the only code that touches host memory ----------------------------------------
 # A transfer is a loop of copies, one per page (its K and V, every layer: contiguous on the host),
 # CHUNK of them unrolled per iteration. XLA:GPU compiles each into one DMA between the host pool
-# and a page-sized device buffer (no host computation, no copy of either pool): 87% of the pinned
-# copy bandwidth out, 76% in, on an H100 (jaxkv.bench --swap, 2026-11-25; docs/host-tier.md).
+# and a page-sized device buffer (no host computation, no copy of either pool): 90% of the pinned
+# copy bandwidth out, 78% in, on an H200 (jaxkv.bench --swap, 2026-11-26; docs/host-tier.md).
 CHUNK = 16
 
 
