@@ -75,6 +75,8 @@ def unusable(cache, q_dtype, scales_given: bool) -> str | None:
         return "cuDNN takes no dequantization scales"
     if cache.head_dim not in HEAD_DIMS:
         return f"cuDNN is used for head_dim in {HEAD_DIMS}"
+    if cache.page_size & (cache.page_size - 1):  # its paged load refuses others (BAD_PARAM)
+        return "cuDNN needs a power-of-two page size"
     if np.prod(cache.k_pages.shape[:3 if cache.layout == "HND" else 2]) >= 2**31:
         return "the pool has 2**31 pages or more (cuDNN's page table is int32)"
     fa, why = _binding()

@@ -200,8 +200,8 @@ def test_long_rows_split_over_blocks(kind):
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_prefill_chunk_spans_several_query_and_key_tiles(layout):
-    """40 new tokens x 4 heads per KV head: several 64-row query tiles of the GPU's tensor-core
-    prefill (16 tokens each), partial ones at the end, over several 64-key tiles."""
+    """40 new tokens x 4 heads per KV head: several query tiles of the GPU's tensor-core prefill
+    (32 tokens x 4 heads each), partial ones at the end, over several key tiles."""
     dtype, head_dim, group, t, page, pages = jnp.bfloat16, 128, 4, 40, 16, 20
     cap = page * pages
     prefix = np.array([250, 0, 100], np.int32)
@@ -217,6 +217,37 @@ def test_prefill_chunk_spans_several_query_and_key_tiles(layout):
     out = jax.jit(jaxkv.attention.prefill)(q, cache, 0, jnp.asarray(q_lengths))
     want = ref_prefill(q, kv[:, 0], kv[:, 1], jnp.asarray(prefix), jnp.asarray(q_lengths))
     assert_close(out, want, "bf16")
+
+
+@pytest.mark.parametrize("head_dim,group,page,scale,dtype", [
+    (64, 3, 12, None, jnp.bfloat16),  # a group that does not divide the row tile; pages of 12
+    (128, 6, 16, -0.05, jnp.float16),  # a negative softmax scale
+    (128, 4, 16, 0.0, jnp.bfloat16),  # scale 0: every visible key weighs the same
+    (256, 2, 16, None, jnp.bfloat16),
+])
+def test_prefill_row_tiles_groups_and_scales(head_dim, group, page, scale, dtype):
+    """The GPU's tensor-core prefill: row tiles of tokens x group heads (partial ones, groups
+    that leave rows of a tile unused), key tiles ending mid-page, the sign of the scale. The
+    default implementation too: cuDNN refuses pages of 12 (not a power of two), jaxkv reads them."""
+    t, pages = 45, 12
+    cap = page * pages
+    prefix = np.array([cap - t, 0, 37], np.int32)
+    q_lengths = np.array([t, 30, 8], np.int32)
+    cache = jaxkv.PagedKVCache.create(1, 3 * pages, page, HKV, head_dim, 3, pages, dtype, "NHD")
+    table = jnp.asarray(_rng.permutation(3 * pages).reshape(3, pages), jnp.int32)
+    shape = cache.k_pages.shape
+    cache = dataclasses.replace(cache, k_pages=normal(shape, dtype), v_pages=normal(shape, dtype),
+                                page_table=table, lengths=jnp.asarray(prefix))
+    full = jnp.full((3,), cap, jnp.int32)
+    kv = ref_gather(cache.k_pages, cache.v_pages, table, full, 0, cap, "NHD")
+    q = normal((3, t, HKV * group, head_dim), dtype)
+    want = ref_prefill(q, kv[:, 0], kv[:, 1], jnp.asarray(prefix), jnp.asarray(q_lengths),
+                       scale=scale)
+    for implementation in (None, "jaxkv"):
+        prefill = jax.jit(functools.partial(jaxkv.attention.prefill, scale=scale,
+                                            implementation=implementation))
+        out = prefill(q, cache, 0, jnp.asarray(q_lengths))
+        assert_close(out, want, "bf16" if dtype == jnp.bfloat16 else "f16")
 
 
 def test_decode_group_larger_than_one_block():

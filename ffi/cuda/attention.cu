@@ -21,9 +21,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
-#include <mma.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cstring>
 #include <type_traits>
 
@@ -125,15 +125,19 @@ struct Geometry {
   static_assert(kVecs * kElems == kD && kVecs % kLanes == 0, "head_dim must be a multiple of the word");
 };
 
-// cp.async of one word into shared memory; a dead word (live false) is filled with zeros.
+// cp.async of 16 bytes to a shared address; a dead word (live false) is filled with zeros.
+__device__ __forceinline__ void copy16(unsigned dst, const char* src, bool live) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(live ? 16 : 0));
+}
+// The same for one word W at a generic pointer into shared memory.
 template <class W>
 __device__ __forceinline__ void copy_async(W* dst, const char* src, bool live) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  const int n = live ? static_cast<int>(sizeof(W)) : 0;
   if constexpr (sizeof(W) == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n));
+    copy16(d, src, live);
   else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(src), "n"(sizeof(W)), "r"(n));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(src), "n"(sizeof(W)),
+                 "r"(live ? static_cast<int>(sizeof(W)) : 0));
 }
 __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
@@ -361,14 +365,17 @@ __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint3
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 template <bool kTrans>
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], unsigned s) {  // a shared address
   if constexpr (kTrans)
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
   else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* p) {
+  ldmatrix_x4<kTrans>(r, static_cast<unsigned>(__cvta_generic_to_shared(p)));
 }
 // A pair of T in one register (the first in the low half) as two floats, and back.
 template <class T>
@@ -379,12 +386,16 @@ __device__ __forceinline__ float2 unpack2(uint32_t w) {
     return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
 template <class T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  const T a = static_cast<T>(lo), b = static_cast<T>(hi);
-  uint16_t ua, ub;
-  memcpy(&ua, &a, 2);
-  memcpy(&ub, &b, 2);
-  return uint32_t{ua} | (uint32_t{ub} << 16);
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {  // one cvt for the pair
+  uint32_t w;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    memcpy(&w, &h, 4);
+  } else {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    memcpy(&w, &h, 4);
+  }
+  return w;
 }
 
 template <int kD, class T>
@@ -1131,182 +1142,322 @@ ffi::Error launch_types(cudaStream_t stream, const AttentionProblem& p, int spli
 
 // --- prefill on tensor cores (bf16 / f16 caches read by the same-dtype q) ---------------------------
 //
-// Block (token tile, KV head, row b) computes kRows = 64 query rows: kRows / group new tokens x the
-// group's q heads, so every K/V tile loaded to shared memory serves the whole GQA group. Per key
-// tile of kKeys tokens: S = Q K^T on tensor cores (WMMA 16x16x16, float accumulation), the masked
-// online softmax in float32 (two lanes per row, base 2), O = O * alpha + P V on tensor cores with O
-// kept in shared memory as float. Each warp owns 16 rows of S, P and O; only the K/V tiles are
-// shared, so only their loads need block barriers.
-constexpr int kRows = 64;
-constexpr int kKeys = 64;
+// FlashAttention-2's forward on mma.sync m16n8k16. Block (token tile, KV head, row b) computes
+// kRows query rows: kRows / group new tokens x the group's q heads, so every K/V tile serves the
+// whole GQA group. Warp w owns kM 16-row tiles: S = Q K^T, the online softmax and O = O * alpha +
+// P V all stay in registers, P taken straight from the S fragments; Q, K and V go through shared
+// memory (16-byte chunks XOR-swizzled by row: ldmatrix is conflict-free). K and V tiles of kN keys
+// stream by cp.async through a ring of three stages (two tiles in flight while one is read: one
+// block barrier a tile). Masks (causal, a key without a page) apply only to tiles that need them;
+// tiles run longest first (a causal block's work grows with its tokens). Instructions bound the
+// first versions (docs/perf-notes.md item 18): shared addresses are 32-bit, computed once per lane
+// and moved by an XOR per 16 columns; one page lookup per key, a tile ahead, serves K and V.
+template <int kD> struct PrefillShape;  // kM 16-row tiles per warp, kN keys per K/V tile
+template <> struct PrefillShape<64> { static constexpr int kM = 2, kN = 64; };
+template <> struct PrefillShape<128> { static constexpr int kM = 2, kN = 32; };
+template <> struct PrefillShape<256> { static constexpr int kM = 1, kN = 16; };  // O: 128 registers
 
-template <int kD, class T>
-struct TcLayout {
-  static constexpr int kLdT = kD + 8;      // Q, K, V rows (elements): 16-byte rows, 32-byte tiles
-  static constexpr int kLdS = kKeys + 4;   // S (float)
-  static constexpr int kLdP = kKeys + 8;   // P (T)
-  static constexpr int kLdO = kD + 4;      // O (float)
-  static constexpr size_t kQ = 0;
-  static constexpr size_t kK = kQ + sizeof(T) * kRows * kLdT;
-  static constexpr size_t kV = kK + sizeof(T) * kKeys * kLdT;
-  static constexpr size_t kS = kV + sizeof(T) * kKeys * kLdT;
-  static constexpr size_t kP = kS + sizeof(float) * kRows * kLdS;
-  static constexpr size_t kO = kP + sizeof(T) * kRows * kLdP;
-  static constexpr size_t kOk = kO + sizeof(float) * kRows * kLdO;
-  static constexpr size_t kBytes = kOk + sizeof(int) * kKeys;
+// Shared memory: Q rows, then per stage K and V tiles, then per stage which keys a page holds.
+// Rows are kD * 2 bytes (a power of two) and the base is aligned to 1 KiB, so chunk c of row r,
+// at byte (c ^ (r & 7)) * 16 of the row, is the row's address XOR a lane's fixed bits XOR c * 16.
+template <int kD>
+struct PrefillLayout {
+  static constexpr int kM = PrefillShape<kD>::kM, kN = PrefillShape<kD>::kN;
+  static constexpr int kStages = 3;  // K/V tiles: one read, two in flight
+  static constexpr int kRows = kWarps * 16 * kM;
+  static constexpr int kChunks = kD * 2 / 16;  // 16-byte chunks of a row
+  static constexpr unsigned kRowBytes = kD * 2;
+  static constexpr unsigned kTile = kN * kRowBytes;  // K (or V) of one stage
+  static constexpr unsigned kKV = kRows * kRowBytes;  // after Q
+  static constexpr unsigned kOk = kKV + 2 * kStages * kTile;
+  static constexpr unsigned kAlign = 1024;
+  static constexpr size_t kBytes = kOk + sizeof(int) * kStages * kN + kAlign;  // + the alignment slack
+  static_assert(kChunks % 8 == 0, "swizzle");
+  __device__ static unsigned row(unsigned base, int r, int c) {  // byte c * 16 of row r, swizzled
+    return base + r * kRowBytes + ((c ^ (r & 7)) << 4);
+  }
+  __device__ static unsigned kv(unsigned base, int stage, int kind) {
+    return base + kKV + (stage * 2 + kind) * kTile;
+  }
 };
 
-// The tensor-core path takes bf16 or f16 caches read by a q of the same dtype, groups dividing the
-// row tile, and shared memory within the device's opt-in limit.
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: 2^-inf = 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <int kD, class T>
+__global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const AttentionProblem p) {
+  using L = PrefillLayout<kD>;
+  constexpr int kM = L::kM, kN = L::kN, kChunks = L::kChunks;
+  constexpr int kSt = kN / 8, kOt = kD / 8;  // 8-column fragments of S and of O
+  constexpr int kLanes = kThreads / kN;  // copy lanes a key
+  static_assert(kThreads % kN == 0 && kThreads % L::kRows == 0 && kChunks % kLanes == 0, "copy geometry");
+  extern __shared__ __align__(128) unsigned char smem[];
+  const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned base = (raw + L::kAlign - 1) & ~(L::kAlign - 1);
+  int* const ok_flags = reinterpret_cast<int*>(smem + (base - raw) + L::kOk);
+
+  const int group = p.group, per_tile = L::kRows / group, live_rows = per_tile * group;
+  const int b = blockIdx.z, kvh = blockIdx.y;
+  const int t0 = (gridDim.x - 1 - blockIdx.x) * per_tile;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool layer_ok = p.layer_ok();
+  // Keys of the block: those of its last live query (keys grow with t); the first live query's
+  // keys need no causal mask.
+  const int t_last = min(t0 + per_tile, min(p.tokens, p.counts[b])) - 1;
+  const bool any = layer_ok && t_last >= t0;
+  const int32_t n_max = any ? p.keys(b, t_last) : 0, n_min = any ? p.keys(b, t0) : 0;
+  const int tiles = (n_max + kN - 1) / kN;
+
+  // Q (rows past the tile's tokens, T or the count are zeros, masked below): kThreads / kRows
+  // lanes a row, every kQLanes-th chunk each.
+  {
+    constexpr int kQLanes = kThreads / L::kRows;
+    const int r = threadIdx.x / kQLanes, c0 = threadIdx.x % kQLanes, t = t0 + r / group;
+    const bool live = r < live_rows && t < p.tokens;
+    const char* src = live ? p.q + (p.q_index(b, t, kvh * group + r % group) + c0 * 8) * 2 : p.q;
+    const unsigned dst = L::row(base, r, c0);
+#pragma unroll
+    for (int y = 0; y < kChunks / kQLanes; ++y) copy16(dst ^ (y * kQLanes * 16), src + (live ? y * kQLanes * 16 : 0), live);
+  }
+  // K then V of tile i into its stage, one commit group each; true when a key below n_max has no
+  // page. kLanes threads a key (one key a thread), every kLanes-th chunk each: one table lookup
+  // per key serves K and V.
+  const KVView& kv = p.kv;
+  const int c_copy = threadIdx.x % kLanes, j_copy = threadIdx.x / kLanes;
+  const int64_t head_base = (layer_ok ? *p.layer : 0) * kv.layer_stride + kvh * kv.head_stride + c_copy * 16;
+  const int32_t* table = kv.page_table ? kv.page_table + int64_t{b} * kv.max_pages : nullptr;
+  const bool pow2 = (kv.page_size & (kv.page_size - 1)) == 0;
+  const int shift = __ffs(kv.page_size) - 1;
+  // The table entry of this thread's key of tile i (-1: past n_max), loaded a tile ahead of its use.
+  auto fetch = [&](int i) -> int32_t {
+    const int32_t pos = i * kN + j_copy;
+    if (pos >= n_max) return -1;
+    return table ? table[pow2 ? pos >> shift : pos / kv.page_size] : b;
+  };
+  auto issue = [&](int i, int32_t page) {
+    const int32_t pos = i * kN + j_copy;
+    const int32_t slot = !table ? pos : pow2 ? pos & (kv.page_size - 1) : pos % kv.page_size;
+    const bool live = pos < n_max && kv.holds(page);
+    const int64_t off = live ? head_base + page * kv.page_stride + slot * kv.token_stride : 0;
+#pragma unroll
+    for (int kind = 0; kind < 2; ++kind) {
+      const unsigned dst = L::row(L::kv(base, i % L::kStages, kind), j_copy, c_copy);
+      const char* src = (kind == 0 ? kv.k : kv.v) + off;
+#pragma unroll
+      for (int y = 0; y < kChunks / kLanes; ++y) copy16(dst ^ (y * kLanes * 16), src + (live ? y * kLanes * 16 : 0), live);
+    }
+    copy_commit();
+    if (c_copy == 0) ok_flags[(i % L::kStages) * kN + j_copy] = live;
+    return pos < n_max && !live;
+  };
+  // Bit k: tile i + k has a key without a page (tile i: the one read now).
+  unsigned missing = issue(0, fetch(0));  // its group also holds Q
+  if (tiles > 1) missing |= unsigned{issue(1, fetch(1))} << 1;
+  else copy_commit();  // empty groups keep the count of pending groups fixed
+  int32_t ahead = fetch(2);  // tile i + 2's entry
+
+  // Rows of this thread: tile mi, half hf (fragment rows g and g + 8).
+  int32_t n_row[kM][2];
+#pragma unroll
+  for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = warp * 16 * kM + mi * 16 + lane / 4 + 8 * hf, t = t0 + r / group;
+      n_row[mi][hf] = (layer_ok && r < live_rows && t < p.tokens) ? p.keys(b, t) : 0;
+    }
+  // ldmatrix addresses of this lane at column 0 (k-step 0): Q rows of the warp, K and V rows of
+  // stage 0; 16 columns further is an XOR with 32.
+  const unsigned q_lane = L::row(base, warp * 16 * kM + lane % 16, lane / 16);
+  const unsigned k_lane = L::row(L::kv(base, 0, 0), (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+  const unsigned v_lane = L::row(L::kv(base, 0, 1), ((lane / 8) % 2) * 8 + lane % 8, lane / 16);
+  // Scores stay raw, scaled inside each exponent (one FFMA): m is the maximum raw score, which
+  // needs a positive scale. A negative one negates Q instead (exact in bf16 / f16); 0 becomes the
+  // smallest normal float (every weight 1, as with 0).
+  float qscale = p.scale * kLog2e * *p.k_scale;
+  if (qscale < 0.f) {
+    copy_wait<0>();  // this thread's Q chunks (it negates only those)
+    constexpr int kQLanes = kThreads / L::kRows;
+    const unsigned dst = L::row(base, threadIdx.x / kQLanes, threadIdx.x % kQLanes);
+#pragma unroll
+    for (int y = 0; y < kChunks / kQLanes; ++y) {
+      const unsigned a = dst ^ (y * kQLanes * 16);
+      uint4 w;
+      asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "r"(a));
+      w.x ^= 0x80008000u, w.y ^= 0x80008000u, w.z ^= 0x80008000u, w.w ^= 0x80008000u;
+      asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(a), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w));
+    }
+    qscale = -qscale;
+  }
+  qscale = fmaxf(qscale, FLT_MIN);
+  float o[kM][kOt][4] = {}, m[kM][2], l[kM][2] = {};
+#pragma unroll
+  for (int mi = 0; mi < kM; ++mi) m[mi][0] = m[mi][1] = -INFINITY;
+
+  for (int i = 0; i < tiles; ++i) {
+    const int st = i % L::kStages;
+    copy_wait<L::kStages - 2>();  // this tile (and Q)
+    // One barrier a tile: tile i landed for every warp, and every warp is done with tile i - 1,
+    // whose stage tile i + 2 refills.
+    const bool mask = __syncthreads_or(missing & 1u) || (i + 1) * kN > n_min;
+    missing >>= 1;
+    if (i + 2 < tiles) missing |= unsigned{issue(i + 2, ahead)} << 1;
+    else copy_commit();
+    ahead = fetch(i + 3);
+
+    // S = Q K^T: per 16 dims, A from Q, two 8-key B fragments per ldmatrix.
+    const unsigned k_st = k_lane + st * 2 * L::kTile;
+    float s[kM][kSt][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      uint32_t a[kM][4];
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi) ldmatrix_x4<false>(a[mi], (q_lane ^ (ks << 5)) + mi * 16 * L::kRowBytes);
+#pragma unroll
+      for (int np = 0; np < kSt / 2; ++np) {
+        uint32_t kb[4];
+        ldmatrix_x4<false>(kb, (k_st ^ (ks << 5)) + np * 16 * L::kRowBytes);
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi) {
+          mma_16816<T>(s[mi][2 * np], a[mi], kb[0], kb[1]);
+          mma_16816<T>(s[mi][2 * np + 1], a[mi], kb[2], kb[3]);
+        }
+      }
+    }
+
+    // Masked tiles (rare: the diagonal, keys without a page): those scores to -inf.
+    if (mask) {
+      const int* ok = ok_flags + st * kN;
+#pragma unroll
+      for (int nt = 0; nt < kSt; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int jt = nt * 8 + 2 * (lane % 4) + e;
+          const bool held = ok[jt] != 0;
+#pragma unroll
+          for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+              if (!held | (i * kN + jt >= n_row[mi][hf])) s[mi][nt][2 * hf + e] = -INFINITY;
+        }
+    }
+    // The online softmax on the fragments (4 lanes share a row): every row's maximum first
+    // (trees, then the shuffles of all rows together: independent chains), then the weights; P
+    // as A fragments of P V.
+    float mx[kM][2];
+#pragma unroll
+    for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float t[kSt];
+#pragma unroll
+        for (int nt = 0; nt < kSt; ++nt) t[nt] = fmaxf(s[mi][nt][2 * hf], s[mi][nt][2 * hf + 1]);
+#pragma unroll
+        for (int w = kSt / 2; w >= 1; w /= 2)
+#pragma unroll
+          for (int nt = 0; nt < w; ++nt) t[nt] = fmaxf(t[nt], t[nt + w]);
+        mx[mi][hf] = fmaxf(m[mi][hf], t[0]);
+      }
+#pragma unroll
+    for (int x = 1; x <= 2; x *= 2)
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) mx[mi][hf] = fmaxf(mx[mi][hf], __shfl_xor_sync(0xffffffffu, mx[mi][hf], x));
+    uint32_t pa[kM][kN / 16][4];
+    bool moved = false;
+#pragma unroll
+    for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const float top = mx[mi][hf];
+        const float alpha = top == -INFINITY ? 1.f : fast_exp2((m[mi][hf] - top) * qscale);
+        moved |= alpha != 1.f;
+        const float mb = top == -INFINITY ? 0.f : top * qscale;
+        float sums[kSt];
+#pragma unroll
+        for (int nt = 0; nt < kSt; ++nt) {
+          const float p0 = fast_exp2(fmaf(s[mi][nt][2 * hf], qscale, -mb));
+          const float p1 = fast_exp2(fmaf(s[mi][nt][2 * hf + 1], qscale, -mb));
+          sums[nt] = p0 + p1;
+          pa[mi][nt / 2][(nt % 2) * 2 + hf] = pack2<T>(p0, p1);
+        }
+#pragma unroll
+        for (int w = kSt / 2; w >= 1; w /= 2)
+#pragma unroll
+          for (int nt = 0; nt < w; ++nt) sums[nt] += sums[nt + w];
+        m[mi][hf] = top;
+        l[mi][hf] = l[mi][hf] * alpha + sums[0];  // this lane's columns; the row's sum at the end
+        s[mi][0][2 * hf] = alpha;  // kept for the rescale below
+      }
+    // O *= alpha only when some row's maximum moved (rarely, after the first tiles).
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+        for (int dt = 0; dt < kOt; ++dt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[mi][dt][e] *= s[mi][0][2 * (e / 2)];
+    }
+
+    // O += P V, V read transposed: two 8-column fragments of O per ldmatrix.
+    const unsigned v_st = v_lane + st * 2 * L::kTile;
+#pragma unroll
+    for (int dp = 0; dp < kOt / 2; ++dp) {
+      const unsigned v_dp = v_st ^ (dp << 5);
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        uint32_t vb[4];
+        ldmatrix_x4<true>(vb, v_dp + kk * 16 * L::kRowBytes);
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi) {
+          mma_16816<T>(o[mi][2 * dp], pa[mi][kk], vb[0], vb[1]);
+          mma_16816<T>(o[mi][2 * dp + 1], pa[mi][kk], vb[2], vb[3]);
+        }
+      }
+    }
+  }
+  copy_wait<0>();
+
+  // Output: O / l; zeros for a row with no key; rows past the tile, T are not written.
+#pragma unroll
+  for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float sum = l[mi][hf];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int r = warp * 16 * kM + mi * 16 + lane / 4 + 8 * hf, t = t0 + r / group;
+      if (r >= live_rows || t >= p.tokens) continue;
+      const bool live = n_row[mi][hf] > 0 && sum > 0.f;
+      const float norm = live ? *p.v_scale / sum : 0.f;
+      T* out = reinterpret_cast<T*>(p.out) + p.q_index(b, t, kvh * group + r % group) + 2 * (lane % 4);
+#pragma unroll
+      for (int dt = 0; dt < kOt; ++dt) {
+        const uint32_t w = live ? pack2<T>(o[mi][dt][2 * hf] * norm, o[mi][dt][2 * hf + 1] * norm) : 0u;
+        *reinterpret_cast<uint32_t*>(out + dt * 8) = w;
+      }
+    }
+}
+
+// The tensor-core path takes groups within the row tile and shared memory within the device's
+// opt-in limit.
 template <int kD, class T>
 bool tc_eligible(const AttentionProblem& p) {
   int device = 0, limit = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  return p.group <= kRows && kRows % p.group == 0 && TcLayout<kD, T>::kBytes <= static_cast<size_t>(limit);
-}
-
-template <int kD, class T>
-__global__ void __launch_bounds__(kThreads) prefill_tc_kernel(const AttentionProblem p) {
-  namespace wmma = nvcuda::wmma;
-  using L = TcLayout<kD, T>;
-  extern __shared__ __align__(128) unsigned char smem[];
-  T* sQ = reinterpret_cast<T*>(smem + L::kQ);
-  T* sK = reinterpret_cast<T*>(smem + L::kK);
-  T* sV = reinterpret_cast<T*>(smem + L::kV);
-  float* sS = reinterpret_cast<float*>(smem + L::kS);
-  T* sP = reinterpret_cast<T*>(smem + L::kP);
-  float* sO = reinterpret_cast<float*>(smem + L::kO);
-  int* sOk = reinterpret_cast<int*>(smem + L::kOk);
-  constexpr int kChunks = kD * static_cast<int>(sizeof(T)) / 16;  // 16-byte words per token
-
-  const int group = p.group, per_tile = kRows / group;
-  const int b = blockIdx.z, kvh = blockIdx.y;
-  const int t0 = blockIdx.x * per_tile;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const bool layer_ok = p.layer_ok();
-  const int64_t layer = *p.layer;
-  // Keys of the block: those of its last live query (keys grow with t).
-  const int t_last = min(t0 + per_tile, min(p.tokens, p.counts[b])) - 1;
-  const int32_t n_max = (layer_ok && t_last >= t0) ? p.keys(b, t_last) : 0;
-
-  // Q tile (rows past T or the count are zeros; they are masked below anyway).
-  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
-    const int r = i / kChunks, c = i % kChunks;
-    const int t = t0 + r / group, h = kvh * group + r % group;
-    uint4 w = make_uint4(0, 0, 0, 0);
-    if (t < p.tokens)
-      w = load_word(reinterpret_cast<const uint4*>(p.q + p.q_index(b, t, h) * sizeof(T)) + c);
-    *reinterpret_cast<uint4*>(sQ + r * L::kLdT + c * 8) = w;
-  }
-  for (int i = threadIdx.x; i < kRows * L::kLdO; i += kThreads) sO[i] = 0.f;
-
-  // Softmax state of row `row` (two lanes per row, columns [half * 32, half * 32 + 32)).
-  const int row = warp * 16 + lane / 2, half = lane % 2;
-  const int t_row = t0 + row / group;
-  const int32_t n_row = (layer_ok && t_row < p.tokens) ? p.keys(b, t_row) : 0;
-  const float qscale = p.scale * kLog2e * *p.k_scale;
-  float m = -INFINITY, l = 0.f;
-
-  for (int32_t j0 = 0; j0 < n_max; j0 += kKeys) {
-    __syncthreads();  // the previous tile's K/V are read by every warp
-    for (int i = threadIdx.x; i < kKeys * kChunks; i += kThreads) {
-      const int j = i / kChunks, c = i % kChunks;
-      const int64_t off = j0 + j < n_max ? p.kv.offset(layer, b, kvh, j0 + j) : -1;
-      uint4 kw = make_uint4(0, 0, 0, 0), vw = kw;
-      if (off >= 0) {
-        kw = load_word(reinterpret_cast<const uint4*>(p.kv.k + off) + c);
-        vw = load_word(reinterpret_cast<const uint4*>(p.kv.v + off) + c);
-      }
-      *reinterpret_cast<uint4*>(sK + j * L::kLdT + c * 8) = kw;
-      *reinterpret_cast<uint4*>(sV + j * L::kLdT + c * 8) = vw;
-      if (c == 0) sOk[j] = off >= 0;
-    }
-    __syncthreads();
-
-    // S (this warp's 16 rows x kKeys) = Q K^T.
-    {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kKeys / 16];
-#pragma unroll
-      for (int c = 0; c < kKeys / 16; ++c) wmma::fill_fragment(acc[c], 0.f);
-#pragma unroll
-      for (int k = 0; k < kD; k += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::load_matrix_sync(a, sQ + warp * 16 * L::kLdT + k, L::kLdT);
-#pragma unroll
-        for (int c = 0; c < kKeys / 16; ++c) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kt;  // K^T
-          wmma::load_matrix_sync(kt, sK + c * 16 * L::kLdT + k, L::kLdT);
-          wmma::mma_sync(acc[c], a, kt, acc[c]);
-        }
-      }
-#pragma unroll
-      for (int c = 0; c < kKeys / 16; ++c)
-        wmma::store_matrix_sync(sS + warp * 16 * L::kLdS + c * 16, acc[c], L::kLdS, wmma::mem_row_major);
-    }
-    __syncwarp();
-
-    // Online softmax of the row over this tile; P in T, alpha rescales O.
-    float* srow = sS + row * L::kLdS;
-    float mx = m;
-    for (int c = half * 32; c < half * 32 + 32; ++c) {
-      const int j = j0 + c;
-      const float v = (j < n_row && sOk[c]) ? srow[c] * qscale : -INFINITY;
-      srow[c] = v;
-      mx = fmaxf(mx, v);
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    const float alpha = mx == -INFINITY ? 1.f : exp2f(m - mx);
-    float sum = 0.f;
-    T* prow = sP + row * L::kLdP;
-    for (int c = half * 32; c < half * 32 + 32; ++c) {
-      const float pr = mx == -INFINITY ? 0.f : exp2f(srow[c] - mx);
-      const T pt = static_cast<T>(pr);
-      prow[c] = pt;
-      sum += static_cast<float>(pt);  // the rounded weights, as P V sees them
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    m = mx;
-    l = l * alpha + sum;
-    float* orow = sO + row * L::kLdO;
-    for (int d = half; d < kD; d += 2) orow[d] *= alpha;
-    __syncwarp();
-
-    // O (this warp's 16 rows x kD) += P V.
-#pragma unroll
-    for (int c = 0; c < kD / 16; ++c) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
-      float* otile = sO + warp * 16 * L::kLdO + c * 16;
-      wmma::load_matrix_sync(o, otile, L::kLdO, wmma::mem_row_major);
-#pragma unroll
-      for (int k = 0; k < kKeys; k += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> v;
-        wmma::load_matrix_sync(a, sP + warp * 16 * L::kLdP + k, L::kLdP);
-        wmma::load_matrix_sync(v, sV + k * L::kLdT + c * 16, L::kLdT);
-        wmma::mma_sync(o, a, v, o);
-      }
-      wmma::store_matrix_sync(otile, o, L::kLdO, wmma::mem_row_major);
-    }
-    __syncwarp();
-  }
-  __syncthreads();  // O was zeroed by every thread: visible here even when no tile ran
-
-  // Output: O / l (zeros for rows with no key), rows past T are not written.
-  if (t_row < p.tokens) {
-    const int h = kvh * group + row % group;
-    const float norm = l > 0.f ? *p.v_scale / l : 0.f;
-    T* out = reinterpret_cast<T*>(p.out) + p.q_index(b, t_row, h);
-    const float* orow = sO + row * L::kLdO;
-    for (int d = half; d < kD; d += 2) out[d] = static_cast<T>(orow[d] * norm);
-  }
+  return p.group <= PrefillLayout<kD>::kRows &&
+         PrefillLayout<kD>::kBytes <= static_cast<size_t>(limit);
 }
 
 template <int kD, class T>
 ffi::Error launch_prefill_tc(cudaStream_t stream, const AttentionProblem& p) {
-  using L = TcLayout<kD, T>;
+  using L = PrefillLayout<kD>;
   allow_shared_memory(prefill_tc_kernel<kD, T>, L::kBytes);
-  const int per_tile = kRows / p.group;
+  const int per_tile = L::kRows / p.group;
   const dim3 grid(static_cast<unsigned>((p.tokens + per_tile - 1) / per_tile),
                   static_cast<unsigned>(p.kv.heads), static_cast<unsigned>(p.batch));
   prefill_tc_kernel<kD, T><<<grid, kThreads, L::kBytes, stream>>>(p);
@@ -1387,7 +1538,7 @@ ffi::Error attention_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
 }  // namespace
 
 // Decode: the split-KV kernels. Prefill: the tensor-core kernel where it applies (bf16 / f16, head
-// dims 64, 128, 256, groups dividing 64), else the split-KV kernels with a query row per new token.
+// dims 64, 128, 256, groups up to its row tile), else the split-KV kernels, a query row per token.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jaxkv_attention_decode_cuda, attention_cuda<false>,
     bind_attention(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JAXKV_CUDA_TRAITS);

@@ -752,6 +752,35 @@ def attention_prefill_paged(B, prefix, T, Hq, H, D, page, iters, target=None) ->
                 peer="attention", params=dict(layout="NHD", T=T))
 
 
+def attention_prefill_linear(B, prefix, T, Hq, H, D, iters, target=None) -> Case:
+    """Chunked prefill over one layer of a 2-layer LinearKVCache (cuDNN cannot read it): T new
+    tokens per row (already written) attend causally over a prefix of `prefix` tokens."""
+    S = prefix + T
+
+    def build():
+        cache = jaxkv.LinearKVCache(buffer=rand((2, B, 2, H, S, D), BF16, 140),
+                                    lengths=i32(np.full(B, prefix)),
+                                    active_batch_size=jnp.asarray(B, jnp.int32))
+        q = rand((B, T, Hq, D), BF16, 141)
+        new = i32(np.full(B, T))
+
+        def kernel(i, q, c):
+            return jaxkv.attention.prefill(q, c, i % 2, new)
+
+        def dense(i, q, c):
+            layer = lax.dynamic_index_in_dim(c.buffer, i % 2, 0, keepdims=False)
+            return _dense_attention(q, layer[:, 0], layer[:, 1], c.lengths)
+
+        return q, cache, kernel, {"dense": dense}
+
+    return Case("attention_prefill", f"linear B{B} {T} new on {prefix} {Hq}/{H} heads D{D}", build,
+                _kv_bytes(np.full(B, S), H, D) + 2 * B * T * Hq * D * 2,
+                2 * B * 2 * H * S * D * BF16.itemsize, iters, target=target,
+                requires=("attention",), series="linear prefill",
+                note="compute-bound: the bandwidth column is only the bytes read once",
+                params=dict(T=T))
+
+
 # --- the sizes ------------------------------------------------------------------------------------
 
 T_COMPACT = Target(">= 85% of copy BW on live bytes; >= 5x XLA (take)", copy_frac=0.85,
@@ -765,6 +794,7 @@ T_PAGED = Target(">= 85% of copy BW; <= the fastest peer", copy_frac=0.85, beats
 T_PAGED_DECODE = Target("<= the fastest peer", beats_peers=True)
 T_PAGED_COMPACT = Target("O(batch) bytes: no KV data moved", no_kv_bytes=True)
 T_ATTN_DECODE = Target(">= 90% of copy BW on the KV bytes read", copy_frac=0.90)
+T_ATTN_FILLED = Target(">= 80% of copy BW where the bytes fill the GPU", copy_frac=0.80)
 T_ATTN_LIVE = Target("reads live tokens only: >= 90% of copy BW on live bytes", copy_frac=0.90)
 def t_quant_append(bf16: Case) -> Target:
     return Target("within 1.1x of the bf16 append's device time (the row without 'into')",
@@ -801,6 +831,7 @@ def cases(size: str) -> list[Case]:
                 attention_decode_paged(4, 128, 8, 2, 64, 16, "NHD", 3)),
                                    dtype=jnp.float8_e4m3fn),
             attention_prefill_paged(2, 32, 32, 8, 2, 64, 16, 2),
+            attention_prefill_linear(2, 32, 32, 8, 2, 64, 2),
         ]
     # The issue's sizes on the H200, and a few smaller points per op for the plot.
     return [long_enough(c) for c in gpu_cases()]
@@ -852,6 +883,11 @@ def gpu_cases() -> list[Case]:
         attention_decode_paged(64, 4096, 32, 8, 128, 16, "HND", 20, T_ATTN_DECODE),
         attention_decode_linear(64, 4096, 32, 8, 128, False, 20),
         attention_decode_linear(64, 4096, 32, 8, 128, True, 20, T_ATTN_LIVE),
+        # Issue 23's other shapes: small batches (plot points: too few bytes to fill the GPU)
+        # and head dims 64 / 256 at the same bytes.
+        *[attention_decode_paged(b, 4096, 32, 8, 128, 16, "NHD", 20) for b in (1, 4, 16)],
+        attention_decode_paged(64, 4096, 32, 16, 64, 16, "NHD", 20, T_ATTN_FILLED),
+        attention_decode_paged(64, 4096, 32, 4, 256, 16, "NHD", 20, T_ATTN_FILLED),
         *[attention_decode_paged(64, 4096, 32, 8, 128, 16, layout, 20, t_attn_8bit(
             attention_decode_paged(64, 4096, 32, 8, 128, 16, layout, 20)), dtype=dt)
           for dt in EIGHT_BIT for layout in ("NHD", "HND")],
@@ -859,6 +895,7 @@ def gpu_cases() -> list[Case]:
             attention_decode_linear(64, 4096, 32, 8, 128, False, 20)), dtype=dt)
           for dt in EIGHT_BIT],
         attention_prefill_paged(8, 2048, 2048, 32, 8, 128, 16, 3),
+        attention_prefill_linear(8, 2048, 2048, 32, 8, 128, 3),
     ]
 
 
