@@ -1222,9 +1222,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
 #pragma unroll
     for (int y = 0; y < kChunks / kQLanes; ++y) copy16(dst ^ (y * kQLanes * 16), src + (live ? y * kQLanes * 16 : 0), live);
   }
-  // K then V of tile i into its stage, one commit group each; true when a key below n_max has no
-  // page. kLanes threads a key (one key a thread), every kLanes-th chunk each: one table lookup
-  // per key serves K and V.
+  // K and V of tile i into its stage, one commit group; true when a key below n_max has no page.
+  // kLanes threads a key (one key a thread), every kLanes-th chunk each: one table entry per key
+  // serves K and V.
   const KVView& kv = p.kv;
   const int c_copy = threadIdx.x % kLanes, j_copy = threadIdx.x / kLanes;
   const int64_t head_base = (layer_ok ? *p.layer : 0) * kv.layer_stride + kvh * kv.head_stride + c_copy * 16;
