@@ -4,7 +4,8 @@
 # XLA baseline. Logs go to $OUT (default /tmp/jaxkv-gpu). SKIP_TESTS=1 / SKIP_BENCH=1 / SKIP_DEMO=1
 # / SKIP_SANITIZE=1 / SKIP_SOAK=1 / SKIP_BUILD=1 / SKIP_SERVE=1 skip parts; BENCH_OPS="op ..." limits the benchmark to those ops,
 # MEMCHECK / RACECHECK="test files" replace the sanitizers' default test lists, RACECHECK_SELECT
-# racecheck's -k expression. WHEEL=path installs a wheel built on the CPU machine instead of
+# racecheck's -k expression, TESTS_BUDGET_S=N the tests file by file within N seconds (below).
+# WHEEL=path installs a wheel built on the CPU machine instead of
 # building here (device time: the CUDA build takes minutes there, 1.5 here), then copies the
 # tree's Python over it, so that only a change under ffi/ needs a new wheel:
 #   JAXKV_CUDA=ON JAXKV_CUDA_ARCHITECTURES=90 PYENV_VERSION=3.12.1 python3.12 -m pip wheel \
@@ -36,11 +37,35 @@ fi
   assert jax.default_backend() == 'gpu', jax.default_backend(); print('CUDA build ok, backend gpu')") || exit 1
 
 tests_rc=0
+# TESTS_BUDGET_S=N: the test files given (default: all) one pytest each, a summary line per file;
+# files not started within N seconds are listed as NOT RUN, for the next call (the whole suite
+# takes longer than one device call of 600 s).
+test_files() {
+  local start rest=() files=("$@") f t0 line rc
+  [ "${#files[@]}" -gt 0 ] || mapfile -t files < <(cd tests && ls test_*.py)
+  start=$(date +%s)
+  for f in "${files[@]}"; do
+    if [ $(($(date +%s) - start)) -gt "$TESTS_BUDGET_S" ]; then rest+=("$f"); continue; fi
+    t0=$(date +%s)
+    (cd tests && JAXKV_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider "$f" 2>&1) >"$OUT/file.log"
+    rc=$?
+    cat "$OUT/file.log" >>"$OUT/tests.log"
+    line=$(grep -E "^=* ?[0-9]+ (passed|failed|skipped|error)" "$OUT/file.log" | tail -1)
+    echo "$f ($(($(date +%s) - t0)) s, exit $rc): $line"
+    [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || tests_rc=1  # 5: nothing collected
+  done
+  echo "NOT RUN: ${rest[*]:-none}"
+}
 if [ -z "${SKIP_TESTS:-}" ]; then
   echo "== tests"
-  # From tests/ so that `import jaxkv` is the installed package, not the source folder.
-  (cd tests && JAXKV_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1) | tee "$OUT/tests.log"
-  tests_rc=${PIPESTATUS[0]}
+  if [ -n "${TESTS_BUDGET_S:-}" ]; then
+    : >"$OUT/tests.log"
+    test_files "$@"
+  else
+    # From tests/ so that `import jaxkv` is the installed package, not the source folder.
+    (cd tests && JAXKV_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1) | tee "$OUT/tests.log"
+    tests_rc=${PIPESTATUS[0]}
+  fi
 fi
 
 # compute-sanitizer over the kernel tests. Every buffer its own cudaMalloc (the platform
