@@ -30,6 +30,7 @@ import numpy as np
 from . import page_index
 from ._allocator import allocate, allocate_indexed
 from ._checks import check
+from .layout import host_roles
 
 NO_PAGE = -1
 PAGE_AXIS = {"HND": 2, "NHD": 1}  # the page dimension of a pool, and of its scale pool
@@ -66,24 +67,32 @@ class HostPages:
 
 
 def empty(num_pages: int, device_pool: jax.Array, layout: str, scaled: bool, max_batch: int,
-          max_pages_per_seq: int) -> HostPages:
+          max_pages_per_seq: int, sharding=None) -> HostPages:
     """An empty host tier: every host page free, no row swapped; its pages of ``device_pool``'s
-    shape and dtype, in the host memory of its device."""
+    shape and dtype, in the host memory of its device (with ``sharding``, a ``CacheSharding``:
+    of its devices, each batch shard's share of the host pages in its own device's host memory)."""
     axis, pool_shape = PAGE_AXIS[layout], device_pool.shape
     page = pool_shape[:axis] + pool_shape[axis + 1:]
-    def host(page_shape, dtype):
+    roles = host_roles(layout, scaled)
+
+    def host(name, page_shape, dtype):
         shape = (num_pages, 2) + page_shape
         if isinstance(device_pool, jax.core.Tracer):  # traced (jit, eval_shape): made by XLA
             return jax.device_put(jnp.zeros(shape, dtype), jax.memory.Space.Host)
         # zeros from host memory straight to pinned host memory: made on the device, they would
         # take the pool's size of device memory while they last
-        return jax.device_put(np.zeros(shape, dtype),
-                              device_pool.sharding.with_memory_kind("pinned_host"))
+        placed = sharding.named(*roles[name]) if sharding is not None else device_pool.sharding
+        return jax.device_put(np.zeros(shape, dtype), placed.with_memory_kind("pinned_host"))
 
-    return HostPages(pages=host(page, device_pool.dtype),
-                     scales=host(page[:3], jnp.float32) if scaled else None,
-                     ref_counts=jnp.zeros((num_pages,), jnp.int32),
-                     table=jnp.full((max_batch, max_pages_per_seq), NO_PAGE, jnp.int32))
+    def state(name, shape):
+        if sharding is None:
+            return jnp.full(shape, NO_PAGE if name == "table" else 0, jnp.int32)
+        return sharding.full(shape, NO_PAGE if name == "table" else 0, jnp.int32, roles[name])
+
+    return HostPages(pages=host("pages", page, device_pool.dtype),
+                     scales=host("scales", page[:3], jnp.float32) if scaled else None,
+                     ref_counts=state("ref_counts", (num_pages,)),
+                     table=state("table", (max_batch, max_pages_per_seq)))
 
 
 # --- the transfers: the only code that touches host memory ----------------------------------------

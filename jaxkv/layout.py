@@ -28,6 +28,16 @@ POOL = {  # pages split by batch (each batch shard owns a share), heads by heads
 }
 
 
+def host_roles(layout: str, scaled: bool) -> dict:
+    """Roles of a host tier's leaves (``jaxkv.host_tier``): host pages split by batch (each batch
+    shard its own host pool and allocator), the heads inside a page by heads."""
+    axis = {"HND": 2, "NHD": 1}[layout]  # the page axis of a pool
+    page = POOL[layout][:axis] + POOL[layout][axis + 1:]
+    scales = POOL[layout][:4]
+    return dict(pages=("batch", None) + page, ref_counts=ROWS, table=ROWS,
+                scales=("batch", None) + scales[:axis] + scales[axis + 1:] if scaled else None)
+
+
 def pool_shape(layout: str, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
                head_dim: int) -> tuple:
     """The shape of a pool of ``layout``."""

@@ -24,8 +24,8 @@ from . import quantization
 from ._allocator import allocate, allocate_indexed
 from ._checks import check, elsewhere
 from ._validate import INT32_MAX
-from .layout import (KV, KV_LAYERS, LAYER, LAYOUTS, POOL, REPLICATED, ROWS, pool_geometry,
-                     pool_shape)
+from .layout import (KV, KV_LAYERS, LAYER, LAYOUTS, POOL, REPLICATED, ROWS, host_roles,
+                     pool_geometry, pool_shape)
 from .paged_ops import NO_PAGE
 from .sharding import (CacheSharding, Combined, Destinations, Ids, Role, create, per_shard,
                        row_ids, rows_of, same_shard)
@@ -81,7 +81,7 @@ class PagedKVCache:
         scales = pool[:4] if self.scaling == "per_token_head" else REPLICATED
         return dict(k_pages=pool, v_pages=pool, page_table=ROWS, lengths=ROWS, ref_counts=ROWS,
                     new_tokens=ROWS, k_scales=scales, v_scales=scales, prefix_cache=ROWS,
-                    host=ROWS)
+                    host=host_roles(self.layout, self.scaling == "per_token_head"))
 
     @classmethod
     def create(
@@ -128,7 +128,8 @@ class PagedKVCache:
 
         ``host_pages``: pages of a second pool in host memory (``pinned_host``), same layout and
         dtype, and scales for a per-token-head cache; ``swap_out`` moves rows there and
-        ``swap_in`` brings them back (docs/host-tier.md). Not with ``sharding`` yet.
+        ``swap_in`` brings them back (docs/host-tier.md); with ``sharding``, each batch shard has
+        ``host_pages / batch_shards`` of them.
         """
         op = "PagedKVCache.create"
         dims = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
@@ -163,15 +164,13 @@ class PagedKVCache:
             leaves["prefix_cache"] = lambda full: page_index.PageIndex.empty(entries, page_size,
                                                                              full)
         divides = dict(max_batch=(max_batch, "batch"), num_pages=(num_pages, "batch"),
-                       num_kv_heads=(num_kv_heads, "heads"))
-        if host_pages and sharding is not None:
-            raise ValueError(f"{op}: host_pages is not supported on a sharded cache yet")
+                       num_kv_heads=(num_kv_heads, "heads"), host_pages=(host_pages, "batch"))
         cache = create(cls, op, sharding, leaves, divides, layout=layout, scaling=scaling)
         if not host_pages:
             return cache
         return dataclasses.replace(cache, host=host_tier.empty(
             host_pages, cache.k_pages, layout, scaling == "per_token_head", max_batch,
-            max_pages_per_seq))
+            max_pages_per_seq, sharding))
 
     # Static configuration, read off the shapes.
     def _geometry(self) -> dict:

@@ -147,16 +147,25 @@ def _has_roles(x) -> bool:
 
 
 def _count_fields(tree) -> list[str]:
-    return [name for name, roles in tree.leaf_roles().items() if tuple(roles) == COUNT]
+    return [name for name, roles in tree.leaf_roles().items()
+            if isinstance(roles, tuple) and roles == COUNT]
 
 
 def leaf_specs(tree, s: CacheSharding | None = None):
-    """``tree`` (a cache, a saved prompt) with the ``PartitionSpec`` of each leaf in its place."""
+    """``tree`` (a cache, a saved prompt) with the ``PartitionSpec`` of each leaf in its place.
+    A field's roles are one role tuple for all its leaves, or a dict naming the fields of a
+    dataclass field (a cache's host tier) and their role tuples (None: an absent field)."""
     s = s or tree.sharding
     placed = {"sharding": s} if hasattr(tree, "sharding") else {}
+
+    def specs(value, roles):
+        if isinstance(roles, dict):
+            return None if value is None else dataclasses.replace(
+                value, **{n: specs(getattr(value, n), r) for n, r in roles.items()})
+        return jax.tree.map(lambda _: s.spec(*roles), value)
+
     return dataclasses.replace(tree, **placed, **{
-        name: jax.tree.map(lambda _, r=roles: s.spec(*r), getattr(tree, name))
-        for name, roles in tree.leaf_roles().items()})
+        name: specs(getattr(tree, name), roles) for name, roles in tree.leaf_roles().items()})
 
 
 def _local(tree, s: CacheSharding):
@@ -431,11 +440,15 @@ def _eval_shape(fn, kwargs: dict):
     static): its trace-time checks run at global shapes, and the result's structure shows."""
     leaves, treedef = jax.tree.flatten(kwargs)
     is_arr = [_is_array(x) for x in leaves]
+    # Arrays in host memory (a host tier's pool) stay there: ops check memory spaces.
+    host = [a and getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+            for x, a in zip(leaves, is_arr)]
 
     def call(*arrays):
         it = iter(arrays)
-        return fn(**jax.tree.unflatten(treedef, [next(it) if a else x
-                                                 for x, a in zip(leaves, is_arr)]))
+        placed = [jax.device_put(next(it), jax.memory.Space.Host) if h else next(it) if a else x
+                  for x, a, h in zip(leaves, is_arr, host)]
+        return fn(**jax.tree.unflatten(treedef, placed))
 
     # Unplaced: the global shapes must never meet a sharding rule.
     return jax.eval_shape(call, *[jax.ShapeDtypeStruct(x.shape, x.dtype)

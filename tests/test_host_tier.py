@@ -387,14 +387,46 @@ def test_prefix_cache_pages_are_evicted_by_swap_in():
     assert int(matched[0]) == 0  # the cached chain was evicted to make room
 
 
+@pytest.mark.parametrize("layout,dtype,scaling", [("HND", jnp.float32, None),
+                                                  ("NHD", jnp.float8_e4m3fn, "per_token_head")])
+def test_a_sharded_cache_swaps_each_shard_to_its_own_host_pages(layout, dtype, scaling):
+    """Batch over 2 devices, KV heads over 2: each batch shard moves its rows to its share of the
+    host pages and back; flags, counts and every gathered value equal the unsharded cache's, and
+    the host pool stays in host memory, split like the pools."""
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices()[:4])
+    src = jnp.bfloat16 if scaling else dtype
+    shape = (L, 4, H, 7, D)
+    k, v = random_array(shape, src), random_array(shape, src)
+    n, rows = jnp.array([5, 3, 7, 0], jnp.int32), jnp.array([True, False, True, False])
+    results = []
+    for sharding in (None, CacheSharding(mesh, heads="tp", batch="dp")):
+        cache = make(num_pages=16, host_pages=8, layout=layout, dtype=dtype, scaling=scaling,
+                     sharding=sharding)
+        cache, served = fill(cache, n, k, v)
+        assert bool(jnp.all(served))
+        cache, swapped = swap_out(cache, rows, 8)
+        assert cache.host.pages.sharding.memory_kind == "pinned_host"
+        out = [swapped, cache.on_host, cache.num_free_pages, cache.num_free_host_pages]
+        cache, back = swap_in(cache, rows, 8)
+        got = [np.asarray(x, np.float32) for x in cache.gather(0, 8, split=True)]
+        results.append([np.asarray(x) for x in out + [back, cache.on_host]] + got)
+        if sharding is not None:
+            assert cache.host.pages.sharding.spec == sharding.spec(*cache.leaf_roles()["host"]
+                                                                     ["pages"])
+    want, sharded = results
+    assert want[0].tolist() == [True, False, True, False] and int(want[3]) == 8 - 7
+    for got, expected in zip(sharded, want):
+        np.testing.assert_array_equal(got, expected)
+
+
 def test_bad_arguments_are_refused_at_trace_time():
     with pytest.raises(ValueError, match="host_pages must be"):
         make(host_pages=-1)
     with pytest.raises(TypeError, match="host_pages must be a Python int"):
         make(host_pages=2.0)
-    mesh = jax.make_mesh((1,), ("batch",), devices=jax.devices()[:1])
-    with pytest.raises(ValueError, match="not supported on a sharded cache"):
-        make(sharding=CacheSharding(mesh, batch="batch"))
+    mesh = jax.make_mesh((2,), ("batch",), devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match="host_pages = 7 is not divisible by the 2 devices"):
+        make(host_pages=7, sharding=CacheSharding(mesh, batch="batch"))
     cache = make()
     with pytest.raises(ValueError, match="PagedKVCache.swap_out: the cache has no host tier"):
         make(host_pages=0).swap_out(jnp.zeros((4,), bool))
@@ -432,11 +464,12 @@ def assert_rows_hold_their_tokens(cache, tokens, what=""):
     """Every row on the device reads K/V equal to ``kv_of_at`` its tokens."""
     t = tokens.shape[1]
     want_k, want_v = kv_of_at(tokens, jnp.arange(t, dtype=jnp.float32)[None, :])
+    lengths, on_host = np.asarray(cache.lengths), np.asarray(cache.on_host)  # sharded too
     for layer in range(L):
-        k, v = cache.gather(layer, t, split=True)
+        k, v = (np.asarray(x) for x in cache.gather(layer, t, split=True))
         for b in range(cache.max_batch):
-            n = int(cache.lengths[b])
-            if bool(cache.on_host[b]) or n == 0:
+            n = int(lengths[b])
+            if on_host[b] or n == 0:
                 continue
             np.testing.assert_array_equal(k[b, :, :n], want_k[layer, b, :, :n], f"{what} row {b}")
             np.testing.assert_array_equal(v[b, :, :n], want_v[layer, b, :, :n], f"{what} row {b}")
@@ -470,6 +503,28 @@ def test_spilled_prefix_survives_device_pressure_and_comes_back():
     # The chain is on the device again, held once: released, it is found without the host.
     assert int(cache.ref_counts.sum()) == 3
     assert not bool(jnp.any(cache.prefix_cache.indexed[cache.num_pages:]))
+
+
+def test_each_batch_shard_spills_and_finds_its_own_prefix_on_the_host():
+    """The previous test on a cache split over 2 batch shards (and 2 head shards): each shard
+    spills its cached chain to its own host pages, loses its device pool to another row, and
+    finds the chain on the host again."""
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices()[:4])
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 50, (4, 8)), jnp.int32)
+    first, second = jnp.array([6, 0, 6, 0], jnp.int32), jnp.array([0, 8, 0, 8], jnp.int32)
+    cache = prefix_cache(num_pages=8, max_batch=4,
+                         sharding=CacheSharding(mesh, heads="tp", batch="dp"))
+    cache, _ = fill_tokens(cache, tokens, first)
+    cache = cache.insert_prefix(tokens, first)
+    cache = cache.release(first > 0)
+    cache, spilled = cache.spill_prefix()
+    assert int(spilled) == 6 and int(cache.num_free_pages) == 8
+    cache, served = fill_tokens(cache, tokens.at[1::2].add(100), second)
+    assert np.asarray(served)[1::2].all()
+    cache = cache.release(second > 0)
+    cache, matched = cache.match_prefix(tokens, jnp.where(first > 0, 8, 0))
+    assert np.asarray(matched).tolist() == [6, 0, 6, 0]
+    assert_rows_hold_their_tokens(cache, tokens, "brought back")
 
 
 @pytest.mark.parametrize("dtype,scaling,layout", [(jnp.float8_e4m3fn, "per_token_head", "NHD"),

@@ -37,6 +37,22 @@ def test_every_engine_on_a_mesh_generates_what_one_device_recomputes(mesh, tmp_p
     assert "mesh " in out
 
 
+def test_a_swapping_engine_on_a_mesh_generates_what_one_device_recomputes(tmp_path, capsys):
+    """``paged-swap`` over tp=2, dp=2 under pool pressure: each batch shard swaps its preempted
+    rows to its own host pages and back; every request's tokens equal recomputation on one
+    device, and the allocator audit counts every page (both tiers) right."""
+    path = tmp_path / "serve.json"
+    rc = entry.main(["serve", "--mesh", "tp=2,dp=2", "--engines", "paged-swap", "--requests",
+                     "24", "--max-batch", "8", "--kv-gib", "0.0003", "--max-seq-len", "128",
+                     "--mean-prompt", "24", "--mean-output", "48", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    doc = json.loads(path.read_text())
+    m = doc["engines"]["paged-swap"]
+    assert m["swaps_out"] > 0 and m["swaps_in"] > 0 and m["miscounted_pages"] == 0
+    assert doc["recomputed"] == {"paged-swap": 24}
+
+
 def test_weights_split_megatron_style():
     s = cli.cache_sharding({"tp": 2, "dp": 2})
     params = M.init_stacked_params(M.PRESETS["tiny"], 0, "float32", s.mesh)

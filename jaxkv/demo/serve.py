@@ -357,7 +357,9 @@ class ServeEngine(loop.Engine):
             cache = jax.eval_shape(lambda: self.kind.create(self.batch, self.max_seq_len))
         if self.replicated is not None:  # on a mesh: eval_shape drops the placement
             mesh = self.replicated.mesh
-            if hasattr(self.kind, "placement"):
+            if self.swap or self.spill:  # a real cache: placed, its host tier in host memory
+                shardings = jax.tree.map(lambda x: x.sharding, cache)
+            elif hasattr(self.kind, "placement"):
                 shardings = self.kind.placement(cache)
             else:  # a jaxkv cache: the partition spec of each leaf, from its roles
                 specs = jaxkv.sharding.leaf_specs(cache, self.kind.sharding)
