@@ -30,10 +30,9 @@ import numpy as np
 from . import page_index
 from ._allocator import allocate, allocate_indexed
 from ._checks import check
-from .layout import host_roles
+from .layout import PAGE_AXIS, host_roles
 
 NO_PAGE = -1
-PAGE_AXIS = {"HND": 2, "NHD": 1}  # the page dimension of a pool, and of its scale pool
 
 
 @jax.tree_util.register_dataclass
@@ -84,15 +83,15 @@ def empty(num_pages: int, device_pool: jax.Array, layout: str, scaled: bool, max
         placed = sharding.named(*roles[name]) if sharding is not None else device_pool.sharding
         return jax.device_put(np.zeros(shape, dtype), placed.with_memory_kind("pinned_host"))
 
-    def state(name, shape):
+    def state(name, shape, fill):
         if sharding is None:
-            return jnp.full(shape, NO_PAGE if name == "table" else 0, jnp.int32)
-        return sharding.full(shape, NO_PAGE if name == "table" else 0, jnp.int32, roles[name])
+            return jnp.full(shape, fill, jnp.int32)
+        return sharding.full(shape, fill, jnp.int32, roles[name])
 
     return HostPages(pages=host("pages", page, device_pool.dtype),
                      scales=host("scales", page[:3], jnp.float32) if scaled else None,
-                     ref_counts=state("ref_counts", (num_pages,)),
-                     table=state("table", (max_batch, max_pages_per_seq)))
+                     ref_counts=state("ref_counts", (num_pages,), 0),
+                     table=state("table", (max_batch, max_pages_per_seq), NO_PAGE))
 
 
 # --- the transfers: the only code that touches host memory ----------------------------------------

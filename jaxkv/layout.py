@@ -28,14 +28,18 @@ POOL = {  # pages split by batch (each batch shard owns a share), heads by heads
 }
 
 
+PAGE_AXIS = {"HND": 2, "NHD": 1}  # the page dimension of a pool, and of its scale pool
+
+
 def host_roles(layout: str, scaled: bool) -> dict:
     """Roles of a host tier's leaves (``jaxkv.host_tier``): host pages split by batch (each batch
-    shard its own host pool and allocator), the heads inside a page by heads."""
-    axis = {"HND": 2, "NHD": 1}[layout]  # the page axis of a pool
+    shard its own host pool and allocator), the heads inside a page by heads. A host page is
+    ``[2, *page]`` (K and V), ``page`` a pool's dimensions without the page one; its scales the
+    same without ``head_dim``."""
+    axis = PAGE_AXIS[layout]
     page = POOL[layout][:axis] + POOL[layout][axis + 1:]
-    scales = POOL[layout][:4]
     return dict(pages=("batch", None) + page, ref_counts=ROWS, table=ROWS,
-                scales=("batch", None) + scales[:axis] + scales[axis + 1:] if scaled else None)
+                scales=("batch", None) + page[:3] if scaled else None)
 
 
 def pool_shape(layout: str, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,

@@ -147,8 +147,7 @@ def _has_roles(x) -> bool:
 
 
 def _count_fields(tree) -> list[str]:
-    return [name for name, roles in tree.leaf_roles().items()
-            if isinstance(roles, tuple) and roles == COUNT]
+    return [name for name, roles in tree.leaf_roles().items() if tuple(roles) == COUNT]
 
 
 def leaf_specs(tree, s: CacheSharding | None = None):
