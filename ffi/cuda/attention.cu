@@ -427,25 +427,20 @@ struct TcCopy {
   static constexpr int kPasses = kTcTokens / kPerPass;  // tokens per thread and stage
   static_assert(kTcTokens % kPerPass == 0 && kChunks % kLanes == 0, "copy geometry");
   const int32_t* table;  // the row's page-table row; null: a dense cache (the row is the page)
-  int32_t b, k0, k1, iters, ps, shift;
-  bool pow2;
+  int32_t b, k0, k1, iters;
   int c0, jt0;           // this thread's chunk in a token, and its token in a pass
   int32_t raw[kPasses];  // table entries of the next stage to issue, loads in flight
 
   __device__ TcCopy(const AttentionProblem& p, int32_t b, int32_t k0, int32_t k1, int iters)
       : table(p.kv.page_table ? p.kv.page_table + int64_t{b} * p.kv.max_pages : nullptr),
-        b(b), k0(k0), k1(k1), iters(iters), ps(p.kv.page_size), shift(0),
-        pow2((p.kv.page_size & (p.kv.page_size - 1)) == 0),
-        c0(threadIdx.x % kLanes), jt0(threadIdx.x / kLanes) {
-    shift = __ffs(ps) - 1;
-  }
+        b(b), k0(k0), k1(k1), iters(iters), c0(threadIdx.x % kLanes), jt0(threadIdx.x / kLanes) {}
 
   // Loads the table entries of stage i's tokens (-1: past the split, or no stage i).
-  __device__ void fetch(int i) {
+  __device__ void fetch(const KVView& kv, int i) {
 #pragma unroll
     for (int x = 0; x < kPasses; ++x) {
       const int32_t j = k0 + i * kTcTokens + x * kPerPass + jt0;
-      raw[x] = i < iters && j < k1 ? (table ? table[pow2 ? j >> shift : j / ps] : b) : -1;
+      raw[x] = i < iters && j < k1 ? (table ? table[kv.column(j)] : b) : -1;
     }
   }
   // f(jt, ok, page, slot) for each token of stage i (fetched) that this thread copies: its index
@@ -456,7 +451,7 @@ struct TcCopy {
     for (int x = 0; x < kPasses; ++x) {
       const int jt = x * kPerPass + jt0;
       const int32_t j = k0 + i * kTcTokens + jt;
-      f(jt, kv.holds(raw[x]), raw[x], table ? (pow2 ? j & (ps - 1) : j % ps) : j);
+      f(jt, kv.holds(raw[x]), raw[x], kv.slot(j));
     }
   }
   // This thread's K and V chunks of token jt (at byte offset `off` of the pools) into stage st.
@@ -569,9 +564,9 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
       });
     }
     copy_commit();
-    cp.fetch(i + 1);
+    cp.fetch(p.kv, i + 1);
   };
-  cp.fetch(0);
+  cp.fetch(p.kv, 0);
 #pragma unroll
   for (int i = 0; i < kTcStages - 1; ++i) issue(i);
 
@@ -831,9 +826,9 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
       });
     }
     copy_commit();
-    cp.fetch(i + 1);
+    cp.fetch(p.kv, i + 1);
   };
-  cp.fetch(0);
+  cp.fetch(p.kv, 0);
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
 
@@ -1229,19 +1224,16 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
   const int c_copy = threadIdx.x % kLanes, j_copy = threadIdx.x / kLanes;
   const int64_t head_base = (layer_ok ? *p.layer : 0) * kv.layer_stride + kvh * kv.head_stride + c_copy * 16;
   const int32_t* table = kv.page_table ? kv.page_table + int64_t{b} * kv.max_pages : nullptr;
-  const bool pow2 = (kv.page_size & (kv.page_size - 1)) == 0;
-  const int shift = __ffs(kv.page_size) - 1;
   // The table entry of this thread's key of tile i (-1: past n_max), loaded a tile ahead of its use.
   auto fetch = [&](int i) -> int32_t {
     const int32_t pos = i * kN + j_copy;
     if (pos >= n_max) return -1;
-    return table ? table[pow2 ? pos >> shift : pos / kv.page_size] : b;
+    return table ? table[kv.column(pos)] : b;
   };
   auto issue = [&](int i, int32_t page) {
     const int32_t pos = i * kN + j_copy;
-    const int32_t slot = !table ? pos : pow2 ? pos & (kv.page_size - 1) : pos % kv.page_size;
     const bool live = pos < n_max && kv.holds(page);
-    const int64_t off = live ? head_base + page * kv.page_stride + slot * kv.token_stride : 0;
+    const int64_t off = live ? head_base + page * kv.page_stride + int64_t{kv.slot(pos)} * kv.token_stride : 0;
 #pragma unroll
     for (int kind = 0; kind < 2; ++kind) {
       const unsigned dst = L::row(L::kv(base, i % L::kStages, kind), j_copy, c_copy);

@@ -1,9 +1,12 @@
-// CUDA handlers of the quantizing appends (dense and paged): one warp per (layer, row, K/V, head,
-// token) vector. The lanes read the head_dim values, reduce max |x| with shuffles, lane 0 writes the
-// scale, and each lane writes its bytes: one pass over the input, no temporary. For head_dim 32 to
-// 256 (a multiple of 32) the kernel is compiled per input and cache format, each lane reading and
-// writing head_dim / 32 contiguous values in one access; other sizes take the generic kernel.
+// CUDA handlers of the quantizing appends (dense and paged): each (layer, row, K/V, head, token)
+// vector is read once, its max |x| reduced by shuffles, its scale written by one lane and its
+// bytes by every lane: one pass over the input, no temporary. For head_dim 32 to 256 (a power of
+// two) the kernel is compiled per input and cache format (quantize_kernel_fixed, several vectors a
+// warp); other sizes, and inputs of 2^31 vectors or more, take the generic one-warp-a-vector kernel.
+#include <cuda_fp16.h>
+
 #include <algorithm>
+#include <cstring>
 
 #include "jaxkv/cuda_launch.h"
 #include "jaxkv/quantize.h"
@@ -45,70 +48,115 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_kernel(const QuantAppend
   }
 }
 
-// The specialized kernel: kPer = head_dim / 32 contiguous values per lane, formats fixed.
-template <Format kIn, Format kOut, int kPer>
+// The specialized kernel, per input and cache format and head_dim: kGroup lanes a vector, each
+// reading kPer contiguous values in 16-byte loads (a 128-value bf16 vector: 16 lanes of 8 values,
+// two vectors a warp), so that a lane's share of the index arithmetic, the page lookup and the
+// shuffles is spread over 8 values, and the fp8 conversions go two values an instruction. (One
+// warp a vector, 4 values a lane and a software conversion spent 3-7x the bf16 append's time on
+// instructions: H200, docs/quantization.md.) The values and the row's metadata are loaded before
+// the page lookup; with several tokens a row, only the tokens within the row's count are read.
+template <Format kIn, int kD>
+struct Geometry {
+  static constexpr int kInBytes = kIn == Format::kF32 ? 4 : 2;
+  static constexpr int kPer = 16 / kInBytes > kD / 32 ? 16 / kInBytes : kD / 32;  // values a lane
+  static constexpr int kGroup = kD / kPer;                                        // lanes a vector
+  static constexpr int kWords = kPer * kInBytes / 16;                  // 16-byte loads a lane
+  static constexpr int kPerBlock = kWarps * 32 / kGroup;               // vectors a block
+  static_assert(kD % kPer == 0 && kGroup <= 32 && kWords >= 1 && (kPer == 4 || kPer == 8),
+                "quantize geometry");
+};
+
+template <Format kIn, Format kOut, int kD>
 __global__ void __launch_bounds__(kWarps * 32)
     quantize_kernel_fixed(const QuantAppend p, const VectorDivs divs) {
-  constexpr int kInBytes = kIn == Format::kF32 ? 4 : 2;
-  constexpr int kLaneBytes = kPer * kInBytes;  // up to 32: two 16-byte words
-  constexpr int kWords = kLaneBytes > 16 ? kLaneBytes / 16 : 1;
-  using In = typename Word<kLaneBytes / kWords>::type;
+  using G = Geometry<kIn, kD>;
+  constexpr int kPer = G::kPer, kGroup = G::kGroup, kWords = G::kWords, kPerWarp = 32 / kGroup;
   using Out = typename Word<kPer>::type;
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32, sub = lane % kGroup;
   const uint32_t vectors = static_cast<uint32_t>(p.vectors());
   const uint32_t warps = gridDim.x * kWarps;
-  for (uint32_t i = blockIdx.x * kWarps + threadIdx.x / 32; i < vectors; i += warps) {
-    // Every load that depends on nothing goes first: the values and the row's metadata, in
-    // flight together; only the page-table entry waits (on the length).
-    const VectorIndex at = vector_index(divs, i);
-    const In* src = reinterpret_cast<const In*>(quant_source(p, at)) + lane * kWords;
-    In words[kWords];
+  // Whole warps go round together (every lane takes part in the shuffles); a lane past the end,
+  // or whose vector is not written, computes and writes nothing.
+  for (uint32_t w = blockIdx.x * kWarps + threadIdx.x / 32; w * kPerWarp < vectors; w += warps) {
+    const uint32_t i = w * kPerWarp + lane / kGroup;
+    const bool in = i < vectors;
+    const VectorIndex at = vector_index(divs, in ? i : vectors - 1);
+    const uint4* src = reinterpret_cast<const uint4*>(quant_source(p, at)) + sub * kWords;
+    uint4 words[kWords];
+    auto load = [&](bool live) {
 #pragma unroll
-    for (int w = 0; w < kWords; ++w) words[w] = load_word(src + w);
+      for (int j = 0; j < kWords; ++j) words[j] = live ? load_word(src + j) : uint4{};
+    };
+    if (p.tokens == 1) load(in);  // a decode step: in flight beside the metadata
     const RowFacts row{__ldg(p.layer), __ldg(p.lengths + at.b),
                        p.counts ? __ldg(p.counts + at.b) : p.tokens,
                        p.active ? __ldg(p.active) : p.batch};
+    if (p.tokens != 1) load(in && at.t < row.count);  // ragged rows: the padding is not read
     QuantTarget t;
-    if (!quant_target(p, at, row, &t)) continue;
+    const bool ok = in && quant_target(p, at, row, &t);
     float x[kPer];
-    float amax = 0.f;
+    const uint32_t* u = reinterpret_cast<const uint32_t*>(words);
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      x[j] = load_float(reinterpret_cast<const char*>(words), j, kIn);
-      amax = fmaxf(amax, fabsf(x[j]));
+    for (int j = 0; j < kPer; j += 2) {
+      if (kIn == Format::kF32) {
+        x[j] = __uint_as_float(u[j]);
+        x[j + 1] = __uint_as_float(u[j + 1]);
+      } else if (kIn == Format::kBF16) {
+        x[j] = __uint_as_float(u[j / 2] << 16);
+        x[j + 1] = __uint_as_float(u[j / 2] & 0xffff0000u);
+      } else {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(u + j / 2));
+        x[j] = f.x;
+        x[j + 1] = f.y;
+      }
     }
-    float s = t.given;
-    if (t.scale) {
+    float s = ok ? t.given : 0.f;
+    if (!p.tensor_k_scale) {  // per token and head (the same for every lane)
+      float amax = 0.f;
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      for (int j = 0; j < kPer; ++j) amax = fmaxf(amax, fabsf(x[j]));
+#pragma unroll
+      for (int off = kGroup / 2; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
       s = amax / format_max(kOut);
-      if (lane == 0) *t.scale = s;
+      if (ok && sub == 0) *t.scale = s;
+    }
+    if (!ok) continue;
+    uint32_t packed[kPer / 4];
+#pragma unroll
+    for (int j = 0; j < kPer; j += 2) {
+      const uint32_t pair = encode_pair(s > 0.f ? x[j] / s : 0.f, s > 0.f ? x[j + 1] / s : 0.f, kOut);
+      packed[j / 4] = j % 4 ? packed[j / 4] | (pair << 16) : pair;
     }
     Out out;
-    uint8_t* bytes = reinterpret_cast<uint8_t*>(&out);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) bytes[j] = quantize_value(x[j], s, kOut);
-    reinterpret_cast<Out*>(t.dst)[lane] = out;
+    memcpy(&out, packed, sizeof(out));
+    reinterpret_cast<Out*>(t.dst)[sub] = out;
   }
 }
 
+template <Format kIn, Format kOut, int kD>
+void launch_kernel(cudaStream_t stream, const QuantAppend& p, const VectorDivs& d) {
+  const int64_t per_block = Geometry<kIn, kD>::kPerBlock;
+  const int64_t blocks = std::min<int64_t>((p.vectors() + per_block - 1) / per_block, 1 << 20);
+  quantize_kernel_fixed<kIn, kOut, kD><<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p, d);
+}
+
 template <Format kIn, Format kOut>
-bool launch_fixed(cudaStream_t stream, const QuantAppend& p, unsigned grid, const VectorDivs& d) {
+bool launch_fixed(cudaStream_t stream, const QuantAppend& p, const VectorDivs& d) {
   switch (p.head_dim) {
-    case 32: quantize_kernel_fixed<kIn, kOut, 1><<<grid, kWarps * 32, 0, stream>>>(p, d); return true;
-    case 64: quantize_kernel_fixed<kIn, kOut, 2><<<grid, kWarps * 32, 0, stream>>>(p, d); return true;
-    case 128: quantize_kernel_fixed<kIn, kOut, 4><<<grid, kWarps * 32, 0, stream>>>(p, d); return true;
-    case 256: quantize_kernel_fixed<kIn, kOut, 8><<<grid, kWarps * 32, 0, stream>>>(p, d); return true;
+    case 32: launch_kernel<kIn, kOut, 32>(stream, p, d); return true;
+    case 64: launch_kernel<kIn, kOut, 64>(stream, p, d); return true;
+    case 128: launch_kernel<kIn, kOut, 128>(stream, p, d); return true;
+    case 256: launch_kernel<kIn, kOut, 256>(stream, p, d); return true;
     default: return false;
   }
 }
 
 template <Format kIn>
-bool launch_in(cudaStream_t stream, const QuantAppend& p, unsigned grid, const VectorDivs& d) {
+bool launch_in(cudaStream_t stream, const QuantAppend& p, const VectorDivs& d) {
   switch (p.format) {
-    case Format::kE4M3: return launch_fixed<kIn, Format::kE4M3>(stream, p, grid, d);
-    case Format::kE5M2: return launch_fixed<kIn, Format::kE5M2>(stream, p, grid, d);
-    default: return launch_fixed<kIn, Format::kS8>(stream, p, grid, d);
+    case Format::kE4M3: return launch_fixed<kIn, Format::kE4M3>(stream, p, d);
+    case Format::kE5M2: return launch_fixed<kIn, Format::kE5M2>(stream, p, d);
+    default: return launch_fixed<kIn, Format::kS8>(stream, p, d);
   }
 }
 
@@ -122,9 +170,9 @@ ffi::Error launch(cudaStream_t stream, const QuantAppend& p, const char* op) {
                        FastDiv(static_cast<uint32_t>(p.batch))};
     bool done = false;
     switch (p.input) {
-      case Format::kF32: done = launch_in<Format::kF32>(stream, p, grid, d); break;
-      case Format::kBF16: done = launch_in<Format::kBF16>(stream, p, grid, d); break;
-      default: done = launch_in<Format::kF16>(stream, p, grid, d); break;
+      case Format::kF32: done = launch_in<Format::kF32>(stream, p, d); break;
+      case Format::kBF16: done = launch_in<Format::kBF16>(stream, p, d); break;
+      default: done = launch_in<Format::kF16>(stream, p, d); break;
     }
     if (done) return cuda_status(op);
   }

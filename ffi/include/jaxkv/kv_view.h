@@ -26,11 +26,17 @@ struct KVView {
   const int32_t* page_table;  // [batch, max_pages], or null (dense)
   int64_t layer_stride, head_stride, page_stride, token_stride;  // bytes
   int32_t num_layers, heads, num_pages, page_size, max_pages, capacity;
+  FastDiv page_div;  // by page_size: a multiply-high, where a division is ~20 instructions
 
+  // Position pos in [0, capacity) as (page-table column, slot in that page).
+  JAXKV_HD int32_t column(int32_t pos) const {
+    return static_cast<int32_t>(page_div.div(static_cast<uint32_t>(pos)));
+  }
+  JAXKV_HD int32_t slot(int32_t pos) const { return pos - column(pos) * page_size; }
   // The page-table entry of token pos of row (dense: the row itself), unchecked; pos in
   // [0, capacity). Kernels load it a stage ahead and check it with holds() when they use it.
   JAXKV_HD int32_t entry(int32_t row, int32_t pos) const {
-    return page_table ? page_table[int64_t{row} * max_pages + pos / page_size] : row;
+    return page_table ? page_table[int64_t{row} * max_pages + column(pos)] : row;
   }
   JAXKV_HD bool holds(int32_t page) const { return page >= 0 && page < num_pages; }
   // The page holding token pos of row, or -1: no page of this pool does.
@@ -41,7 +47,11 @@ struct KVView {
   }
   // Byte offset (from k or v) of token pos of (layer, head) on a page from page().
   JAXKV_HD int64_t at(int64_t layer, int32_t page, int32_t head, int32_t pos) const {
-    return layer * layer_stride + head * head_stride + page * page_stride + (pos % page_size) * token_stride;
+    return at_slot(layer, page, head, slot(pos));
+  }
+  // The same from the token's slot in its page.
+  JAXKV_HD int64_t at_slot(int64_t layer, int32_t page, int32_t head, int32_t slot) const {
+    return layer * layer_stride + head * head_stride + page * page_stride + int64_t{slot} * token_stride;
   }
   // The float at byte offset `off` of K (or V): a scale.
   JAXKV_HD float k_float(int64_t off) const { return *reinterpret_cast<const float*>(k + off); }
@@ -122,6 +132,7 @@ inline ffi::ErrorOr<KVView> make_kv_view(const char* op, int32_t layout, bool sc
   } else {
     return bad("unknown layout " + std::to_string(layout));
   }
+  c.page_div = FastDiv(static_cast<uint32_t>(c.page_size));
   return c;
 }
 

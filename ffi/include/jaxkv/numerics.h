@@ -135,4 +135,22 @@ JAXKV_HD uint8_t encode(float v, Format f) {
   }
 }
 
+// encode() of two values, lo in the low byte. On sm_89 and later the fp8 formats take one
+// cvt.rn.satfinite instruction per pair (round to nearest even, saturating: the same bits as
+// clipping first, since the clip bound is the format's largest finite value); a NaN keeps
+// encode()'s code and sign.
+JAXKV_HD uint16_t encode_pair(float lo, float hi, Format f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if ((f == Format::kE4M3 || f == Format::kE5M2) && lo == lo && hi == hi) {
+    uint16_t r;
+    if (f == Format::kE4M3)
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    else
+      asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+#endif
+  return static_cast<uint16_t>(encode(lo, f) | (encode(hi, f) << 8));
+}
+
 }  // namespace jaxkv

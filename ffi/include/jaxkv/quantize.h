@@ -114,13 +114,14 @@ JAXKV_HD bool quant_target(const QuantAppend& p, const VectorIndex& at, const Ro
   if (pos >= p.cache.capacity) return false;
   const int32_t page = p.cache.page(at.b, static_cast<int32_t>(pos));
   if (page < 0) return false;
+  const int32_t slot = p.cache.slot(static_cast<int32_t>(pos));
   t->src = quant_source(p, at);
-  t->dst = (at.is_v ? p.cache.v : p.cache.k) + p.cache.at(layer, page, at.h, static_cast<int32_t>(pos));
+  t->dst = (at.is_v ? p.cache.v : p.cache.k) + p.cache.at_slot(layer, page, at.h, slot);
   if (p.tensor_k_scale) {
     t->scale = nullptr;
     t->given = (at.is_v ? p.tensor_v_scale : p.tensor_k_scale)[layer];
   } else {
-    const int64_t s = p.scales.at(layer, page, at.h, static_cast<int32_t>(pos));
+    const int64_t s = p.scales.at_slot(layer, page, at.h, slot);
     t->scale = reinterpret_cast<float*>((at.is_v ? p.scales.v : p.scales.k) + s);
   }
   return true;
