@@ -49,22 +49,39 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_kernel(const QuantAppend
 }
 
 // The specialized kernel, per input and cache format and head_dim: kGroup lanes a vector, each
-// reading kPer contiguous values in 16-byte loads (a 128-value bf16 vector: 16 lanes of 8 values,
-// two vectors a warp), so that a lane's share of the index arithmetic, the page lookup and the
-// shuffles is spread over 8 values, and the fp8 conversions go two values an instruction. (One
-// warp a vector, 4 values a lane and a software conversion spent 3-7x the bf16 append's time on
+// reading kPer contiguous values in two 16-byte loads (a 128-value bf16 vector: 8 lanes of 16
+// values, four vectors a warp), so that a lane's share of the index arithmetic, the page lookup
+// and the shuffles is spread over 16 values. The fp8 conversions go two values an instruction, and
+// x / s is one multiply and two FMAs a value (quotient()). (One warp a vector, 4 values a lane, a
+// division and a software conversion a value spent 3-7x the bf16 append's time issuing
 // instructions: H200, docs/quantization.md.) The values and the row's metadata are loaded before
 // the page lookup; with several tokens a row, only the tokens within the row's count are read.
 template <Format kIn, int kD>
 struct Geometry {
   static constexpr int kInBytes = kIn == Format::kF32 ? 4 : 2;
-  static constexpr int kPer = 16 / kInBytes > kD / 32 ? 16 / kInBytes : kD / 32;  // values a lane
-  static constexpr int kGroup = kD / kPer;                                        // lanes a vector
-  static constexpr int kWords = kPer * kInBytes / 16;                  // 16-byte loads a lane
-  static constexpr int kPerBlock = kWarps * 32 / kGroup;               // vectors a block
-  static_assert(kD % kPer == 0 && kGroup <= 32 && kWords >= 1 && (kPer == 4 || kPer == 8),
+  static constexpr int kPer = 32 / kInBytes < kD ? 32 / kInBytes : kD;  // values a lane
+  static constexpr int kGroup = kD / kPer;                              // lanes a vector
+  static constexpr int kWords = kPer * kInBytes / 16;                   // 16-byte loads a lane
+  static constexpr int kPerBlock = kWarps * 32 / kGroup;                // vectors a block
+  static_assert(kD % kPer == 0 && kGroup <= 32 && kWords >= 1 && kPer % 4 == 0 && kPer <= 16,
                 "quantize geometry");
 };
+
+// x / s rounded to nearest even, from r, s's reciprocal refined as div.rn.f32 refines it (one
+// Newton step from the hardware's approximation): the quotient and one correction by the exact
+// residual, which is the compiler's own fast path of the division, without its per-value range
+// check (FCHK) and branch. That check can only fail for quotients below 2^-62 here (the caller
+// takes this path for s in [2^-64, 2^64] only, |x| <= 448 s), which every format stores as a
+// signed zero; copysign keeps the zero's sign (-0 / s is -0, where the residual would give +0).
+__device__ __forceinline__ float reciprocal(float s) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
+  return __fmaf_rn(r, __fmaf_rn(r, -s, 1.f), r);
+}
+__device__ __forceinline__ float quotient(float x, float s, float r) {
+  const float q = __fmul_rn(x, r);
+  return copysignf(__fmaf_rn(r, __fmaf_rn(q, -s, x), q), x);
+}
 
 template <Format kIn, Format kOut, int kD>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -121,10 +138,20 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (ok && sub == 0) *t.scale = s;
     }
     if (!ok) continue;
+    // The stored value x / s (quantize_value): by the reciprocal for every scale of ordinary data,
+    // else (a zero, huge, tiny or non-finite scale) by the division itself.
+    if (s >= 0x1p-64f && s <= 0x1p64f) {
+      const float r = reciprocal(s);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) x[j] = quotient(x[j], s, r);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) x[j] = s > 0.f ? x[j] / s : 0.f;
+    }
     uint32_t packed[kPer / 4];
 #pragma unroll
     for (int j = 0; j < kPer; j += 2) {
-      const uint32_t pair = encode_pair(s > 0.f ? x[j] / s : 0.f, s > 0.f ? x[j + 1] / s : 0.f, kOut);
+      const uint32_t pair = encode_pair(x[j], x[j + 1], kOut);
       packed[j / 4] = j % 4 ? packed[j / 4] | (pair << 16) : pair;
     }
     Out out;
