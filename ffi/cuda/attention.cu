@@ -2,9 +2,9 @@
 //
 // Block (query row r = (b, t), KV head group, split) attends the keys [split * keys_per_split, ...)
 // of its row that are live (below AttentionProblem::keys). Three kernels share that grid and the
-// workspace: attention_tc_kernel below (tensor cores) for bf16 / f16 caches with head dims 64 and
-// 128; attention_tc8_kernel (tensor cores, f16 MMAs) for 8-bit caches (fp8 e4m3 / e5m2, int8)
-// under a bf16 / f16 q with those head dims; attention_kernel (CUDA cores) for the rest (f32,
+// workspace: attention_tc_kernel below (tensor cores) for bf16 / f16 caches with head dims 64, 128
+// and 256; attention_tc8_kernel (tensor cores, f16 MMAs) for 8-bit caches (fp8 e4m3 / e5m2, int8)
+// under a bf16 / f16 q with head dims 64 and 128; attention_kernel (CUDA cores) for the rest (f32,
 // other head dims). Both kernels that read 8-bit caches apply their per-token scales: the key's
 // to its score, the value's to its weight. attention_kernel takes up to kMaxHeads q heads of one
 // KV head (the GQA group shares every K/V load). A warp takes kTokensPerWarp tokens at a time,
@@ -325,29 +325,32 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// --- split-KV on tensor cores (bf16 / f16 caches read by the same-dtype q, head_dim 64 / 128) ----
+// --- split-KV on tensor cores (bf16 / f16 caches read by the same-dtype q, head dims 64-256) ------
 //
-// The same blocks and splits as attention_kernel, with the math on mma.sync m16n8k16: the GQA
-// group's q heads are the 16 rows of A (rows past the group are zeros), so one MMA scores 8 tokens
-// for every head of the group. A stage is kTcTokens tokens of K and V, streamed with cp.async into
-// a ring of kTcStages tiles (rows of D elements, 16-byte chunks XOR-swizzled by row so that
-// ldmatrix is conflict-free); kTcLanes threads copy a token and the warps read each other's
-// tokens, so the ring needs a block barrier per stage. Warp w takes tokens [16w, 16w + 16) of each stage: S = Q K^T (two 16x8 tiles),
-// the online softmax on the fragments (rows are heads: four lanes share a row), then O += P V with
-// P taken straight from the S fragments (FlashAttention-2's register layout). The CUDA-core
-// kernel spent most of its time issuing per-token FMAs and shuffles (56% of copy bandwidth on the
-// H200); here the math is ~10x fewer instructions and the ring keeps the loads in flight.
-constexpr int kTcHeads = 16;
-constexpr int kTcTokens = 64;  // per stage: 16 per warp
-// Two stages (one in flight while one is read) and three blocks per multiprocessor (<= 168
-// registers, 64 KiB of ring each): measured on the H200 against 3 stages x 2 blocks (326 vs 310 us
-// on the paged case), 3 x 3 (327), 4 x 2 (577: one block per SM), and against 2x / 4x more splits
-// (330 / 399 us: shorter pipelines per block).
+// The same blocks and splits as attention_kernel, with the math on mma.sync m16n8k16, the keys as
+// the MMA's 16 rows and up to kTcN = 8 q heads of the GQA group as its 8 columns: S^T = K Q^T
+// (A: a K tile read by ldmatrix, B: Q's fragments in registers), then O^T += V^T P^T (A: the V
+// tile read transposed, B: P^T, the S^T fragments moved across the warp by movmatrix). A group of
+// 8 or fewer heads fills the MMA (with the heads as the 16 rows it filled a quarter of them at a
+// group of 4), so the MMAs and O's registers are half those of the heads-as-rows kernel
+// (docs/perf-notes.md item 20). A stage is 16 tokens for each slice of kSplitD warps, streamed with
+// cp.async into a ring of kTcStages tiles (rows of D elements, 16-byte chunks XOR-swizzled by row
+// so that ldmatrix is conflict-free); kTcLanes threads copy a token and the warps read each
+// other's tokens, so the ring needs a block barrier per stage. At head_dim 256 two warps share a
+// slice (kSplitD 2): both score its 16 tokens, each accumulates half of O, so a warp holds at
+// most 32 of O's floats and a stage is 32 tokens (32 KiB: three blocks per multiprocessor).
+constexpr int kTcN = 8;
+// Two stages (one in flight while one is read) and three blocks per multiprocessor: measured on
+// the H200 for the heads-as-rows kernel against 3 stages x 2 blocks (326 vs 310 us on the paged
+// case), 3 x 3 (327), 4 x 2 (577: one block per SM), and against 2x / 4x more splits (330 / 399
+// us: shorter pipelines per block).
 constexpr int kTcStages = 2;
 constexpr int kTcMinBlocks = 3;
 // Threads that copy one token's K and V (kTcLanes 16-byte chunks a copy instruction), measured on
 // the H200 (docs/perf-notes.md item 17): 8 against 16, 4 and 2.
 constexpr int kTcLanes = 8;
+// The 8-bit kernel below: 64-token stages, 16 tokens a warp.
+constexpr int kTcTokens = 64;
 
 template <class T>
 __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
@@ -377,6 +380,13 @@ template <bool kTrans>
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* p) {
   ldmatrix_x4<kTrans>(r, static_cast<unsigned>(__cvta_generic_to_shared(p)));
 }
+// The 8x8 matrix of 16-bit values whose row lane / 4 holds elements 2 (lane % 4), + 1 (an MMA
+// accumulator's layout, packed), transposed across the warp.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
 // A pair of T in one register (the first in the low half) as two floats, and back.
 template <class T>
 __device__ __forceinline__ float2 unpack2(uint32_t w) {
@@ -398,34 +408,32 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {  // one cvt for 
   return w;
 }
 
-template <int kD, class T>
+template <int kD, class T, int kTokens>
 struct TcRing {
   static constexpr int kChunks = kD * 2 / 16;                      // 16-byte chunks per token
-  static constexpr size_t kTile = size_t{kTcTokens} * kD * 2;      // bytes of K (or V) per stage
+  static constexpr size_t kTile = size_t{kTokens} * kD * 2;        // bytes of K (or V) per stage
   static constexpr size_t kLive = 2 * kTile * kTcStages;           // byte offset of the live flags
-  static constexpr size_t kRingBytes = kLive + sizeof(int) * kTcTokens * kTcStages;
-  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kTcHeads * (kD + 2);
-  static constexpr size_t kBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
+  static constexpr size_t kRingBytes = kLive + sizeof(int) * kTokens * kTcStages;
   static_assert(kChunks % 8 == 0, "swizzle");
   // Chunk c of token j of K (kind 0) or V (kind 1) in stage `stage`.
   __device__ static unsigned char* chunk(unsigned char* smem, int stage, int kind, int j, int c) {
     return smem + (stage * 2 + kind) * kTile + (static_cast<size_t>(j) * kChunks + (c ^ (j & 7))) * 16;
   }
   __device__ static int* live(unsigned char* smem, int stage) {
-    return reinterpret_cast<int*>(smem + kLive) + stage * kTcTokens;
+    return reinterpret_cast<int*>(smem + kLive) + stage * kTokens;
   }
 };
 
-// The copies of a tensor-core split-KV block into its ring, a stage of kTcTokens tokens at a time:
+// The copies of a tensor-core split-KV block into its ring, a stage of kTokens tokens at a time:
 // kLanes threads take a token, kLanes consecutive 16-byte chunks per instruction (16 kLanes
-// contiguous bytes), kTcTokens * kLanes / kThreads tokens a stage each, one table entry and one
+// contiguous bytes), kTokens * kLanes / kThreads tokens a stage each, one table entry and one
 // address per token; the entries are loaded a stage ahead. kLanes is a tuning knob
 // (docs/perf-notes.md item 17): fewer lanes per token, fewer lookups, shorter contiguous runs.
-template <int kLanes, int kChunks>
+template <int kLanes, int kChunks, int kTokens>
 struct TcCopy {
-  static constexpr int kPerPass = kThreads / kLanes;    // tokens per pass
-  static constexpr int kPasses = kTcTokens / kPerPass;  // tokens per thread and stage
-  static_assert(kTcTokens % kPerPass == 0 && kChunks % kLanes == 0, "copy geometry");
+  static constexpr int kPerPass = kThreads / kLanes;  // tokens per pass
+  static constexpr int kPasses = kTokens / kPerPass;  // tokens per thread and stage
+  static_assert(kTokens % kPerPass == 0 && kChunks % kLanes == 0, "copy geometry");
   const int32_t* table;  // the row's page-table row; null: a dense cache (the row is the page)
   int32_t b, k0, k1, iters;
   int c0, jt0;           // this thread's chunk in a token, and its token in a pass
@@ -439,7 +447,7 @@ struct TcCopy {
   __device__ void fetch(const KVView& kv, int i) {
 #pragma unroll
     for (int x = 0; x < kPasses; ++x) {
-      const int32_t j = k0 + i * kTcTokens + x * kPerPass + jt0;
+      const int32_t j = k0 + i * kTokens + x * kPerPass + jt0;
       raw[x] = i < iters && j < k1 ? (table ? table[kv.column(j)] : b) : -1;
     }
   }
@@ -450,7 +458,7 @@ struct TcCopy {
 #pragma unroll
     for (int x = 0; x < kPasses; ++x) {
       const int jt = x * kPerPass + jt0;
-      const int32_t j = k0 + i * kTcTokens + jt;
+      const int32_t j = k0 + i * kTokens + jt;
       f(jt, kv.holds(raw[x]), raw[x], kv.slot(j));
     }
   }
@@ -467,53 +475,27 @@ struct TcCopy {
   }
 };
 
-// The end of a tensor-core split-KV block, after its ring is drained: each warp's O (rows g, g + 8
-// of its fragments), max and partial sums merged through shared memory, then the output (one
-// split) or the workspace (several). Fragment column n of tile nt is element d = nt * 8 + n of
-// the head, or with kPermuted (attention_tc8_kernel's V layout) d = n * kD / 8 + nt.
-template <int kD, bool kPermuted, class OT>
-__device__ __forceinline__ void tc_finish(unsigned char* smem, const float (&o)[kD / 8][4], float m0,
-                                          float m1, float l0, float l1, const AttentionProblem& p,
-                                          int b, int t, int h0, int nh, int split, int splits,
-                                          float* work) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, tq = lane % 4;
-  // Row sums over the four lanes of a row; then each warp's rows of the block's heads to smem.
-#pragma unroll
-  for (int x = 1; x < 4; x *= 2) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
-  }
-  float* sm_acc = reinterpret_cast<float*>(smem);           // [kWarps][kTcHeads][kD]
-  float* sm_m = sm_acc + kWarps * kTcHeads * kD;             // [kWarps][kTcHeads]
-  float* sm_l = sm_m + kWarps * kTcHeads;
-#pragma unroll
-  for (int nt = 0; nt < kD / 8; ++nt) {
-    const int c = nt * 8 + 2 * tq;  // fragment order: the permuted columns are mapped back below
-    float* r0 = sm_acc + (warp * kTcHeads + g) * kD + c;
-    float* r1 = sm_acc + (warp * kTcHeads + g + 8) * kD + c;
-    r0[0] = o[nt][0], r0[1] = o[nt][1], r1[0] = o[nt][2], r1[1] = o[nt][3];
-  }
-  if (tq == 0) {
-    sm_m[warp * kTcHeads + g] = m0, sm_l[warp * kTcHeads + g] = l0;
-    sm_m[warp * kTcHeads + g + 8] = m1, sm_l[warp * kTcHeads + g + 8] = l1;
-  }
-  __syncthreads();
+// The merge of a tensor-core split-KV block's partial results, in shared memory: for q head h
+// (of nh) and element d, slot w's O at sm_acc[(w * kRows + h) * kD + d] under its max
+// sm_m[w * kRows + h] and sum sm_l[...]; slots past a head's live keys hold max -inf. Writes the
+// output (one split) or the workspace (several).
+template <int kD, int kSlots, int kRows, class OT>
+__device__ __forceinline__ void tc_merge(const float* sm_acc, const float* sm_m, const float* sm_l,
+                                         const AttentionProblem& p, int b, int t, int h0, int nh,
+                                         int split, int splits, float* work) {
   OT* out = reinterpret_cast<OT*>(p.out);
   for (int x = threadIdx.x; x < nh * kD; x += kThreads) {
-    // Column c of sm_acc holds element d of the head (kPermuted: column c % 8 of tile c / 8).
-    const int h = x / kD, c = x % kD;
-    const int d = kPermuted ? (c % 8) * (kD / 8) + c / 8 : c;
+    const int h = x / kD, d = x % kD;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w * kTcHeads + h]);
+    for (int w = 0; w < kSlots; ++w) mx = fmaxf(mx, sm_m[w * kRows + h]);
     float a = 0.f, sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float mw = sm_m[w * kTcHeads + h];
+    for (int w = 0; w < kSlots; ++w) {
+      const float mw = sm_m[w * kRows + h];
       const float r = mw == -INFINITY ? 0.f : exp2f(mw - mx);
-      a += sm_acc[(w * kTcHeads + h) * kD + c] * r;
-      sum += sm_l[w * kTcHeads + h] * r;
+      a += sm_acc[(w * kRows + h) * kD + d] * r;
+      sum += sm_l[w * kRows + h] * r;
     }
     if (splits == 1) {
       Elem<OT>::store1(out + p.q_index(b, t, h0 + h) + d, sum > 0.f ? a / sum * *p.v_scale : 0.f);
@@ -525,15 +507,31 @@ __device__ __forceinline__ void tc_finish(unsigned char* smem, const float (&o)[
   }
 }
 
-template <int kD, class T, int kLanes>
+template <int kD, int kSplitD>
+struct TcShape {
+  static constexpr int kTokens = 16 * kWarps / kSplitD;  // a stage: 16 tokens a slice of warps
+  static constexpr int kSlices = kWarps / kSplitD;
+  static constexpr int kDW = kD / kSplitD;               // O's columns a warp accumulates
+  template <class T>
+  using Ring = TcRing<kD, T, kTokens>;
+  static constexpr size_t kMergeBytes = sizeof(float) * kSlices * kTcN * (kD + 2);
+  template <class T>
+  static constexpr size_t bytes() {
+    return Ring<T>::kRingBytes > kMergeBytes ? Ring<T>::kRingBytes : kMergeBytes;
+  }
+};
+
+template <int kD, class T, int kLanes, int kSplitD>
 __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
     attention_tc_kernel(const AttentionProblem p, int32_t keys_per_split, float* work) {
-  using R = TcRing<kD, T>;
+  using S = TcShape<kD, kSplitD>;
+  using R = typename S::template Ring<T>;
+  constexpr int kTokens = S::kTokens, kDW = S::kDW;
   extern __shared__ __align__(128) unsigned char smem[];
   const int row = blockIdx.x, split = blockIdx.z;
   const int b = row / p.tokens, t = row % p.tokens;
   int h0;
-  const int nh = heads_of<kTcHeads>(p, blockIdx.y, &h0);
+  const int nh = heads_of<kTcN>(p, blockIdx.y, &h0);
   const int kvh = h0 / p.group;
   const int splits = gridDim.z;
   const int32_t n = p.layer_ok() ? p.keys(b, t) : 0;
@@ -548,11 +546,13 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
     return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, tq = lane % 4;  // fragment row (head) and column pair
-  const int iters = (k1 - k0 + kTcTokens - 1) / kTcTokens;
+  const int g = lane / 4, tq = lane % 4;  // fragment row (key, or O's column) and column pair (heads)
+  const int jw = (warp / kSplitD) * 16;   // this warp's tokens in a stage
+  const int dw = (warp % kSplitD) * kDW;  // and its columns of O
+  const int iters = (k1 - k0 + kTokens - 1) / kTokens;
 
   // Copies (TcCopy): the thread's chunks of its tokens, and (lane 0 of a token) its live flag.
-  TcCopy<kLanes, R::kChunks> cp(p, b, k0, k1, iters);
+  TcCopy<kLanes, R::kChunks, kTokens> cp(p, b, k0, k1, iters);
   const int64_t base = *p.layer * p.kv.layer_stride + kvh * p.kv.head_stride + cp.c0 * 16;
   auto issue = [&](int i) {
     if (i < iters) {
@@ -570,124 +570,124 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
 #pragma unroll
   for (int i = 0; i < kTcStages - 1; ++i) issue(i);
 
-  // Q as A fragments, pre-scaled (rows past the block's heads are zeros): lane (g, tq) needs the
-  // pairs d = 8 c + 2 tq, + 1 of rows g and g + 8, one 4-byte load each from the rows' pointers
-  // (an index computation and a 2-byte load per element were a quarter of a block's work).
-  uint32_t qa[kD / 16][4];
+  // Q as B fragments, pre-scaled (heads past the block's are zeros): lane (g, tq) holds head g's
+  // pairs d = 16 ks + 2 tq and d + 8, one 4-byte load each.
+  uint32_t qb[kD / 16][2];
   {
     const float qscale = p.scale * kLog2e * *p.k_scale;
     const T* qp = reinterpret_cast<const T*>(p.q);
-    const uint32_t* r0 = reinterpret_cast<const uint32_t*>(qp + p.q_index(b, t, h0 + min(g, nh - 1)));
-    const uint32_t* r1 = reinterpret_cast<const uint32_t*>(qp + p.q_index(b, t, h0 + min(g + 8, nh - 1)));
-    const bool live0 = g < nh, live1 = g + 8 < nh;
-    auto pair = [&](const uint32_t* r, bool live, int d) -> uint32_t {
+    const uint32_t* r = reinterpret_cast<const uint32_t*>(qp + p.q_index(b, t, h0 + min(g, nh - 1)));
+    const bool live = g < nh;
+    auto pair = [&](int d) -> uint32_t {
       if (!live) return 0u;
       const float2 f = unpack2<T>(__ldg(r + d / 2));
       return pack2<T>(f.x * qscale, f.y * qscale);
     };
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
-      const int d = ks * 16 + 2 * tq;
-      qa[ks][0] = pair(r0, live0, d);
-      qa[ks][1] = pair(r1, live1, d);
-      qa[ks][2] = pair(r0, live0, d + 8);
-      qa[ks][3] = pair(r1, live1, d + 8);
+      qb[ks][0] = pair(ks * 16 + 2 * tq);
+      qb[ks][1] = pair(ks * 16 + 8 + 2 * tq);
     }
   }
-  float o[kD / 8][4];
+  // O^T: rows d = dw + 16 mt + g (+ 8), columns heads 2 tq, 2 tq + 1.
+  float o[kDW / 16][4];
 #pragma unroll
-  for (int nt = 0; nt < kD / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 (l: this lane's part)
+  for (int mt = 0; mt < kDW / 16; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+  // Heads 2 tq and 2 tq + 1: running max (the same in the 8 lanes of a tq) and this lane's sums.
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
-  const int jw = warp * 16;  // this warp's tokens in a stage
   for (int i = 0; i < iters; ++i) {
     copy_wait<kTcStages - 2>();
     __syncthreads();  // stage i landed for every thread; every warp is done with stage i - 1
     issue(i + kTcStages - 1);
     const int st = i % kTcStages;
 
-    // S = Q K^T: two tiles of 8 tokens.
-    float sc[2][4] = {};
+    // S^T = K Q^T over the warp's 16 tokens: sc[0, 1] token g, sc[2, 3] token g + 8.
+    float sc[4] = {};
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int cg = 0; cg < kD / 32; ++cg) {
-        uint32_t kb[4];
-        ldmatrix_x4<false>(kb, R::chunk(smem, st, 0, jw + nt * 8 + lane % 8, cg * 4 + lane / 8));
-        mma_16816<T>(sc[nt], qa[2 * cg], kb[0], kb[1]);
-        mma_16816<T>(sc[nt], qa[2 * cg + 1], kb[2], kb[3]);
-      }
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      uint32_t ka[4];
+      ldmatrix_x4<false>(ka, R::chunk(smem, st, 0, jw + lane % 8 + ((lane / 8) % 2) * 8, 2 * ks + lane / 16));
+      mma_16816<T>(sc, ka, qb[ks][0], qb[ks][1]);
     }
-    // Online softmax of rows g, g + 8 over the warp's 16 tokens (columns 2 tq, 2 tq + 1 of each tile).
     const int* live = R::live(smem, st);
-    float mx0 = m0, mx1 = m1;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int jt = jw + nt * 8 + 2 * tq + e;
-        const bool ok = live[jt] && k0 + i * kTcTokens + jt < k1;
-        sc[nt][e] = ok ? sc[nt][e] : -INFINITY;
-        sc[nt][2 + e] = ok ? sc[nt][2 + e] : -INFINITY;
-        mx0 = fmaxf(mx0, sc[nt][e]);
-        mx1 = fmaxf(mx1, sc[nt][2 + e]);
-      }
+    for (int e = 0; e < 2; ++e) {
+      const int jt = jw + g + 8 * e;
+      if (!(live[jt] && k0 + i * kTokens + jt < k1)) sc[2 * e] = sc[2 * e + 1] = -INFINITY;
     }
+    // Online softmax per head: the max over the 8 lanes g of each tq.
+    float mx0 = fmaxf(m0, fmaxf(sc[0], sc[2])), mx1 = fmaxf(m1, fmaxf(sc[1], sc[3]));
 #pragma unroll
-    for (int x = 1; x < 4; x *= 2) {
+    for (int x = 4; x < 32; x *= 2) {
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
     }
     const float a0 = mx0 == -INFINITY ? 1.f : exp2f(m0 - mx0);
     const float a1 = mx1 == -INFINITY ? 1.f : exp2f(m1 - mx1);
     m0 = mx0, m1 = mx1;
-    uint32_t pa[4];  // P as the A fragment of P V: tokens 0-7 then 8-15
-    float sum0 = 0.f, sum1 = 0.f;
+    float pr[4];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      float pr[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float mx = e < 2 ? mx0 : mx1;
-        // the weight as P V sees it: rounded to T
-        pr[e] = mx == -INFINITY ? 0.f : static_cast<float>(static_cast<T>(exp2f(sc[nt][e] - mx)));
-      }
-      sum0 += pr[0] + pr[1];
-      sum1 += pr[2] + pr[3];
-      pa[2 * nt] = pack2<T>(pr[0], pr[1]);
-      pa[2 * nt + 1] = pack2<T>(pr[2], pr[3]);
+    for (int e = 0; e < 4; ++e) {
+      const float mx = e % 2 ? mx1 : mx0;
+      // the weight as P V sees it: rounded to T
+      pr[e] = mx == -INFINITY ? 0.f : static_cast<float>(static_cast<T>(exp2f(sc[e] - mx)));
     }
-    l0 = l0 * a0 + sum0;
-    l1 = l1 * a1 + sum1;
-    // A's registers: {row g, k 0-7}, {row g + 8, k 0-7}, {row g, k 8-15}, {row g + 8, k 8-15}.
-    const uint32_t pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
-    // O = O * alpha + P V, V read transposed: two 8-column tiles of O per ldmatrix. The rescale
-    // only where a row's maximum moved in this warp (mostly not, once the maxima settle).
+    l0 = l0 * a0 + pr[0] + pr[2];
+    l1 = l1 * a1 + pr[1] + pr[3];
+    // P^T as B fragments (keys 2 tq, 2 tq + 1 of head g; then keys + 8): the packed S^T tiles
+    // of keys 0-7 and 8-15, transposed.
+    const uint32_t pb0 = movmatrix_trans(pack2<T>(pr[0], pr[1]));
+    const uint32_t pb1 = movmatrix_trans(pack2<T>(pr[2], pr[3]));
+    // O^T = O^T * alpha + V^T P^T, the rescale only where a head's maximum moved in this warp.
     if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
 #pragma unroll
-      for (int nt = 0; nt < kD / 8; ++nt) o[nt][0] *= a0, o[nt][1] *= a0, o[nt][2] *= a1, o[nt][3] *= a1;
+      for (int mt = 0; mt < kDW / 16; ++mt) o[mt][0] *= a0, o[mt][1] *= a1, o[mt][2] *= a0, o[mt][3] *= a1;
     }
 #pragma unroll
-    for (int c = 0; c < kD / 8; c += 2) {
-      uint32_t vb[4];
-      ldmatrix_x4<true>(vb, R::chunk(smem, st, 1, jw + lane % 8 + ((lane / 8) % 2) * 8, c + lane / 16));
-      mma_16816<T>(o[c], pfrag, vb[0], vb[1]);
-      mma_16816<T>(o[c + 1], pfrag, vb[2], vb[3]);
+    for (int mt = 0; mt < kDW / 16; ++mt) {
+      uint32_t va[4];  // V^T's A fragment: keys 0-7 then 8-15 of columns d, d + 8 (16-byte chunks)
+      ldmatrix_x4<true>(va, R::chunk(smem, st, 1, jw + lane % 8 + (lane / 16) * 8, (dw + 16 * mt) / 8 + (lane / 8) % 2));
+      mma_16816<T>(o[mt], va, pb0, pb1);
     }
   }
   copy_wait<0>();
-  __syncthreads();  // the ring's shared memory now holds the warps' partial results
-  tc_finish<kD, false, T>(smem, o, m0, m1, l0, l1, p, b, t, h0, nh, split, splits, work);
+  __syncthreads();  // the ring's shared memory now holds the slices' partial results
+
+  // Each head's sums over the lanes g; then each slice's O^T, max and sums to shared memory.
+#pragma unroll
+  for (int x = 4; x < 32; x *= 2) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+  }
+  constexpr int kSlices = S::kSlices;
+  float* sm_acc = reinterpret_cast<float*>(smem);  // [kSlices][kTcN][kD]
+  float* sm_m = sm_acc + kSlices * kTcN * kD;      // [kSlices][kTcN]
+  float* sm_l = sm_m + kSlices * kTcN;
+  const int slice = warp / kSplitD;
+  float* acc = sm_acc + (slice * kTcN + 2 * tq) * kD + dw + g;
+#pragma unroll
+  for (int mt = 0; mt < kDW / 16; ++mt) {
+    acc[16 * mt] = o[mt][0], acc[kD + 16 * mt] = o[mt][1];
+    acc[16 * mt + 8] = o[mt][2], acc[kD + 16 * mt + 8] = o[mt][3];
+  }
+  if (g == 0 && warp % kSplitD == 0) {
+    sm_m[slice * kTcN + 2 * tq] = m0, sm_l[slice * kTcN + 2 * tq] = l0;
+    sm_m[slice * kTcN + 2 * tq + 1] = m1, sm_l[slice * kTcN + 2 * tq + 1] = l1;
+  }
+  __syncthreads();
+  tc_merge<kD, kSlices, kTcN, T>(sm_acc, sm_m, sm_l, p, b, t, h0, nh, split, splits, work);
 }
 
 // --- split-KV on tensor cores for 8-bit caches (fp8 e4m3 / e5m2, int8; q bf16 or f16) ------------
 //
-// attention_tc_kernel's blocks, cp.async ring and online softmax over K and V tiles of one byte an
-// element (half the bytes per stage), converted to f16 in registers as the MMA fragments are
-// built: e4m3 by cvt, e5m2 by a byte move (its byte is an f16's high byte), int8 by a byte move
-// under the exponent of 1024 and a subtraction. Every e4m3, e5m2 and int8 value is exact in f16,
-// so the MMAs run in f16 whatever q's dtype is. Numerics (float32 softmax and accumulation, as the
-// CUDA-core kernel):
+// attention_tc_kernel's blocks, MMA shape (keys as the 16 rows, up to 8 q heads as the columns),
+// cp.async ring and online softmax over K and V tiles of one byte an element (half the bytes per
+// stage; 64-token stages, 16 tokens a warp), converted to f16 in registers as the MMA fragments
+// are built: e4m3 by cvt, e5m2 by a byte move (its byte is an f16's high byte), int8 by a byte
+// move under the exponent of 1024 and a subtraction. Every e4m3, e5m2 and int8 value is exact in
+// f16, so the MMAs run in f16 whatever q's dtype is. Numerics (float32 softmax and accumulation,
+// as the CUDA-core kernel):
 // - Q: q times a power of two 2^e per block (max |q| in [2^14, 2^15)), rounded to f16: exact for
 //   a bf16 or f16 q (8 or 11 significant bits), except values below 2^-28 of the block's max.
 //   The softmax scale, log2 e, 2^-e and the K scale (per tensor, or the token's) multiply the
@@ -700,12 +700,12 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
 // K and V convert exactly, so the one rounding beyond the CUDA-core kernel's is P's (f16): the
 // tolerances of tests/test_quantized.py (2e-2 against jaxkv.reference over the dequantized
 // values) hold with room, for bf16 and f16 queries alike.
-// Fragments: a lane reads 16-byte words of its tokens' rows and the MMA's k (head_dim for S) and n
-// (head_dim for O) orders are permuted to match. S: lane (g, tq) holds d = tq * kD / 4 + 4 ks +
-// {0, 1} as k = 2 tq + {0, 1} of k-step ks and + {2, 3} as k = 2 tq + {8, 9} (q's A fragment is
-// built in the same order), so K needs no byte shuffle. O: tile nt's column n is d = n * kD / 8 +
-// nt, so lane g reads bytes [g * kD / 8, (g + 1) * kD / 8) of its four tokens (k = 2 tq + {0, 1,
-// 8, 9}) and pairs the tokens' bytes with one byte_perm per two registers.
+// Fragments: a lane reads 16-byte words of its tokens' rows, and the MMAs' head_dim orders are
+// permuted to match. S^T: lane (g, tq) holds d = tq * kD / 4 + 4 ks + {0, 1} as k = 2 tq + {0, 1}
+// of k-step ks and + {2, 3} as k = 2 tq + {8, 9}, for keys g and g + 8 (q's B fragment is built in
+// the same order), so K needs no byte shuffle. O^T: m-tile mt's row g is d = g * kD / 8 + 2 mt and
+// row g + 8 is d + 1, so lane g reads bytes [g * kD / 8, (g + 1) * kD / 8) of its four keys (k =
+// 2 tq + {0, 1, 8, 9}) and pairs the keys' bytes with one byte_perm per two registers.
 
 // Four 8-bit values of a word as two f16 pairs: lo = bytes 0, 1, hi = bytes 2, 3 (the first of a
 // pair in the low half, the fragments' order).
@@ -739,8 +739,8 @@ template <> struct Tc8<S8> {
   }
 };
 
-// Two stages and four blocks per multiprocessor (<= 128 registers: Q's fragments in shared
-// memory, not registers): measured on the H200 in docs/perf-notes.md, item 16.
+// Two stages and four blocks per multiprocessor (<= 128 registers): measured on the H200 for the
+// heads-as-rows kernel in docs/perf-notes.md, item 16.
 constexpr int kTc8Stages = 2;
 constexpr int kTc8MinBlocks = 4;
 // Threads that copy one token (item 17 there): 4 against 2 and 8.
@@ -753,10 +753,8 @@ struct TcRing8 {
   static constexpr size_t kLive = 2 * kTile * kStages;             // live flags [stages][tokens]
   static constexpr size_t kScales = kLive + sizeof(int) * kTcTokens * kStages;  // K, V scales
   static constexpr size_t kRingBytes = kScales + 2 * sizeof(float) * kTcTokens * kStages;
-  static constexpr size_t kQ = kRingBytes;  // Q's A fragments [k-step][lane], past the ring
-  static constexpr size_t kQBytes = kQ + size_t{kD / 16} * 32 * 16;
-  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kTcHeads * (kD + 2);
-  static constexpr size_t kBytes = kQBytes > kMergeBytes ? kQBytes : kMergeBytes;
+  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kTcN * (kD + 2);
+  static constexpr size_t kBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
   static_assert(kD == 64 || kD == 128, "head dims 64, 128");
   // 16-byte slot of chunk c of token j. 128-byte lines are XOR-swizzled so that the fragment
   // reads (K: tokens g = 0..7 x chunks of tq; V: tokens 2 tq + e x chunk g, or its half at D 64)
@@ -785,7 +783,7 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
   const int row = blockIdx.x, split = blockIdx.z;
   const int b = row / p.tokens, t = row % p.tokens;
   int h0;
-  const int nh = heads_of<kTcHeads>(p, blockIdx.y, &h0);
+  const int nh = heads_of<kTcN>(p, blockIdx.y, &h0);
   const int kvh = h0 / p.group;
   const int splits = gridDim.z;
   const int32_t n = p.layer_ok() ? p.keys(b, t) : 0;
@@ -806,7 +804,7 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
   // Copies (TcCopy): the thread's chunks of its tokens; lanes 0 and 1 of a token also its K and V
   // scale, lane 0 its live flag.
   static_assert(kLanes >= 2, "two lanes copy a token's scales");
-  TcCopy<kLanes, R::kChunks> cp(p, b, k0, k1, iters);
+  TcCopy<kLanes, R::kChunks, kTcTokens> cp(p, b, k0, k1, iters);
   const int64_t layer = *p.layer;
   const int64_t base = layer * p.kv.layer_stride + kvh * p.kv.head_stride + cp.c0 * 16;
   const bool token_scales = p.scales.k != nullptr;
@@ -832,47 +830,42 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
 
-  // Q as A fragments in f16, times 2^e (rows past the block's heads are zeros): lane (g, tq) needs
-  // elements [dq, dq + kD / 4) of rows g and g + 8, kD / 32 16-byte words each.
+  // Q as B fragments in f16, times 2^e (heads past the block's are zeros): lane (g, tq) holds
+  // head g's elements [dq, dq + kD / 4) (the order above), kD / 32 16-byte words.
   constexpr int kKs = kD / 16, kQW = kD / 32;
-  const int dq = tq * (kD / 4);  // this lane's head_dim slice (see the order above)
-  float qf[2][kD / 4];
-  float amax = 0.f;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int head = g + 8 * r;
+  const int dq = tq * (kD / 4);  // this lane's head_dim slice
+  float qf[kD / 4];
+  {
     const uint4* src = reinterpret_cast<const uint4*>(
-        reinterpret_cast<const QT*>(p.q) + p.q_index(b, t, h0 + min(head, nh - 1)) + dq);
+        reinterpret_cast<const QT*>(p.q) + p.q_index(b, t, h0 + min(g, nh - 1)) + dq);
 #pragma unroll
     for (int w = 0; w < kQW; ++w) {
-      const uint4 word = head < nh ? load_word(src + w) : make_uint4(0, 0, 0, 0);
-      Elem<QT>::to_float(word, qf[r] + 8 * w);
+      const uint4 word = g < nh ? load_word(src + w) : make_uint4(0, 0, 0, 0);
+      Elem<QT>::to_float(word, qf + 8 * w);
     }
-#pragma unroll
-    for (int d = 0; d < kD / 4; ++d) amax = fmaxf(amax, fabsf(qf[r][d]));
   }
+  float amax = 0.f;
+#pragma unroll
+  for (int d = 0; d < kD / 4; ++d) amax = fmaxf(amax, fabsf(qf[d]));
 #pragma unroll
   for (int x = 1; x < 32; x *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, x));
   const int ex = amax > 0.f && isfinite(amax) ? max(-120, min(120, 14 - ilogbf(amax))) : 0;
   const float qmul = __int_as_float((ex + 127) << 23);  // 2^ex, exactly
-  uint4* qsm = reinterpret_cast<uint4*>(smem + R::kQ);  // read after the loop's first barrier
-  if (warp == 0) {
+  uint32_t qb[kKs][2];
 #pragma unroll
-    for (int ks = 0; ks < kKs; ++ks) {
-      const float* r0 = qf[0] + 4 * ks;
-      const float* r1 = qf[1] + 4 * ks;
-      qsm[ks * 32 + lane] = make_uint4(
-          pack2<__half>(r0[0] * qmul, r0[1] * qmul), pack2<__half>(r1[0] * qmul, r1[1] * qmul),
-          pack2<__half>(r0[2] * qmul, r0[3] * qmul), pack2<__half>(r1[2] * qmul, r1[3] * qmul));
-    }
+  for (int ks = 0; ks < kKs; ++ks) {
+    qb[ks][0] = pack2<__half>(qf[4 * ks] * qmul, qf[4 * ks + 1] * qmul);
+    qb[ks][1] = pack2<__half>(qf[4 * ks + 2] * qmul, qf[4 * ks + 3] * qmul);
   }
   // Scores' float32 factor (a token's K scale on top where scaled per token).
   const float qk = p.scale * kLog2e * *p.k_scale / qmul;
 
-  float o[kD / 8][4];
+  // O^T: m-tile mt's row g is d = g kD / 8 + 2 mt, row g + 8 is d + 1; columns heads 2 tq, + 1.
+  float o[kD / 16][4];
 #pragma unroll
-  for (int nt = 0; nt < kD / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 (l: this lane's part)
+  for (int mt = 0; mt < kD / 16; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+  // Heads 2 tq and 2 tq + 1: running max (the same in the 8 lanes of a tq) and this lane's sums.
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
   float vref = token_scales ? 0x1p-100f : 1.f;  // O's scale: a power of two above every V scale read
 
   const int jw = warp * 16;  // this warp's tokens in a stage
@@ -882,45 +875,38 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
     issue(i + kStages - 1);
     const int st = i % kStages;
 
-    // S = Q K^T: two tiles of 8 tokens; lane (g, tq) reads token g's bytes [tq kD / 4, +kD / 4).
-    float sc[2][4] = {};
+    // S^T = K Q^T: lane (g, tq) reads tokens g and g + 8's bytes [tq kD / 4, +kD / 4).
+    float sc[4] = {};
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+    for (int h = 0; h < kD / 64; ++h) {
+      const uint4 w0 = *reinterpret_cast<const uint4*>(R::chunk(smem, st, 0, jw + g, tq * (kD / 64) + h));
+      const uint4 w1 = *reinterpret_cast<const uint4*>(R::chunk(smem, st, 0, jw + g + 8, tq * (kD / 64) + h));
+      const uint32_t u0[4] = {w0.x, w0.y, w0.z, w0.w}, u1[4] = {w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-      for (int h = 0; h < kD / 64; ++h) {
-        const uint4 w = *reinterpret_cast<const uint4*>(R::chunk(smem, st, 0, jw + nt * 8 + g, tq * (kD / 64) + h));
-        const uint32_t u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          uint32_t b0, b1;
-          Tc8<KT>::to_h2(u[e], b0, b1);
-          const uint4 f = qsm[(4 * h + e) * 32 + lane];
-          const uint32_t a[4] = {f.x, f.y, f.z, f.w};
-          mma_16816<__half>(sc[nt], a, b0, b1);
-        }
+      for (int e = 0; e < 4; ++e) {
+        uint32_t a[4];  // {token g, k 2 tq..}, {token g + 8, ..}, {token g, k 2 tq + 8..}, {g + 8, ..}
+        Tc8<KT>::to_h2(u0[e], a[0], a[2]);
+        Tc8<KT>::to_h2(u1[e], a[1], a[3]);
+        mma_16816<__half>(sc, a, qb[4 * h + e][0], qb[4 * h + e][1]);
       }
     }
-    // Scales of this lane's columns (tokens jw + 8 nt + 2 tq + e), the mask, the running max.
+    // Scales of this lane's tokens (jw + g + 8 e), the mask, the running max per head.
     const int* live = R::live(smem, st);
-    float vs[2][2];
-    float mx0 = m0, mx1 = m1, vmax = 0.f;
+    float vs[2];
+    float vmax = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int jt = jw + nt * 8 + 2 * tq + e;
-        const bool ok = live[jt] && k0 + i * kTcTokens + jt < k1;
-        const float f = token_scales ? qk * R::scales(smem, st, 0)[jt] : qk;
-        vs[nt][e] = !token_scales ? 1.f : ok ? R::scales(smem, st, 1)[jt] : 0.f;
-        vmax = fmaxf(vmax, vs[nt][e]);
-        sc[nt][e] = ok ? sc[nt][e] * f : -INFINITY;
-        sc[nt][2 + e] = ok ? sc[nt][2 + e] * f : -INFINITY;
-        mx0 = fmaxf(mx0, sc[nt][e]);
-        mx1 = fmaxf(mx1, sc[nt][2 + e]);
-      }
+    for (int e = 0; e < 2; ++e) {
+      const int jt = jw + g + 8 * e;
+      const bool ok = live[jt] && k0 + i * kTcTokens + jt < k1;
+      const float f = token_scales ? qk * R::scales(smem, st, 0)[jt] : qk;
+      vs[e] = !token_scales ? 1.f : ok ? R::scales(smem, st, 1)[jt] : 0.f;
+      vmax = fmaxf(vmax, vs[e]);
+      sc[2 * e] = ok ? sc[2 * e] * f : -INFINITY;
+      sc[2 * e + 1] = ok ? sc[2 * e + 1] * f : -INFINITY;
     }
+    float mx0 = fmaxf(m0, fmaxf(sc[0], sc[2])), mx1 = fmaxf(m1, fmaxf(sc[1], sc[3]));
 #pragma unroll
-    for (int x = 1; x < 4; x *= 2) {
+    for (int x = 4; x < 32; x *= 2) {
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
     }
@@ -928,9 +914,9 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
     const float a1 = mx1 == -INFINITY ? 1.f : exp2f(m1 - mx1);
     m0 = mx0, m1 = mx1;
     float rescale = 1.f;  // O's: vref's growth
-    if (token_scales) {  // the warp's tokens: the same for every g
+    if (token_scales) {  // the warp's tokens: the same for every tq
 #pragma unroll
-      for (int x = 1; x < 4; x *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, x));
+      for (int x = 4; x < 32; x *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, x));
       if (vmax > vref) {  // 2^(exponent + 1): above vmax; O's old values rescaled (exactly)
         const float next = __uint_as_float((__float_as_uint(vmax) & 0x7f800000u) + 0x00800000u);
         rescale = vref / next;
@@ -938,30 +924,24 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
       }
     }
     const float inv = 1.f / vref;
-    uint32_t pa[4];  // P (times V's scales) as the A fragment of P V: tokens 0-7 then 8-15
-    float sum0 = 0.f, sum1 = 0.f;
+    float pr[4];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      float pr[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float mx = e < 2 ? mx0 : mx1;
-        pr[e] = mx == -INFINITY ? 0.f : exp2f(sc[nt][e] - mx);
-      }
-      sum0 += pr[0] + pr[1];
-      sum1 += pr[2] + pr[3];
-      const float w0 = vs[nt][0] * inv, w1 = vs[nt][1] * inv;
-      pa[2 * nt] = pack2<__half>(pr[0] * w0, pr[1] * w1);
-      pa[2 * nt + 1] = pack2<__half>(pr[2] * w0, pr[3] * w1);
+    for (int e = 0; e < 4; ++e) {
+      const float mx = e % 2 ? mx1 : mx0;
+      pr[e] = mx == -INFINITY ? 0.f : exp2f(sc[e] - mx);
     }
-    l0 = l0 * a0 + sum0;
-    l1 = l1 * a1 + sum1;
+    l0 = l0 * a0 + pr[0] + pr[2];
+    l1 = l1 * a1 + pr[1] + pr[3];
+    // P^T (times V's scales) as B fragments: the packed S^T tiles of keys 0-7 and 8-15, transposed.
+    const float w0 = vs[0] * inv, w1 = vs[1] * inv;
+    const uint32_t pb0 = movmatrix_trans(pack2<__half>(pr[0] * w0, pr[1] * w0));
+    const uint32_t pb1 = movmatrix_trans(pack2<__half>(pr[2] * w1, pr[3] * w1));
     const float o0 = a0 * rescale, o1 = a1 * rescale;
     if (__any_sync(0xffffffffu, o0 != 1.f || o1 != 1.f)) {  // mostly not, once the maxima settle
 #pragma unroll
-      for (int nt = 0; nt < kD / 8; ++nt) o[nt][0] *= o0, o[nt][1] *= o0, o[nt][2] *= o1, o[nt][3] *= o1;
+      for (int mt = 0; mt < kD / 16; ++mt) o[mt][0] *= o0, o[mt][1] *= o1, o[mt][2] *= o0, o[mt][3] *= o1;
     }
-    // O += P V: lane g's bytes of tokens 2 tq, 2 tq + 1 (b0) and 2 tq + 8, 2 tq + 9 (b1).
+    // O^T += V^T P^T: lane g's bytes of keys 2 tq, 2 tq + 1 (rows r = 0, 1) and 2 tq + 8, + 9.
     constexpr int kW = kD / 32;  // words of kD / 8 bytes
     uint32_t va[4][kW];
 #pragma unroll
@@ -977,20 +957,41 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
     }
 #pragma unroll
     for (int wi = 0; wi < kW; ++wi) {
-      uint32_t b0[4], b1[4];  // tiles 4 wi .. 4 wi + 3
-      Tc8<KT>::to_h2(__byte_perm(va[0][wi], va[1][wi], 0x5140), b0[0], b0[1]);
-      Tc8<KT>::to_h2(__byte_perm(va[0][wi], va[1][wi], 0x7362), b0[2], b0[3]);
-      Tc8<KT>::to_h2(__byte_perm(va[2][wi], va[3][wi], 0x5140), b1[0], b1[1]);
-      Tc8<KT>::to_h2(__byte_perm(va[2][wi], va[3][wi], 0x7362), b1[2], b1[3]);
-#pragma unroll
-      for (int x = 0; x < 4; ++x) mma_16816<__half>(o[4 * wi + x], pa, b0[x], b1[x]);
+      // Bytes 4 wi .. 4 wi + 3 of the run: m-tiles 2 wi (rows g, g + 8: bytes 0, 1) and 2 wi + 1.
+      uint32_t lo[4], hi[4];  // A fragments: keys 0-7 of rows g, g + 8, then keys 8-15
+      Tc8<KT>::to_h2(__byte_perm(va[0][wi], va[1][wi], 0x5140), lo[0], lo[1]);
+      Tc8<KT>::to_h2(__byte_perm(va[2][wi], va[3][wi], 0x5140), lo[2], lo[3]);
+      Tc8<KT>::to_h2(__byte_perm(va[0][wi], va[1][wi], 0x7362), hi[0], hi[1]);
+      Tc8<KT>::to_h2(__byte_perm(va[2][wi], va[3][wi], 0x7362), hi[2], hi[3]);
+      mma_16816<__half>(o[2 * wi], lo, pb0, pb1);
+      mma_16816<__half>(o[2 * wi + 1], hi, pb0, pb1);
     }
   }
-#pragma unroll
-  for (int nt = 0; nt < kD / 8; ++nt) o[nt][0] *= vref, o[nt][1] *= vref, o[nt][2] *= vref, o[nt][3] *= vref;
   copy_wait<0>();
   __syncthreads();  // the ring's shared memory now holds the warps' partial results
-  tc_finish<kD, true, QT>(smem, o, m0, m1, l0, l1, p, b, t, h0, nh, split, splits, work);
+
+  // Each head's sums over the lanes g; then each warp's O^T (times vref), max and sums to shared
+  // memory, in head_dim's own order.
+#pragma unroll
+  for (int x = 4; x < 32; x *= 2) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+  }
+  float* sm_acc = reinterpret_cast<float*>(smem);  // [kWarps][kTcN][kD]
+  float* sm_m = sm_acc + kWarps * kTcN * kD;       // [kWarps][kTcN]
+  float* sm_l = sm_m + kWarps * kTcN;
+  float* acc = sm_acc + (warp * kTcN + 2 * tq) * kD + g * (kD / 8);
+#pragma unroll
+  for (int mt = 0; mt < kD / 16; ++mt) {
+    acc[2 * mt] = o[mt][0] * vref, acc[kD + 2 * mt] = o[mt][1] * vref;
+    acc[2 * mt + 1] = o[mt][2] * vref, acc[kD + 2 * mt + 1] = o[mt][3] * vref;
+  }
+  if (g == 0) {
+    sm_m[warp * kTcN + 2 * tq] = m0, sm_l[warp * kTcN + 2 * tq] = l0;
+    sm_m[warp * kTcN + 2 * tq + 1] = m1, sm_l[warp * kTcN + 2 * tq + 1] = l1;
+  }
+  __syncthreads();
+  tc_merge<kD, kWarps, kTcN, QT>(sm_acc, sm_m, sm_l, p, b, t, h0, nh, split, splits, work);
 }
 
 // Merges the live splits of (row, q head): block (row, head), one thread per element of D.
@@ -1066,19 +1067,21 @@ ffi::Error launch_d(cudaStream_t stream, const AttentionProblem& p, int splits, 
 }
 
 // The tensor-core split-KV kernel for 16-bit caches read by a q of their dtype, head_dim 64 / 128
-// (larger head dims need more registers for O than a block can keep); false: not eligible.
+// / 256; false: not eligible.
 template <class T>
 bool try_split_tc(cudaStream_t stream, const AttentionProblem& p, int splits, float* work, ffi::Error* status) {
   const int32_t per_split = (p.kv.capacity + splits - 1) / splits;
-  const int head_blocks = (p.group + kTcHeads - 1) / kTcHeads;
+  const int head_blocks = (p.group + kTcN - 1) / kTcN;
+  if (int64_t{p.kv.heads} * head_blocks > 65535) return false;
   const dim3 grid(static_cast<unsigned>(int64_t{p.batch} * p.tokens),
                   static_cast<unsigned>(p.kv.heads * head_blocks), static_cast<unsigned>(splits));
   auto launch = [&](auto kernel, size_t bytes) {
     allow_shared_memory(kernel, bytes);
     kernel<<<grid, kThreads, bytes, stream>>>(p, per_split, work);
   };
-  if (p.head_dim == 64) launch(attention_tc_kernel<64, T, kTcLanes>, TcRing<64, T>::kBytes);
-  else if (p.head_dim == 128) launch(attention_tc_kernel<128, T, kTcLanes>, TcRing<128, T>::kBytes);
+  if (p.head_dim == 64) launch(attention_tc_kernel<64, T, kTcLanes, 1>, TcShape<64, 1>::bytes<T>());
+  else if (p.head_dim == 128) launch(attention_tc_kernel<128, T, kTcLanes, 1>, TcShape<128, 1>::bytes<T>());
+  else if (p.head_dim == 256) launch(attention_tc_kernel<256, T, kTcLanes, 2>, TcShape<256, 2>::bytes<T>());
   else return false;
   if (splits > 1) {
     const dim3 cgrid(static_cast<unsigned>(int64_t{p.batch} * p.tokens), static_cast<unsigned>(p.q_heads));
@@ -1093,7 +1096,8 @@ template <class QT, class KT>
 bool try_split_tc8(cudaStream_t stream, const AttentionProblem& p, int splits, float* work, ffi::Error* status) {
   if (p.head_dim != 64 && p.head_dim != 128) return false;
   const int32_t per_split = (p.kv.capacity + splits - 1) / splits;
-  const int head_blocks = (p.group + kTcHeads - 1) / kTcHeads;
+  const int head_blocks = (p.group + kTcN - 1) / kTcN;
+  if (int64_t{p.kv.heads} * head_blocks > 65535) return false;
   const dim3 grid(static_cast<unsigned>(int64_t{p.batch} * p.tokens),
                   static_cast<unsigned>(p.kv.heads * head_blocks), static_cast<unsigned>(splits));
   auto launch = [&](auto kernel, size_t bytes) {
