@@ -214,6 +214,17 @@ def test_missing_op_is_not_an_error():
     assert "not available" in R.cells(row)
 
 
+def test_a_row_without_a_target_says_so_on_every_device():
+    """Not "n/a (cpu)" on a GPU run: a row measured for comparison has no target to meet."""
+    k = dict(time_s=2e-6, kernel_time_s=1e-6, copy_frac=0.5, launches=1, mem_overhead_frac=0.0,
+             mem_measured=True, mem_extra_bytes=0)
+    row = dict(op="attention_decode", case="c", status="ok", min_bytes=1000, jaxkv=k, xla={},
+               xla_best=None, speedup=None, sweep=False, target="", met=None, failed=[])
+    assert R.cells(row)[-1] == "no target"
+    row.update(target="t")  # a target off the GPU: not evaluated there
+    assert R.cells(row)[-1] == "n/a (cpu)"
+
+
 def test_targets_fail_when_missed():
     row = dict(jaxkv=dict(copy_frac=0.5, time_s=10e-6, launches=2, mem_overhead_frac=0.5),
                speedup=0.9)

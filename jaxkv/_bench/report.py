@@ -137,6 +137,8 @@ def cells(row: dict, peers: bool = False) -> list[str]:
     met = {True: "yes", False: "NO: " + "; ".join(row["failed"]), None: "n/a (cpu)"}[row["met"]]
     if row["sweep"]:
         met = "plot point"
+    elif not row["target"]:  # measured for comparison only: nothing to meet, on any device
+        met = "no target"
     if row.get("explanation"):
         met += f" ({row['explanation']})"
     return [
