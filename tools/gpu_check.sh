@@ -5,6 +5,8 @@
 # / SKIP_SANITIZE=1 / SKIP_SOAK=1 / SKIP_BUILD=1 / SKIP_SERVE=1 skip parts; BENCH_OPS="op ..." limits the benchmark to those ops,
 # MEMCHECK / RACECHECK="test files" replace the sanitizers' default test lists, RACECHECK_SELECT
 # racecheck's -k expression, TESTS_BUDGET_S=N the tests file by file within N seconds (below).
+# The output ends with a summary (each test file's line and failures, each sanitizer's line, the
+# exit codes), so that the tail of a long call shows what decides it ($OUT/summary.log).
 # WHEEL=path installs a wheel built on the CPU machine instead of
 # building here (device time: the CUDA build takes minutes there, 1.5 here), then copies the
 # tree's Python over it, so that only a change under ffi/ needs a new wheel:
@@ -14,6 +16,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxkv-gpu}
 mkdir -p "$OUT"
+: >"$OUT/summary.log"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 {
@@ -51,10 +54,11 @@ test_files() {
     rc=$?
     cat "$OUT/file.log" >>"$OUT/tests.log"
     line=$(grep -E "^=* ?[0-9]+ (passed|failed|skipped|error)" "$OUT/file.log" | tail -1)
-    echo "$f ($(($(date +%s) - t0)) s, exit $rc): $line"
+    echo "$f ($(($(date +%s) - t0)) s, exit $rc): $line" | tee -a "$OUT/summary.log"
+    grep -E "^(FAILED|ERROR) " "$OUT/file.log" >>"$OUT/summary.log"
     [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || tests_rc=1  # 5: nothing collected
   done
-  echo "NOT RUN: ${rest[*]:-none}"
+  echo "NOT RUN: ${rest[*]:-none}" | tee -a "$OUT/summary.log"
 }
 if [ -z "${SKIP_TESTS:-}" ]; then
   echo "== tests"
@@ -65,6 +69,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     # From tests/ so that `import jaxkv` is the installed package, not the source folder.
     (cd tests && JAXKV_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1) | tee "$OUT/tests.log"
     tests_rc=${PIPESTATUS[0]}
+    grep -E "^(FAILED|ERROR) |^=* ?[0-9]+ (passed|failed)" "$OUT/tests.log" >>"$OUT/summary.log"
   fi
 fi
 
@@ -100,7 +105,8 @@ sanitize() {  # sanitize TOOL LOG pytest-args...
       echo "batch $((i / batch)): exit $brc; ${summary:-no summary line}: ${ids[*]:i:batch}"; rc=1
     fi
   done
-  echo "compute-sanitizer $tool: ${#ids[@]} tests in batches of $batch; $(grep -cE "SUMMARY: 0 (errors|hazards)" "$log") clean batches; $(grep -hE "^[0-9]+ passed" "$log" | awk '{s += $1} END {print s + 0}') passed"
+  echo "compute-sanitizer $tool: ${#ids[@]} tests in batches of $batch; $(grep -cE "SUMMARY: 0 (errors|hazards)" "$log") clean batches; $(grep -hE "^[0-9]+ passed" "$log" | awk '{s += $1} END {print s + 0}') passed" \
+    | tee -a "$OUT/summary.log"
   [ "${#ids[@]}" -gt 0 ] && [ "$rc" -eq 0 ]
 }
 sanitize_rc=0
@@ -177,5 +183,8 @@ if [ -z "${SKIP_SERVE:-}" ]; then
       --engines paged --prefix-cache ${SERVE_ARGS:-} --json "$OUT/serving-8b-${SERVE_STREAM:-chat}.json" 2>&1)
   } | tee "$OUT/serve.log"
 fi
+# The lines that decide the call again, last, so that the tail of a long run still shows them.
+echo "== summary ($(date -u '+%Y-%m-%d %H:%M UTC'))"
+cat "$OUT/summary.log" 2>/dev/null
 echo "gpu_check: tests exit $tests_rc, sanitizers $sanitize_rc, soak $soak_rc"
 [ "$tests_rc" -eq 0 ] && [ "$sanitize_rc" -eq 0 ] && [ "$soak_rc" -eq 0 ]
