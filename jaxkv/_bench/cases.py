@@ -581,9 +581,9 @@ def _dense_attention(q, k, v, lengths, layer_start=None):
     return jnp.einsum("bkgts,bksd->btkgd", p, v).reshape(B, T, Hq, D)
 
 
-def _kv_bytes(lengths, H, D, dtype=None) -> int:
+def _kv_bytes(lengths, H, D, dtype=None, scaling="per_token_head") -> int:
     """K and V bytes of the live tokens (an 8-bit cache's: data and per-token-head scales)."""
-    elem, scale = _scale_bytes(dtype)
+    elem, scale = _scale_bytes(dtype, scaling)
     return int(np.sum(lengths)) * 2 * H * (D * elem + scale)
 
 
@@ -599,11 +599,20 @@ def _paged_pools(L, B, pages_per_seq, page, H, D, lengths, layout, seed):
         new_tokens=i32(np.zeros(B)), layout=layout)
 
 
-def quantized(cache, dtype):
+def quantized(cache, dtype, scaling="per_token_head"):
     """``cache`` (bf16, random values) as an 8-bit cache with per-token-head scales: its values
-    quantized as ``append`` would (jaxkv.reference.quantize), same geometry and page table."""
+    quantized as ``append`` would (jaxkv.reference.quantize), same geometry and page table.
+    ``scaling="per_tensor"`` (paged caches): scale 1.0 for every layer, the values rounded into
+    ``dtype`` as they are (a bf16 normal sample fits e4m3's range): the cache FlashInfer reads."""
     if dtype is None:
         return cache
+    if scaling == "per_tensor":
+        (kq, _), (vq, _) = (_quantize(x, dtype, 1.0) for x in (cache.k_pages, cache.v_pages))
+        layers = (cache.k_pages.shape[0],)
+        ones = (jax.ShapeDtypeStruct(layers, jnp.float32) if isinstance(kq, jax.ShapeDtypeStruct)
+                else jnp.ones(layers, jnp.float32))
+        return dataclasses.replace(cache, k_pages=kq, v_pages=vq, k_scales=ones, v_scales=ones,
+                                   scaling="per_tensor")
     if isinstance(cache, jaxkv.PagedKVCache):
         (kq, ks), (vq, vs) = (_quantize(x, dtype) for x in (cache.k_pages, cache.v_pages))
         return dataclasses.replace(cache, k_pages=kq, v_pages=vq, k_scales=ks, v_scales=vs,
@@ -617,21 +626,23 @@ def quantized(cache, dtype):
     return dataclasses.replace(cache, buffer=q, k_scales=ks, v_scales=vs, scaling="per_token_head")
 
 
-def _quantize(x, dtype):
+def _quantize(x, dtype, scale=None):
     """``reference.quantize``, abstract for abstract ``x`` (the trace test's inputs)."""
     if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.eval_shape(lambda x: reference.quantize(x, dtype), x)
-    return _quantize_jit(x, dtype)
+        return jax.eval_shape(lambda x: reference.quantize(x, dtype, scale), x)
+    return _quantize_jit(x, dtype, scale)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _quantize_jit(x, dtype):
-    return reference.quantize(x, dtype)
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize_jit(x, dtype, scale):
+    return reference.quantize(x, dtype, scale)
 
 
-def _scale_bytes(dtype) -> tuple[int, int]:
+def _scale_bytes(dtype, scaling="per_token_head") -> tuple[int, int]:
     """(bytes of a K/V element, bytes of scales per token and head) of a cache dtype."""
-    return (1, 4) if dtype is not None else (BF16.itemsize, 0)
+    if dtype is None:
+        return BF16.itemsize, 0
+    return 1, 4 if scaling == "per_token_head" else 0
 
 
 OWN_KERNEL = "jaxkv kernel"
@@ -644,17 +655,19 @@ def _own_kernel(layout, fn) -> dict:
     return {OWN_KERNEL: fn} if jax.default_backend() == "gpu" else {}
 
 
-def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None, dtype=None) -> Case:
+def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None, dtype=None,
+                           scaling="per_token_head") -> Case:
     """One decode step of attention per op over a paged pool of 2 layers (layer i % 2), every
     row N tokens. The output is the next op's query, so nothing is loop-invariant. ``dtype``: an
-    8-bit cache (per-token-head scales) in place of bf16."""
+    8-bit cache in place of bf16, scaled per token and head or (``scaling="per_tensor"``, the
+    one FlashInfer's fp8 decode can read, so the one with its peer) per layer."""
     pages_per_seq = -(-N // page)
     num_pages = B * pages_per_seq
     lengths = np.full(B, N)
 
     def build():
         cache = quantized(_paged_pools(2, B, pages_per_seq, page, H, D, lengths, layout, 110),
-                          dtype)
+                          dtype, scaling)
         q = rand((B, Hq, D), BF16, 112)
 
         def kernel(i, q, c):
@@ -670,15 +683,17 @@ def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None, dty
         own_row = _own_kernel(layout, own) if dtype is None else {}
         return q, cache, kernel, {"gather+dense": gather_dense, **own_row}
 
-    elem, scale = _scale_bytes(dtype)
+    elem, scale = _scale_bytes(dtype, scaling)
     token = 2 * H * (D * elem + scale)
-    label = "" if dtype is None else f" {np.dtype(dtype).name} per_token_head"
+    label = "" if dtype is None else f" {np.dtype(dtype).name} {scaling}"
     return Case("attention_decode", f"paged {layout} B{B} N{N} {Hq}/{H} heads D{D} page {page}"
-                f"{label}", build, _kv_bytes(lengths, H, D, dtype) + 2 * B * Hq * D * BF16.itemsize,
+                f"{label}", build,
+                _kv_bytes(lengths, H, D, dtype, scaling) + 2 * B * Hq * D * BF16.itemsize,
                 2 * num_pages * page * token, iters, target=target,
                 requires=("attention",), series=f"paged {layout}{label}",
                 note="min bytes: the live K/V tokens read once (8-bit: data and scales), plus q "
-                "and the output", peer="attention" if dtype is None else "",
+                "and the output",
+                peer="attention" if dtype is None or scaling == "per_tensor" else "",
                 params=dict(layout=layout))
 
 
@@ -830,6 +845,8 @@ def cases(size: str) -> list[Case]:
             attention_decode_paged(4, 128, 8, 2, 64, 16, "NHD", 3, t_attn_8bit(
                 attention_decode_paged(4, 128, 8, 2, 64, 16, "NHD", 3)),
                                    dtype=jnp.float8_e4m3fn),
+            attention_decode_paged(4, 128, 8, 2, 64, 16, "HND", 3, dtype=jnp.float8_e4m3fn,
+                                   scaling="per_tensor"),
             attention_prefill_paged(2, 32, 32, 8, 2, 64, 16, 2),
             attention_prefill_linear(2, 32, 32, 8, 2, 64, 2),
         ]
@@ -888,6 +905,9 @@ def gpu_cases() -> list[Case]:
         *[attention_decode_paged(b, 4096, 32, 8, 128, 16, "NHD", 20) for b in (1, 4, 16)],
         attention_decode_paged(64, 4096, 32, 16, 64, 16, "NHD", 20, T_ATTN_FILLED),
         attention_decode_paged(64, 4096, 32, 4, 256, 16, "NHD", 20, T_ATTN_FILLED),
+        # fp8 scaled per layer (scale 1): the 8-bit cache FlashInfer's decode reads, its peer.
+        *[attention_decode_paged(64, 4096, 32, 8, 128, 16, layout, 20, dtype=jnp.float8_e4m3fn,
+                                 scaling="per_tensor") for layout in ("NHD", "HND")],
         *[attention_decode_paged(64, 4096, 32, 8, 128, 16, layout, 20, t_attn_8bit(
             attention_decode_paged(64, 4096, 32, 8, 128, 16, layout, 20)), dtype=dt)
           for dt in EIGHT_BIT for layout in ("NHD", "HND")],

@@ -116,26 +116,48 @@ def linear_append(case, carry, consts):
     return Peer(call=call, outputs=lambda: [buf])
 
 
+def _pool_view(pool):
+    """A torch view of a pool; an fp8 pool through its bytes where DLPack does not carry fp8
+    (a one-time copy of the bytes, outside the timing)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    try:
+        return view(pool)
+    except (BufferError, RuntimeError, TypeError, ValueError):
+        if pool.dtype != jnp.float8_e4m3fn:
+            raise
+        return view(jax.lax.bitcast_convert_type(pool, jnp.uint8)).view(torch.float8_e4m3fn)
+
+
 def attention(case, carry, consts):
     """The wrapper planned once on the case's page table (layer 0, as jaxkv's step i = 0 reads),
-    then ``run`` per call; its output is compared with jaxkv's within ``TOLERANCE``."""
+    then ``run`` per call; its output is compared with jaxkv's within ``TOLERANCE``. An fp8 pool
+    (scaled per tensor: FlashInfer takes one K and one V scale) is read as FlashInfer's fp8
+    cache, with layer 0's scales."""
     import flashinfer
     import torch
 
     q, cache = carry, consts
     if not isinstance(cache, jaxkv.PagedKVCache):
         raise ValueError("FlashInfer peer: paged caches only (this case reads a LinearKVCache)")
+    if cache.scaling == "per_token_head":
+        raise ValueError("FlashInfer peer: one scale per tensor, not per token and head")
     layout = cache.layout
     H, D, page = cache.num_kv_heads, cache.head_dim, cache.page_size
     Hq = q.shape[-2]
-    pools = (_layer(view(cache.k_pages), 0, layout), _layer(view(cache.v_pages), 0, layout))
+    pools = tuple(_layer(_pool_view(x), 0, layout) for x in (cache.k_pages, cache.v_pages))
+    scales = {}
+    if cache.scaling == "per_tensor":
+        scales = dict(k_scale=float(cache.k_scales[0]), v_scale=float(cache.v_scales[0]))
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     table = np.asarray(cache.page_table)
     lengths = np.asarray(cache.lengths)
     if case.op == "attention_decode":
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, layout)
         wrapper.plan(*_csr(table, lengths, page, "cuda"), Hq, H, D, page,
-                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                     q_data_type=torch.bfloat16, kv_data_type=pools[0].dtype)
         tq = view(q)
     else:
         B, T = q.shape[0], q.shape[1]
@@ -148,7 +170,7 @@ def attention(case, carry, consts):
     out = {}
 
     def call(j):
-        out["o"] = wrapper.run(tq, pools)
+        out["o"] = wrapper.run(tq, pools, **scales)
 
     shape = tuple(q.shape)
     return Peer(call=call, outputs=lambda: [out["o"].reshape(shape)], graph=False,
