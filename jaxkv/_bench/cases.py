@@ -734,15 +734,18 @@ def attention_decode_linear(B, S, Hq, H, D, ragged, iters, target=None, dtype=No
                 note="min bytes: the live tokens only (not the capacity)")
 
 
-def attention_prefill_paged(B, prefix, T, Hq, H, D, page, iters, target=None) -> Case:
+def attention_prefill_paged(B, prefix, T, Hq, H, D, page, iters, target=None,
+                            dtype=None) -> Case:
     """Chunked prefill: T new tokens per row (already appended) attend causally over a cached
-    prefix of `prefix` tokens; 2 layers (layer i % 2), the output feeds the next op's queries."""
+    prefix of `prefix` tokens; 2 layers (layer i % 2), the output feeds the next op's queries.
+    ``dtype``: an 8-bit cache (per-token-head scales) in place of bf16."""
     pages_per_seq = -(-(prefix + T) // page)
     num_pages = B * pages_per_seq
     lengths = np.full(B, prefix)
 
     def build():
-        cache = _paged_pools(2, B, pages_per_seq, page, H, D, lengths, "NHD", 130)
+        cache = quantized(_paged_pools(2, B, pages_per_seq, page, H, D, lengths, "NHD", 130),
+                          dtype)
         q = rand((B, T, Hq, D), BF16, 132)
         new = i32(np.full(B, T))
 
@@ -750,21 +753,29 @@ def attention_prefill_paged(B, prefix, T, Hq, H, D, page, iters, target=None) ->
             return jaxkv.attention.prefill(q, c, i % 2, new)
 
         def gather_dense(i, q, c):  # the new tokens are appended, not committed: lengths + T
-            k, v = jaxkv.paged_gather(c.k_pages, c.v_pages, c.page_table, c.lengths + T, i % 2,
-                                      prefix + T, layout="NHD", split=True)
+            if dtype is None:
+                k, v = jaxkv.paged_gather(c.k_pages, c.v_pages, c.page_table, c.lengths + T,
+                                          i % 2, prefix + T, layout="NHD", split=True)
+            else:  # dequantized by the gather
+                k, v = dataclasses.replace(c, lengths=c.lengths + T).gather(
+                    i % 2, prefix + T, split=True, dtype=BF16)
             return _dense_attention(q, k, v, c.lengths)
 
         def own(i, q, c):
             return jaxkv.attention.prefill(q, c, i % 2, new, implementation="jaxkv")
 
-        return q, cache, kernel, {"gather+dense": gather_dense, **_own_kernel("NHD", own)}
+        own_row = _own_kernel("NHD", own) if dtype is None else {}
+        return q, cache, kernel, {"gather+dense": gather_dense, **own_row}
 
+    label = "" if dtype is None else f" {np.dtype(dtype).name} per_token_head"
+    elem, scale = _scale_bytes(dtype)
     return Case("attention_prefill", f"paged NHD B{B} {T} new on {prefix} {Hq}/{H} heads D{D} "
-                f"page {page}", build, _kv_bytes(lengths + T, H, D) + 2 * B * T * Hq * D * 2,
-                2 * num_pages * page * 2 * H * D * BF16.itemsize, iters, target=target,
-                requires=("attention",), series="paged prefill",
+                f"page {page}{label}", build,
+                _kv_bytes(lengths + T, H, D, dtype) + 2 * B * T * Hq * D * 2,
+                2 * num_pages * page * 2 * H * (D * elem + scale), iters, target=target,
+                requires=("attention",), series=f"paged prefill{label}",
                 note="compute-bound: the bandwidth column is only the bytes read once",
-                peer="attention", params=dict(layout="NHD", T=T))
+                peer="attention" if dtype is None else "", params=dict(layout="NHD", T=T))
 
 
 def attention_prefill_linear(B, prefix, T, Hq, H, D, iters, target=None) -> Case:
@@ -816,6 +827,11 @@ def t_quant_append(bf16: Case) -> Target:
                   versus=(bf16.name, 1.1))
 
 
+def t_prefill_8bit(bf16: Case) -> Target:
+    return Target("no slower than the bf16 prefill (the row without float8)",
+                  versus=(bf16.name, 1.0))
+
+
 def t_attn_8bit(bf16: Case) -> Target:
     return Target(">= 85% of copy BW on the bytes read (data + scales); >= 1.7x the bf16 row",
                   copy_frac=0.85, versus=(bf16.name, 1 / 1.7))
@@ -848,6 +864,8 @@ def cases(size: str) -> list[Case]:
             attention_decode_paged(4, 128, 8, 2, 64, 16, "HND", 3, dtype=jnp.float8_e4m3fn,
                                    scaling="per_tensor"),
             attention_prefill_paged(2, 32, 32, 8, 2, 64, 16, 2),
+            attention_prefill_paged(2, 32, 32, 8, 2, 64, 16, 2, t_prefill_8bit(
+                attention_prefill_paged(2, 32, 32, 8, 2, 64, 16, 2)), dtype=jnp.float8_e4m3fn),
             attention_prefill_linear(2, 32, 32, 8, 2, 64, 2),
         ]
     # The issue's sizes on the H200, and a few smaller points per op for the plot.
@@ -915,6 +933,8 @@ def gpu_cases() -> list[Case]:
             attention_decode_linear(64, 4096, 32, 8, 128, False, 20)), dtype=dt)
           for dt in EIGHT_BIT],
         attention_prefill_paged(8, 2048, 2048, 32, 8, 128, 16, 3),
+        attention_prefill_paged(8, 2048, 2048, 32, 8, 128, 16, 3, t_prefill_8bit(
+            attention_prefill_paged(8, 2048, 2048, 32, 8, 128, 16, 3)), dtype=jnp.float8_e4m3fn),
         attention_prefill_linear(8, 2048, 2048, 32, 8, 128, 3),
     ]
 
