@@ -70,9 +70,11 @@ struct Geometry {
 // x / s rounded to nearest even, from r, s's reciprocal refined as div.rn.f32 refines it (one
 // Newton step from the hardware's approximation): the quotient and one correction by the exact
 // residual, which is the compiler's own fast path of the division, without its per-value range
-// check (FCHK) and branch. That check can only fail for quotients below 2^-62 here (the caller
-// takes this path for s in [2^-64, 2^64] only, |x| <= 448 s), which every format stores as a
-// signed zero; copysign keeps the zero's sign (-0 / s is -0, where the residual would give +0).
+// check (FCHK) and branch. The caller takes this path for a vector's own scale in [2^-64, 2^64]
+// only, so |x| / s <= QMAX and the check could only fail for quotients below 2^-62, which every
+// format stores as a signed zero; copysign keeps the zero's sign (-0 / s is -0, where the
+// residual would give +0). A scale given per tensor bounds nothing (x / s may overflow, which
+// the residual would turn into NaN): it divides.
 __device__ __forceinline__ float reciprocal(float s) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
@@ -138,9 +140,10 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (ok && sub == 0) *t.scale = s;
     }
     if (!ok) continue;
-    // The stored value x / s (quantize_value): by the reciprocal for every scale of ordinary data,
-    // else (a zero, huge, tiny or non-finite scale) by the division itself.
-    if (s >= 0x1p-64f && s <= 0x1p64f) {
+    // The stored value x / s (quantize_value): by the reciprocal for every per-token scale of
+    // ordinary data, else (a scale given per tensor; a zero, huge, tiny or non-finite one) by the
+    // division itself.
+    if (!p.tensor_k_scale && s >= 0x1p-64f && s <= 0x1p64f) {
       const float r = reciprocal(s);
 #pragma unroll
       for (int j = 0; j < kPer; ++j) x[j] = quotient(x[j], s, r);
