@@ -139,6 +139,28 @@ def test_append_quantizes_bit_for_bit(kind, dtype, scaling):
         assert_bytes_equal(out.k_scales, c.k_scales, "per-tensor scales unchanged")
 
 
+@pytest.mark.parametrize("kind", ["linear", "paged-NHD"])
+@pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
+def test_a_per_tensor_scale_saturates_values_far_past_it(kind, dtype):
+    """Finite values near float32's largest under a per-tensor scale below 1: x / s overflows to
+    inf, which clips to QMAX (the GPU kernel divides there; a product by the reciprocal and its
+    residual would give NaN)."""
+    lengths = np.array([0, 2, 1, 0], np.int32)
+    c = started(kind, dtype, lengths, "per_tensor", k_scale=0.25, v_scale=0.5)
+    huge = np.array([3.0e38, -3.0e38, 2.5e38, -1.0e38, 1e30, 0.0, -1.0, 3.0], np.float32)
+    k = np.resize(huge, (B, H, 2, D)).astype(np.float32)
+    v = -k
+    n = jnp.asarray([2, 1, 2, 0], jnp.int32)
+    out = jax.jit(lambda c: c.append(0, jnp.asarray(k), jnp.asarray(v), n))(c)
+    for kv, (x, given) in enumerate(((k, 0.25), (v, 0.5))):
+        q, _ = quantize_on_cpu(jnp.asarray(x), dtype, given)
+        want, after = np.array(token_view(c, 0, kv)[0]), token_view(out, 0, kv)[0]
+        for b in range(B):
+            pos = slice(int(lengths[b]), int(lengths[b] + n[b]))
+            want[b, :, pos] = q[b, :, :int(n[b])]
+        assert_bytes_equal(after, want, f"{kind} data {kv}")
+
+
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
 def test_reference_quantize_matches_the_format(dtype):
     """The definition itself: scale max|x| / QMAX, values within half a step of x / scale,
