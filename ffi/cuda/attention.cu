@@ -475,27 +475,45 @@ struct TcCopy {
   }
 };
 
-// The merge of a tensor-core split-KV block's partial results, in shared memory: for q head h
-// (of nh) and element d, slot w's O at sm_acc[(w * kRows + h) * kD + d] under its max
-// sm_m[w * kRows + h] and sum sm_l[...]; slots past a head's live keys hold max -inf. Writes the
-// output (one split) or the workspace (several).
-template <int kD, int kSlots, int kRows, class OT>
-__device__ __forceinline__ void tc_merge(const float* sm_acc, const float* sm_m, const float* sm_l,
-                                         const AttentionProblem& p, int b, int t, int h0, int nh,
-                                         int split, int splits, float* work) {
+// The end of a keys-as-rows block, after its ring is drained. Lane (g, tq) holds the running
+// max and its own part of the sums of heads 2 tq, 2 tq + 1: the sums are added over the lanes g,
+// then slot `slot`'s O^T goes to shared memory (store(row): head 2 tq's row of kD floats at row,
+// head 2 tq + 1's at row + kD), with its max and sums (written by the slot's `writes_stats`
+// warp), and the slots are merged: for each of the nh heads, the output (one split) or the
+// workspace (several). Slots past a head's live keys hold max -inf.
+template <int kD, int kSlots, class OT, class Store>
+__device__ __forceinline__ void tc_finish(unsigned char* smem, int slot, bool writes_stats,
+                                          float m0, float m1, float l0, float l1, Store store,
+                                          const AttentionProblem& p, int b, int t, int h0, int nh,
+                                          int split, int splits, float* work) {
+  const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+#pragma unroll
+  for (int x = 4; x < 32; x *= 2) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+  }
+  float* sm_acc = reinterpret_cast<float*>(smem);  // [kSlots][kTcN][kD]
+  float* sm_m = sm_acc + kSlots * kTcN * kD;       // [kSlots][kTcN]
+  float* sm_l = sm_m + kSlots * kTcN;
+  store(sm_acc + (slot * kTcN + 2 * tq) * kD);
+  if (g == 0 && writes_stats) {
+    sm_m[slot * kTcN + 2 * tq] = m0, sm_l[slot * kTcN + 2 * tq] = l0;
+    sm_m[slot * kTcN + 2 * tq + 1] = m1, sm_l[slot * kTcN + 2 * tq + 1] = l1;
+  }
+  __syncthreads();
   OT* out = reinterpret_cast<OT*>(p.out);
   for (int x = threadIdx.x; x < nh * kD; x += kThreads) {
     const int h = x / kD, d = x % kD;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kSlots; ++w) mx = fmaxf(mx, sm_m[w * kRows + h]);
+    for (int w = 0; w < kSlots; ++w) mx = fmaxf(mx, sm_m[w * kTcN + h]);
     float a = 0.f, sum = 0.f;
 #pragma unroll
     for (int w = 0; w < kSlots; ++w) {
-      const float mw = sm_m[w * kRows + h];
+      const float mw = sm_m[w * kTcN + h];
       const float r = mw == -INFINITY ? 0.f : exp2f(mw - mx);
-      a += sm_acc[(w * kRows + h) * kD + d] * r;
-      sum += sm_l[w * kRows + h] * r;
+      a += sm_acc[(w * kTcN + h) * kD + d] * r;
+      sum += sm_l[w * kTcN + h] * r;
     }
     if (splits == 1) {
       Elem<OT>::store1(out + p.q_index(b, t, h0 + h) + d, sum > 0.f ? a / sum * *p.v_scale : 0.f);
@@ -654,29 +672,15 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
   copy_wait<0>();
   __syncthreads();  // the ring's shared memory now holds the slices' partial results
 
-  // Each head's sums over the lanes g; then each slice's O^T, max and sums to shared memory.
+  // Each warp's half (kSplitD 2) or whole of its slice's O^T, rows d = dw + 16 mt + g (+ 8).
+  tc_finish<kD, S::kSlices, T>(smem, warp / kSplitD, warp % kSplitD == 0, m0, m1, l0, l1,
+                               [&](float* row) {
 #pragma unroll
-  for (int x = 4; x < 32; x *= 2) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
-  }
-  constexpr int kSlices = S::kSlices;
-  float* sm_acc = reinterpret_cast<float*>(smem);  // [kSlices][kTcN][kD]
-  float* sm_m = sm_acc + kSlices * kTcN * kD;      // [kSlices][kTcN]
-  float* sm_l = sm_m + kSlices * kTcN;
-  const int slice = warp / kSplitD;
-  float* acc = sm_acc + (slice * kTcN + 2 * tq) * kD + dw + g;
-#pragma unroll
-  for (int mt = 0; mt < kDW / 16; ++mt) {
-    acc[16 * mt] = o[mt][0], acc[kD + 16 * mt] = o[mt][1];
-    acc[16 * mt + 8] = o[mt][2], acc[kD + 16 * mt + 8] = o[mt][3];
-  }
-  if (g == 0 && warp % kSplitD == 0) {
-    sm_m[slice * kTcN + 2 * tq] = m0, sm_l[slice * kTcN + 2 * tq] = l0;
-    sm_m[slice * kTcN + 2 * tq + 1] = m1, sm_l[slice * kTcN + 2 * tq + 1] = l1;
-  }
-  __syncthreads();
-  tc_merge<kD, kSlices, kTcN, T>(sm_acc, sm_m, sm_l, p, b, t, h0, nh, split, splits, work);
+    for (int mt = 0; mt < kDW / 16; ++mt) {
+      float* r = row + dw + 16 * mt + g;
+      r[0] = o[mt][0], r[kD] = o[mt][1], r[8] = o[mt][2], r[kD + 8] = o[mt][3];
+    }
+  }, p, b, t, h0, nh, split, splits, work);
 }
 
 // --- split-KV on tensor cores for 8-bit caches (fp8 e4m3 / e5m2, int8; q bf16 or f16) ------------
@@ -970,28 +974,16 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
   copy_wait<0>();
   __syncthreads();  // the ring's shared memory now holds the warps' partial results
 
-  // Each head's sums over the lanes g; then each warp's O^T (times vref), max and sums to shared
-  // memory, in head_dim's own order.
+  // Each warp's O^T (times vref) in head_dim's own order: m-tile mt's rows are d = g kD / 8 + 2 mt
+  // and d + 1.
+  tc_finish<kD, kWarps, QT>(smem, warp, true, m0, m1, l0, l1, [&](float* row) {
 #pragma unroll
-  for (int x = 4; x < 32; x *= 2) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
-  }
-  float* sm_acc = reinterpret_cast<float*>(smem);  // [kWarps][kTcN][kD]
-  float* sm_m = sm_acc + kWarps * kTcN * kD;       // [kWarps][kTcN]
-  float* sm_l = sm_m + kWarps * kTcN;
-  float* acc = sm_acc + (warp * kTcN + 2 * tq) * kD + g * (kD / 8);
-#pragma unroll
-  for (int mt = 0; mt < kD / 16; ++mt) {
-    acc[2 * mt] = o[mt][0] * vref, acc[kD + 2 * mt] = o[mt][1] * vref;
-    acc[2 * mt + 1] = o[mt][2] * vref, acc[kD + 2 * mt + 1] = o[mt][3] * vref;
-  }
-  if (g == 0) {
-    sm_m[warp * kTcN + 2 * tq] = m0, sm_l[warp * kTcN + 2 * tq] = l0;
-    sm_m[warp * kTcN + 2 * tq + 1] = m1, sm_l[warp * kTcN + 2 * tq + 1] = l1;
-  }
-  __syncthreads();
-  tc_merge<kD, kWarps, kTcN, QT>(sm_acc, sm_m, sm_l, p, b, t, h0, nh, split, splits, work);
+    for (int mt = 0; mt < kD / 16; ++mt) {
+      float* r = row + g * (kD / 8) + 2 * mt;
+      r[0] = o[mt][0] * vref, r[kD] = o[mt][1] * vref;
+      r[1] = o[mt][2] * vref, r[kD + 1] = o[mt][3] * vref;
+    }
+  }, p, b, t, h0, nh, split, splits, work);
 }
 
 // Merges the live splits of (row, q head): block (row, head), one thread per element of D.
