@@ -638,6 +638,11 @@ def _quantize_jit(x, dtype, scale):
     return reference.quantize(x, dtype, scale)
 
 
+def _cache_label(dtype, scaling="per_token_head") -> str:
+    """The case-name suffix of an 8-bit cache ("" for bf16)."""
+    return "" if dtype is None else f" {np.dtype(dtype).name} {scaling}"
+
+
 def _scale_bytes(dtype, scaling="per_token_head") -> tuple[int, int]:
     """(bytes of a K/V element, bytes of scales per token and head) of a cache dtype."""
     if dtype is None:
@@ -685,7 +690,7 @@ def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None, dty
 
     elem, scale = _scale_bytes(dtype, scaling)
     token = 2 * H * (D * elem + scale)
-    label = "" if dtype is None else f" {np.dtype(dtype).name} {scaling}"
+    label = _cache_label(dtype, scaling)
     return Case("attention_decode", f"paged {layout} B{B} N{N} {Hq}/{H} heads D{D} page {page}"
                 f"{label}", build,
                 _kv_bytes(lengths, H, D, dtype, scaling) + 2 * B * Hq * D * BF16.itemsize,
@@ -726,7 +731,7 @@ def attention_decode_linear(B, S, Hq, H, D, ragged, iters, target=None, dtype=No
 
     kind = f"ragged mean {int(np.mean(lengths))}" if ragged else "full"
     elem, scale = _scale_bytes(dtype)
-    label = "" if dtype is None else f" {np.dtype(dtype).name} per_token_head"
+    label = _cache_label(dtype)
     return Case("attention_decode", f"linear B{B} S{S} {kind} {Hq}/{H} heads D{D}{label}", build,
                 _kv_bytes(lengths, H, D, dtype) + 2 * B * Hq * D * BF16.itemsize,
                 2 * B * 2 * H * S * (D * elem + scale), iters, target=target,
@@ -753,12 +758,8 @@ def attention_prefill_paged(B, prefix, T, Hq, H, D, page, iters, target=None,
             return jaxkv.attention.prefill(q, c, i % 2, new)
 
         def gather_dense(i, q, c):  # the new tokens are appended, not committed: lengths + T
-            if dtype is None:
-                k, v = jaxkv.paged_gather(c.k_pages, c.v_pages, c.page_table, c.lengths + T,
-                                          i % 2, prefix + T, layout="NHD", split=True)
-            else:  # dequantized by the gather
-                k, v = dataclasses.replace(c, lengths=c.lengths + T).gather(
-                    i % 2, prefix + T, split=True, dtype=BF16)
+            k, v = dataclasses.replace(c, lengths=c.lengths + T).gather(
+                i % 2, prefix + T, split=True, dtype=None if dtype is None else BF16)
             return _dense_attention(q, k, v, c.lengths)
 
         def own(i, q, c):
@@ -767,7 +768,7 @@ def attention_prefill_paged(B, prefix, T, Hq, H, D, page, iters, target=None,
         own_row = _own_kernel("NHD", own) if dtype is None else {}
         return q, cache, kernel, {"gather+dense": gather_dense, **own_row}
 
-    label = "" if dtype is None else f" {np.dtype(dtype).name} per_token_head"
+    label = _cache_label(dtype)
     elem, scale = _scale_bytes(dtype)
     return Case("attention_prefill", f"paged NHD B{B} {T} new on {prefix} {Hq}/{H} heads D{D} "
                 f"page {page}{label}", build,
