@@ -41,6 +41,8 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="python -m jaxkv.bench", description=__doc__.split("\n")[0])
     p.add_argument("--op", action="append", choices=C.OPS,
                    help="only this op (repeatable; default: all)")
+    p.add_argument("--match", action="append", metavar="TEXT",
+                   help="only the cases whose name contains TEXT (repeatable: any of them)")
     p.add_argument("--size", choices=("cpu", "gpu"),
                    help="cpu: tiny shapes; gpu: the issue's H200 sizes (default: by backend)")
     p.add_argument("--reps", type=int, default=5, help="timed calls per implementation (median)")
@@ -185,6 +187,7 @@ def command(args, size: str) -> str:
     """The command line that reproduces the numbers (output paths left out)."""
     words = ["python -m jaxkv.bench", f"--size {size}", f"--reps {args.reps}"]
     words += [f"--op {op}" for op in args.op or []]
+    words += [f"--match '{text}'" for text in args.match or []]
     words += ["--peers"] if args.peers else []
     return " ".join(words + (["--no-sweep"] if args.no_sweep else []))
 
@@ -207,6 +210,7 @@ def main(argv=None) -> dict:
     on_gpu = backend == "gpu"
     size = args.size or ("gpu" if on_gpu else "cpu")
     chosen = [c for c in C.cases(size) if (not args.op or c.op in args.op)
+              and (not args.match or any(text in c.name for text in args.match))
               and not (args.no_sweep and c.sweep)]
     if args.list:
         for c in chosen:

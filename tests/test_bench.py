@@ -207,6 +207,17 @@ def test_xla_paged_append_of_every_layer():
         assert_bytes_equal(got, w, "NHD")
 
 
+def test_match_keeps_only_the_named_cases(capsys):
+    bench.main(["--size", "gpu", "--list", "--op", "paged_append", "--match", "into int8",
+                "--match", "decode B256 H8 D128 page 16 NHD, one layer"])
+    lines = capsys.readouterr().out.splitlines()
+    names = [line.split(None, 1)[1] for line in lines]
+    # The one-layer decode row and its two 8-bit rows; the int8 rows of append_layers and prefill.
+    assert len(lines) == 5, lines
+    assert all("into int8" in n or "decode B256 H8 D128 page 16 NHD, one layer" in n for n in names)
+    assert all(line.startswith("paged_append") for line in lines)
+
+
 def test_missing_op_is_not_an_error():
     case = C.Case("save_kv_cache", "absent", lambda: None, 1, 1, 1, requires=("no_such_op",))
     row = bench.run_case(case, 1, 1.0, False, T.Progress(1, enabled=False))
