@@ -49,23 +49,32 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_kernel(const QuantAppend
 }
 
 // The specialized kernel, per input and cache format and head_dim: kGroup lanes a vector, each
-// reading kPer contiguous values in two 16-byte loads (a 128-value bf16 vector: 8 lanes of 16
-// values, four vectors a warp), so that a lane's share of the index arithmetic, the page lookup
-// and the shuffles is spread over 16 values. The fp8 conversions go two values an instruction, and
-// x / s is one multiply and two FMAs a value (quotient()). (One warp a vector, 4 values a lane, a
-// division and a software conversion a value spent 3-7x the bf16 append's time issuing
-// instructions: H200, docs/quantization.md.) The values and the row's metadata are loaded before
-// the page lookup; with several tokens a row, only the tokens within the row's count are read.
-template <Format kIn, int kD>
+// reading kPer contiguous values in 16-byte loads (a 128-value bf16 vector: 8 lanes of 16 values,
+// four vectors a warp; kWide: 4 lanes of 32, eight vectors a warp), so that a lane's share of the
+// index arithmetic, the page lookup and the shuffles is spread over 16 or 32 values. The fp8
+// conversions go two values an instruction, and x / s is one multiply and two FMAs a value
+// (quotient()). (One warp a vector, 4 values a lane, a division and a software conversion a value
+// spent 3-7x the bf16 append's time issuing instructions: H200, docs/quantization.md.) The values
+// and the row's metadata are loaded before the page lookup; with several tokens a row, only the
+// tokens within the row's count are read. kWide halves the per-value share of that setup where
+// there are enough vectors to fill the GPU at half the lanes (a prefill, all layers of a step); a
+// small decode step keeps the narrow split, whose chain of dependent work per lane is shorter.
+template <Format kIn, int kD, bool kWide>
 struct Geometry {
   static constexpr int kInBytes = kIn == Format::kF32 ? 4 : 2;
-  static constexpr int kPer = 32 / kInBytes < kD ? 32 / kInBytes : kD;  // values a lane
+  static constexpr int kLaneBytes = kWide ? 64 : 32;                    // input bytes a lane
+  static constexpr int kPer = kLaneBytes / kInBytes < kD ? kLaneBytes / kInBytes : kD;
   static constexpr int kGroup = kD / kPer;                              // lanes a vector
   static constexpr int kWords = kPer * kInBytes / 16;                   // 16-byte loads a lane
   static constexpr int kPerBlock = kWarps * 32 / kGroup;                // vectors a block
-  static_assert(kD % kPer == 0 && kGroup <= 32 && kWords >= 1 && kPer % 4 == 0 && kPer <= 16,
+  static constexpr int kOutBytes = kPer < 16 ? kPer : 16;               // bytes a store
+  static constexpr int kStores = kPer / kOutBytes;                      // stores a lane
+  static_assert(kD % kPer == 0 && kGroup <= 32 && kWords >= 1 && kPer % 4 == 0 && kPer <= 32,
                 "quantize geometry");
 };
+// Vectors from which the wide split is taken: 32768 vectors at 4 lanes fill the H200's 132
+// multiprocessors about half (131072 threads of their 270336).
+constexpr int64_t kWideFrom = 32768;
 
 // x / s rounded to nearest even, from r, s's reciprocal refined as div.rn.f32 refines it (one
 // Newton step from the hardware's approximation): the quotient and one correction by the exact
@@ -85,12 +94,12 @@ __device__ __forceinline__ float quotient(float x, float s, float r) {
   return copysignf(__fmaf_rn(r, __fmaf_rn(q, -s, x), q), x);
 }
 
-template <Format kIn, Format kOut, int kD>
+template <Format kIn, Format kOut, int kD, bool kWide>
 __global__ void __launch_bounds__(kWarps * 32)
     quantize_kernel_fixed(const QuantAppend p, const VectorDivs divs) {
-  using G = Geometry<kIn, kD>;
+  using G = Geometry<kIn, kD, kWide>;
   constexpr int kPer = G::kPer, kGroup = G::kGroup, kWords = G::kWords, kPerWarp = 32 / kGroup;
-  using Out = typename Word<kPer>::type;
+  using Out = typename Word<G::kOutBytes>::type;
   const int lane = threadIdx.x % 32, sub = lane % kGroup;
   const uint32_t vectors = static_cast<uint32_t>(p.vectors());
   const uint32_t warps = gridDim.x * kWarps;
@@ -157,17 +166,27 @@ __global__ void __launch_bounds__(kWarps * 32)
       const uint32_t pair = encode_pair(x[j], x[j + 1], kOut);
       packed[j / 4] = j % 4 ? packed[j / 4] | (pair << 16) : pair;
     }
-    Out out;
-    memcpy(&out, packed, sizeof(out));
-    reinterpret_cast<Out*>(t.dst)[sub] = out;
+    Out out[G::kStores];
+    memcpy(out, packed, sizeof(out));
+#pragma unroll
+    for (int j = 0; j < G::kStores; ++j) reinterpret_cast<Out*>(t.dst)[sub * G::kStores + j] = out[j];
   }
+}
+
+template <Format kIn, Format kOut, int kD, bool kWide>
+void launch_geometry(cudaStream_t stream, const QuantAppend& p, const VectorDivs& d) {
+  const int64_t per_block = Geometry<kIn, kD, kWide>::kPerBlock;
+  const int64_t blocks = std::min<int64_t>((p.vectors() + per_block - 1) / per_block, 1 << 20);
+  quantize_kernel_fixed<kIn, kOut, kD, kWide>
+      <<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p, d);
 }
 
 template <Format kIn, Format kOut, int kD>
 void launch_kernel(cudaStream_t stream, const QuantAppend& p, const VectorDivs& d) {
-  const int64_t per_block = Geometry<kIn, kD>::kPerBlock;
-  const int64_t blocks = std::min<int64_t>((p.vectors() + per_block - 1) / per_block, 1 << 20);
-  quantize_kernel_fixed<kIn, kOut, kD><<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p, d);
+  if (p.vectors() >= kWideFrom)
+    launch_geometry<kIn, kOut, kD, true>(stream, p, d);
+  else
+    launch_geometry<kIn, kOut, kD, false>(stream, p, d);
 }
 
 template <Format kIn, Format kOut>
