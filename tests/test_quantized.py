@@ -141,6 +141,43 @@ def test_append_quantizes_bit_for_bit(kind, dtype, scaling):
 
 @pytest.mark.parametrize("kind", ["linear", "paged-NHD"])
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
+def test_a_large_append_quantizes_bit_for_bit(kind, dtype):
+    """40960 vectors, ragged: on the GPU enough for the kernel's wide split (4 lanes a 128-value
+    vector, from 32768 vectors on), which the small appends above never reach."""
+    b, h, t, d, page, cap = 8, 8, 320, 128, 16, 384
+    start = _rng.integers(0, cap - t + 1, b).astype(np.int32)
+    n = _rng.integers(1, t + 1, b).astype(np.int32)
+    n[0], n[1] = t, 0
+    if kind == "linear":
+        c = jaxkv.LinearKVCache.create(1, b, h, cap, d, dtype).reset(jnp.asarray(start))
+    else:
+        c = jaxkv.PagedKVCache.create(1, b * cap // page, page, h, d, b, cap // page, dtype, "NHD")
+        c, served = c.reserve(jnp.asarray(start + t))
+        assert bool(jnp.all(served))
+        c = dataclasses.replace(c, lengths=jnp.asarray(start))
+    k, v = values((b, h, t, d), jnp.bfloat16), values((b, h, t, d), jnp.bfloat16)
+    out = jax.jit(lambda c: c.append(0, k, v, jnp.asarray(n)))(c)
+    table = None if kind == "linear" else np.asarray(out.page_table)
+    for kv, x in ((0, k), (1, v)):
+        want, want_s = quantize_on_cpu(x, dtype)
+        data = np.asarray(out.buffer[0, :, kv]) if kind == "linear" else \
+            np.asarray((out.k_pages, out.v_pages)[kv][0])  # [B, H, S, D] or [P, page, H, D]
+        scales = np.asarray((out.k_scales, out.v_scales)[kv][0])
+        for r in range(b):
+            pos = np.arange(start[r], start[r] + n[r])
+            if kind == "linear":
+                got, got_s = data[r][:, pos], scales[r][:, pos]
+            else:
+                pages, slots = table[r, pos // page], pos % page
+                got = data[pages, slots].transpose(1, 0, 2)
+                got_s = scales[pages, slots].T
+            assert_bytes_equal(np.ascontiguousarray(got), want[r, :, :n[r]], f"row {r} data {kv}")
+            assert_bytes_equal(np.ascontiguousarray(got_s), np.ascontiguousarray(
+                want_s[r, :, :n[r]]), f"row {r} scales {kv}")
+
+
+@pytest.mark.parametrize("kind", ["linear", "paged-NHD"])
+@pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
 def test_a_per_tensor_scale_saturates_values_far_past_it(kind, dtype):
     """Finite values near float32's largest under a per-tensor scale below 1: x / s overflows to
     inf, which clips to QMAX (the GPU kernel divides there; a product by the reciprocal and its
@@ -417,6 +454,39 @@ def test_attention_over_long_rows_head_dims_and_groups(kind, dtype, scaling):
     want = ref.prefill_attention(qp, kd, vd, start, n - start)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
+@pytest.mark.parametrize("head_dim,group,q_dtype,scaling", [
+    (64, 3, jnp.bfloat16, "per_token_head"),  # a group that does not divide the row tile
+    (128, 4, jnp.float16, "per_token_head"),
+    (256, 2, jnp.bfloat16, "per_tensor"),
+])
+def test_prefill_over_many_key_tiles(dtype, head_dim, group, q_dtype, scaling):
+    """A longer prefill (on the GPU: the tensor-core kernel, each K/V tile converted from its
+    bytes): many key tiles, the causal diagonal inside the new tokens, ragged prefixes (a full
+    row, an empty prefix, one ending mid-page), rows of new tokens shorter than the call's."""
+    b, h, page, pages, t = 3, 2, 16, 12, 45
+    cap = page * pages
+    prefix = jnp.asarray([cap - t, 0, 37], jnp.int32)
+    q_lengths = jnp.asarray([t, 30, 8], jnp.int32)
+    per_tensor = scaling == "per_tensor"
+    kw = dict(scaling=scaling, **(dict(k_scale=0.02, v_scale=0.03) if per_tensor else {}))
+    c = jaxkv.PagedKVCache.create(1, b * pages + 2, page, h, head_dim, b, pages, dtype, "NHD", **kw)
+    n = prefix + q_lengths
+    c, served = c.reserve(n)
+    assert bool(jnp.all(served))
+    k, v = values((b, h, cap, head_dim), spread=1.0), values((b, h, cap, head_dim), spread=1.0)
+    if per_tensor:
+        k, v = k * 0.02 * 40, v * 0.03 * 40  # inside the scales' range
+    c = c.append(0, k, v, n).commit(n)
+    kd, vd = dequantized_reference(k, v, dtype, scaling)
+    q = values((b, t, h * group, head_dim), q_dtype, spread=0.5)
+    got = jax.jit(jaxkv.attention.prefill)(q, dataclasses.replace(c, lengths=prefix), 0, q_lengths)
+    want = ref.prefill_attention(q, kd, vd, prefix, q_lengths)
+    for row, live in enumerate(np.asarray(q_lengths)):  # rows past q_lengths are not compared
+        np.testing.assert_allclose(np.asarray(got[row, :live], np.float32),
+                                   np.asarray(want[row, :live], np.float32), atol=2e-2, rtol=2e-2)
 
 
 def test_bad_arguments_are_refused_naming_them():

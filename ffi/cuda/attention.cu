@@ -16,8 +16,9 @@
 // One split: the block writes the output. Several: it writes (unnormalized acc, max, sum) to the
 // workspace and combine_kernel merges the live splits. Keys past the length are never loaded, so
 // a block past a row's length exits at once: time follows the live bytes.
-// Prefill: prefill_tc_kernel below (tensor cores, a tile of queries per K/V load) for bf16 / f16;
-// otherwise the split-KV kernels with one query row per new token.
+// Prefill: prefill_tc_kernel below (tensor cores, a tile of queries per K/V load) for a bf16 / f16
+// q over a cache of its dtype or an 8-bit one; otherwise the split-KV kernels with one query row
+// per new token.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -387,6 +388,12 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
 }
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: 2^-inf = 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // A pair of T in one register (the first in the low half) as two floats, and back.
 template <class T>
 __device__ __forceinline__ float2 unpack2(uint32_t w) {
@@ -768,8 +775,11 @@ struct TcRing8 {
     if constexpr (kD == 128) return j * 8 + (c ^ (j & 7));
     else return (j >> 1) * 8 + ((4 * (j & 1) + c) ^ ((j >> 1) * 2 & 7));
   }
+  __device__ static unsigned char* tile(unsigned char* smem, int stage, int kind) {
+    return smem + (stage * 2 + kind) * kTile;
+  }
   __device__ static unsigned char* chunk(unsigned char* smem, int stage, int kind, int j, int c) {
-    return smem + (stage * 2 + kind) * kTile + slot(j, c) * 16;
+    return tile(smem, stage, kind) + slot(j, c) * 16;
   }
   __device__ static int* live(unsigned char* smem, int stage) {
     return reinterpret_cast<int*>(smem + kLive) + stage * kTcTokens;
@@ -870,21 +880,38 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
   for (int mt = 0; mt < kD / 16; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
   // Heads 2 tq and 2 tq + 1: running max (the same in the 8 lanes of a tq) and this lane's sums.
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-  float vref = token_scales ? 0x1p-100f : 1.f;  // O's scale: a power of two above every V scale read
+  // O's scale: a power of two above every V scale read, and its reciprocal (exact).
+  float vref = token_scales ? 0x1p-100f : 1.f, inv = token_scales ? 0x1p100f : 1.f;
 
   const int jw = warp * 16;  // this warp's tokens in a stage
+  // This lane's fragment reads, as byte offsets in a stage's K or V tile (the same every stage):
+  // K: tokens g and g + 8 (jw is a multiple of 16) at the chunks of tq; V: tokens 2 tq + {0, 1,
+  // 8, 9} at byte g kD / 8 of their rows.
+  int koff[kD / 64][2], voff[4];
+#pragma unroll
+  for (int h = 0; h < kD / 64; ++h) {
+    koff[h][0] = R::slot(jw + g, tq * (kD / 64) + h) * 16;
+    koff[h][1] = R::slot(jw + g + 8, tq * (kD / 64) + h) * 16;
+  }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int jt = jw + 2 * tq + (r & 1) + (r >> 1) * 8;
+    voff[r] = kD == 128 ? R::slot(jt, g) * 16 : R::slot(jt, g >> 1) * 16 + (g & 1) * 8;
+  }
   for (int i = 0; i < iters; ++i) {
     copy_wait<kStages - 2>();
     __syncthreads();  // stage i landed for every thread; every warp is done with stage i - 1
     issue(i + kStages - 1);
     const int st = i % kStages;
+    const unsigned char* ktile = R::tile(smem, st, 0);
+    const unsigned char* vtile = R::tile(smem, st, 1);
 
     // S^T = K Q^T: lane (g, tq) reads tokens g and g + 8's bytes [tq kD / 4, +kD / 4).
     float sc[4] = {};
 #pragma unroll
     for (int h = 0; h < kD / 64; ++h) {
-      const uint4 w0 = *reinterpret_cast<const uint4*>(R::chunk(smem, st, 0, jw + g, tq * (kD / 64) + h));
-      const uint4 w1 = *reinterpret_cast<const uint4*>(R::chunk(smem, st, 0, jw + g + 8, tq * (kD / 64) + h));
+      const uint4 w0 = *reinterpret_cast<const uint4*>(ktile + koff[h][0]);
+      const uint4 w1 = *reinterpret_cast<const uint4*>(ktile + koff[h][1]);
       const uint32_t u0[4] = {w0.x, w0.y, w0.z, w0.w}, u1[4] = {w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -914,25 +941,25 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
     }
-    const float a0 = mx0 == -INFINITY ? 1.f : exp2f(m0 - mx0);
-    const float a1 = mx1 == -INFINITY ? 1.f : exp2f(m1 - mx1);
+    const float a0 = mx0 == -INFINITY ? 1.f : fast_exp2(m0 - mx0);
+    const float a1 = mx1 == -INFINITY ? 1.f : fast_exp2(m1 - mx1);
     m0 = mx0, m1 = mx1;
     float rescale = 1.f;  // O's: vref's growth
     if (token_scales) {  // the warp's tokens: the same for every tq
 #pragma unroll
       for (int x = 4; x < 32; x *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, x));
       if (vmax > vref) {  // 2^(exponent + 1): above vmax; O's old values rescaled (exactly)
-        const float next = __uint_as_float((__float_as_uint(vmax) & 0x7f800000u) + 0x00800000u);
-        rescale = vref / next;
-        vref = next;
+        const uint32_t next = (__float_as_uint(vmax) & 0x7f800000u) + 0x00800000u;
+        rescale = vref * __uint_as_float(0x7f000000u - next);  // vref / next: powers of two
+        vref = __uint_as_float(next);
+        inv = __uint_as_float(0x7f000000u - next);
       }
     }
-    const float inv = 1.f / vref;
     float pr[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float mx = e % 2 ? mx1 : mx0;
-      pr[e] = mx == -INFINITY ? 0.f : exp2f(sc[e] - mx);
+      pr[e] = mx == -INFINITY ? 0.f : fast_exp2(sc[e] - mx);
     }
     l0 = l0 * a0 + pr[0] + pr[2];
     l1 = l1 * a1 + pr[1] + pr[3];
@@ -950,12 +977,11 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
     uint32_t va[4][kW];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int jt = jw + 2 * tq + (r & 1) + (r >> 1) * 8;
       if constexpr (kD == 128) {
-        const uint4 w = *reinterpret_cast<const uint4*>(R::chunk(smem, st, 1, jt, g));
+        const uint4 w = *reinterpret_cast<const uint4*>(vtile + voff[r]);
         va[r][0] = w.x, va[r][1] = w.y, va[r][2] = w.z, va[r][3] = w.w;
       } else {
-        const uint2 w = *reinterpret_cast<const uint2*>(R::chunk(smem, st, 1, jt, g >> 1) + (g & 1) * 8);
+        const uint2 w = *reinterpret_cast<const uint2*>(vtile + voff[r]);
         va[r][0] = w.x, va[r][1] = w.y;
       }
     }
@@ -1131,7 +1157,7 @@ ffi::Error launch_types(cudaStream_t stream, const AttentionProblem& p, int spli
 }
 
 
-// --- prefill on tensor cores (bf16 / f16 caches read by the same-dtype q) ---------------------------
+// --- prefill on tensor cores (bf16 / f16 q over a cache of its dtype or an 8-bit one) --------------
 //
 // FlashAttention-2's forward on mma.sync m16n8k16. Block (token tile, KV head, row b) computes
 // kRows query rows: kRows / group new tokens x the group's q heads, so every K/V tile serves the
@@ -1143,6 +1169,11 @@ ffi::Error launch_types(cudaStream_t stream, const AttentionProblem& p, int spli
 // tiles run longest first (a causal block's work grows with its tokens). Instructions bound the
 // first versions (docs/perf-notes.md item 18): shared addresses are 32-bit, computed once per lane
 // and moved by an XOR per 16 columns; one page lookup per key, a tile ahead, serves K and V.
+// An 8-bit cache (KT fp8 e4m3 / e5m2, int8): the ring holds the tiles' bytes (half a 16-bit
+// tile) and their per-token scales; each tile is converted, exactly, into one pair of 16-bit
+// tiles that the same MMA code reads (a second barrier a tile): K into q's dtype, V into bf16.
+// K's scale multiplies its scores (float32), V's the weights before they round to bf16 (so that
+// no V scale can overflow them, as f16 weights could); a per-tensor V scale multiplies the output.
 template <int kD> struct PrefillShape;  // kM 16-row tiles per warp, kN keys per K/V tile
 template <> struct PrefillShape<64> { static constexpr int kM = 2, kN = 64; };
 template <> struct PrefillShape<128> { static constexpr int kM = 2, kN = 32; };
@@ -1151,7 +1182,9 @@ template <> struct PrefillShape<256> { static constexpr int kM = 1, kN = 16; }; 
 // Shared memory: Q rows, then per stage K and V tiles, then per stage which keys a page holds.
 // Rows are kD * 2 bytes (a power of two) and the base is aligned to 1 KiB, so chunk c of row r,
 // at byte (c ^ (r & 7)) * 16 of the row, is the row's address XOR a lane's fixed bits XOR c * 16.
-template <int kD>
+// k8 (an 8-bit cache): one pair of 16-bit tiles (the converted tile), then per stage the K and V
+// bytes (rows of kD bytes, unswizzled) and the K and V scales.
+template <int kD, bool k8 = false>
 struct PrefillLayout {
   static constexpr int kM = PrefillShape<kD>::kM, kN = PrefillShape<kD>::kN;
   static constexpr int kStages = 3;  // K/V tiles: one read, two in flight
@@ -1160,7 +1193,10 @@ struct PrefillLayout {
   static constexpr unsigned kRowBytes = kD * 2;
   static constexpr unsigned kTile = kN * kRowBytes;  // K (or V) of one stage
   static constexpr unsigned kKV = kRows * kRowBytes;  // after Q
-  static constexpr unsigned kOk = kKV + 2 * kStages * kTile;
+  static constexpr unsigned kTile8 = kN * kD;  // an 8-bit cache: K (or V) bytes of one stage
+  static constexpr unsigned kRing8 = kKV + 2 * kTile;
+  static constexpr unsigned kScales8 = kRing8 + 2 * kStages * kTile8;
+  static constexpr unsigned kOk = k8 ? kScales8 + 2 * kStages * kN * sizeof(float) : kKV + 2 * kStages * kTile;
   static constexpr unsigned kAlign = 1024;
   static constexpr size_t kBytes = kOk + sizeof(int) * kStages * kN + kAlign;  // + the alignment slack
   static_assert(kChunks % 8 == 0, "swizzle");
@@ -1170,25 +1206,39 @@ struct PrefillLayout {
   __device__ static unsigned kv(unsigned base, int stage, int kind) {
     return base + kKV + (stage * 2 + kind) * kTile;
   }
+  __device__ static unsigned bytes8(unsigned base, int stage, int kind) {  // 8-bit rows
+    return base + kRing8 + (stage * 2 + kind) * kTile8;
+  }
+  __device__ static unsigned scales8(unsigned base, int stage, int kind) {  // float [kN]
+    return base + kScales8 + (stage * 2 + kind) * kN * sizeof(float);
+  }
 };
 
-__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: 2^-inf = 0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
+// A pair of f16 (exact values of an 8-bit format) as the same pair in bf16 (exact too: at most 8
+// significant bits, |x| <= 57344).
+__device__ __forceinline__ uint32_t half2_to_bf16x2(uint32_t h) {
+  const float2 f = unpack2<__half>(h);
+  return pack2<__nv_bfloat16>(f.x, f.y);
 }
 
-template <int kD, class T>
+// KT: T (a cache of q's dtype) or E4M3 / E5M2 / S8 (an 8-bit cache, converted tile by tile).
+template <int kD, class T, class KT = T>
 __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const AttentionProblem p) {
-  using L = PrefillLayout<kD>;
+  constexpr bool k8 = !std::is_same_v<KT, T>;
+  using PT = std::conditional_t<k8, __nv_bfloat16, T>;  // P and V in the P V MMA
+  using L = PrefillLayout<kD, k8>;
   constexpr int kM = L::kM, kN = L::kN, kChunks = L::kChunks;
   constexpr int kSt = kN / 8, kOt = kD / 8;  // 8-column fragments of S and of O
   constexpr int kLanes = kThreads / kN;  // copy lanes a key
-  static_assert(kThreads % kN == 0 && kThreads % L::kRows == 0 && kChunks % kLanes == 0, "copy geometry");
+  constexpr int kCopyChunks = k8 ? kD / 16 : kChunks;  // 16-byte chunks a key copies, K or V
+  static_assert(kThreads % kN == 0 && kThreads % L::kRows == 0 && kCopyChunks % kLanes == 0 &&
+                (!k8 || kLanes >= 2), "copy geometry");
   extern __shared__ __align__(128) unsigned char smem[];
   const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const unsigned base = (raw + L::kAlign - 1) & ~(L::kAlign - 1);
-  int* const ok_flags = reinterpret_cast<int*>(smem + (base - raw) + L::kOk);
+  unsigned char* const aligned = smem + (base - raw);  // generic pointer of `base`
+  int* const ok_flags = reinterpret_cast<int*>(aligned + L::kOk);
+  const bool token_scales = k8 && p.scales.k != nullptr;
 
   const int group = p.group, per_tile = L::kRows / group, live_rows = per_tile * group;
   const int b = blockIdx.z, kvh = blockIdx.y;
@@ -1226,16 +1276,28 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
     if (pos >= n_max) return -1;
     return table ? table[kv.column(pos)] : b;
   };
+  const int64_t scale_base = (layer_ok ? *p.layer : 0) * p.scales.layer_stride + kvh * p.scales.head_stride;
   auto issue = [&](int i, int32_t page) {
     const int32_t pos = i * kN + j_copy;
     const bool live = pos < n_max && kv.holds(page);
     const int64_t off = live ? head_base + page * kv.page_stride + int64_t{kv.slot(pos)} * kv.token_stride : 0;
 #pragma unroll
     for (int kind = 0; kind < 2; ++kind) {
-      const unsigned dst = L::row(L::kv(base, i % L::kStages, kind), j_copy, c_copy);
       const char* src = (kind == 0 ? kv.k : kv.v) + off;
+      if constexpr (k8) {  // rows of kD bytes: this thread's chunks c_copy + y kLanes
+        const unsigned dst = L::bytes8(base, i % L::kStages, kind) + j_copy * kD + c_copy * 16;
 #pragma unroll
-      for (int y = 0; y < kChunks / kLanes; ++y) copy16(dst ^ (y * kLanes * 16), src + (live ? y * kLanes * 16 : 0), live);
+        for (int y = 0; y < kCopyChunks / kLanes; ++y) copy16(dst + y * kLanes * 16, src + (live ? y * kLanes * 16 : 0), live);
+      } else {
+        const unsigned dst = L::row(L::kv(base, i % L::kStages, kind), j_copy, c_copy);
+#pragma unroll
+        for (int y = 0; y < kChunks / kLanes; ++y) copy16(dst ^ (y * kLanes * 16), src + (live ? y * kLanes * 16 : 0), live);
+      }
+    }
+    if (token_scales && c_copy < 2) {  // lane 0 of a key its K scale, lane 1 its V scale
+      const int64_t so = live ? scale_base + page * p.scales.page_stride + int64_t{kv.slot(pos)} * p.scales.token_stride : 0;
+      float* dst = reinterpret_cast<float*>(aligned + (L::scales8(base, i % L::kStages, c_copy) - base)) + j_copy;
+      copy_async(dst, (c_copy == 0 ? p.scales.k : p.scales.v) + so, live);
     }
     copy_commit();
     if (c_copy == 0) ok_flags[(i % L::kStages) * kN + j_copy] = live;
@@ -1294,9 +1356,33 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
     if (i + 2 < tiles) missing |= unsigned{issue(i + 2, ahead)} << 1;
     else copy_commit();
     ahead = fetch(i + 3);
+    if constexpr (k8) {  // the tile's bytes into the converted 16-bit tiles: this thread's chunks
+#pragma unroll
+      for (int kind = 0; kind < 2; ++kind) {
+        const unsigned char* from = aligned + (L::bytes8(base, st, kind) - base) + j_copy * kD;
+        unsigned char* to = aligned + (L::kv(base, 0, kind) - base) + j_copy * L::kRowBytes;
+        const bool to_bf16 = kind == 1 || std::is_same_v<T, __nv_bfloat16>;
+#pragma unroll
+        for (int y = 0; y < kCopyChunks / kLanes; ++y) {
+          const int c = c_copy + y * kLanes;  // 16 bytes -> 16-bit chunks 2c, 2c + 1 of the row
+          const uint4 w = *reinterpret_cast<const uint4*>(from + c * 16);
+          const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+          uint32_t h[8];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            Tc8<KT>::to_h2(u[e], h[2 * e], h[2 * e + 1]);
+            if (to_bf16) h[2 * e] = half2_to_bf16x2(h[2 * e]), h[2 * e + 1] = half2_to_bf16x2(h[2 * e + 1]);
+          }
+          *reinterpret_cast<uint4*>(to + (((2 * c) ^ (j_copy & 7)) << 4)) = make_uint4(h[0], h[1], h[2], h[3]);
+          *reinterpret_cast<uint4*>(to + (((2 * c + 1) ^ (j_copy & 7)) << 4)) = make_uint4(h[4], h[5], h[6], h[7]);
+        }
+      }
+      __syncthreads();  // the converted tiles are complete
+    }
+    const int ring = k8 ? 0 : st;  // the 16-bit tiles the MMAs read
 
     // S = Q K^T: per 16 dims, A from Q, two 8-key B fragments per ldmatrix.
-    const unsigned k_st = k_lane + st * 2 * L::kTile;
+    const unsigned k_st = k_lane + ring * 2 * L::kTile;
     float s[kM][kSt][4] = {};
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
@@ -1313,6 +1399,22 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
           mma_16816<T>(s[mi][2 * np + 1], a[mi], kb[2], kb[3]);
         }
       }
+    }
+    // Scales per token: K's on its scores (before the maximum), V's for the weights below.
+    float vsc[kSt][2];
+    if (token_scales) {
+      const float* ks = reinterpret_cast<const float*>(aligned + (L::scales8(base, st, 0) - base));
+      const float* vs = reinterpret_cast<const float*>(aligned + (L::scales8(base, st, 1) - base));
+#pragma unroll
+      for (int nt = 0; nt < kSt; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int jt = nt * 8 + 2 * (lane % 4) + e;
+          const float f = ks[jt];
+          vsc[nt][e] = vs[jt];
+#pragma unroll
+          for (int mi = 0; mi < kM; ++mi) s[mi][nt][e] *= f, s[mi][nt][2 + e] *= f;
+        }
     }
 
     // Masked tiles (rare: the diagonal, keys without a page): those scores to -inf.
@@ -1354,7 +1456,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
       for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) mx[mi][hf] = fmaxf(mx[mi][hf], __shfl_xor_sync(0xffffffffu, mx[mi][hf], x));
-    uint32_t pa[kM][kN / 16][4];
+    uint32_t pa[kM][kN / 16][4];  // P in PT
     bool moved = false;
 #pragma unroll
     for (int mi = 0; mi < kM; ++mi)
@@ -1370,7 +1472,8 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
           const float p0 = fast_exp2(fmaf(s[mi][nt][2 * hf], qscale, -mb));
           const float p1 = fast_exp2(fmaf(s[mi][nt][2 * hf + 1], qscale, -mb));
           sums[nt] = p0 + p1;
-          pa[mi][nt / 2][(nt % 2) * 2 + hf] = pack2<T>(p0, p1);
+          pa[mi][nt / 2][(nt % 2) * 2 + hf] =
+              token_scales ? pack2<PT>(p0 * vsc[nt][0], p1 * vsc[nt][1]) : pack2<PT>(p0, p1);
         }
 #pragma unroll
         for (int w = kSt / 2; w >= 1; w /= 2)
@@ -1391,7 +1494,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
     }
 
     // O += P V, V read transposed: two 8-column fragments of O per ldmatrix.
-    const unsigned v_st = v_lane + st * 2 * L::kTile;
+    const unsigned v_st = v_lane + ring * 2 * L::kTile;
 #pragma unroll
     for (int dp = 0; dp < kOt / 2; ++dp) {
       const unsigned v_dp = v_st ^ (dp << 5);
@@ -1401,8 +1504,8 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
         ldmatrix_x4<true>(vb, v_dp + kk * 16 * L::kRowBytes);
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi) {
-          mma_16816<T>(o[mi][2 * dp], pa[mi][kk], vb[0], vb[1]);
-          mma_16816<T>(o[mi][2 * dp + 1], pa[mi][kk], vb[2], vb[3]);
+          mma_16816<PT>(o[mi][2 * dp], pa[mi][kk], vb[0], vb[1]);
+          mma_16816<PT>(o[mi][2 * dp + 1], pa[mi][kk], vb[2], vb[3]);
         }
       }
     }
@@ -1432,45 +1535,59 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
 
 // The tensor-core path takes groups within the row tile and shared memory within the device's
 // opt-in limit.
-template <int kD, class T>
+template <int kD, class T, class KT>
+using PrefillLayoutOf = PrefillLayout<kD, !std::is_same_v<KT, T>>;
+
+template <int kD, class T, class KT>
 bool tc_eligible(const AttentionProblem& p) {
   int device = 0, limit = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  return p.group <= PrefillLayout<kD>::kRows &&
-         PrefillLayout<kD>::kBytes <= static_cast<size_t>(limit);
+  return p.group <= PrefillLayoutOf<kD, T, KT>::kRows &&
+         PrefillLayoutOf<kD, T, KT>::kBytes <= static_cast<size_t>(limit);
 }
 
-template <int kD, class T>
+template <int kD, class T, class KT>
 ffi::Error launch_prefill_tc(cudaStream_t stream, const AttentionProblem& p) {
-  using L = PrefillLayout<kD>;
-  allow_shared_memory(prefill_tc_kernel<kD, T>, L::kBytes);
+  using L = PrefillLayoutOf<kD, T, KT>;
+  allow_shared_memory(prefill_tc_kernel<kD, T, KT>, L::kBytes);
   const int per_tile = L::kRows / p.group;
   const dim3 grid(static_cast<unsigned>((p.tokens + per_tile - 1) / per_tile),
                   static_cast<unsigned>(p.kv.heads), static_cast<unsigned>(p.batch));
-  prefill_tc_kernel<kD, T><<<grid, kThreads, L::kBytes, stream>>>(p);
+  prefill_tc_kernel<kD, T, KT><<<grid, kThreads, L::kBytes, stream>>>(p);
   return cuda_status("attention.prefill");
 }
 
-// The tensor-core prefill where it applies; false: use the split-KV kernel per query token.
-template <class T>
+// The tensor-core prefill where it applies (q T over a cache of KT: T, or an 8-bit format);
+// false: use the split-KV kernel per query token.
+template <class T, class KT = T>
 bool try_prefill_tc(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status) {
   if (p.batch > 65535 || p.kv.heads > 65535) return false;
   switch (p.head_dim) {
     case 64:
-      if (!tc_eligible<64, T>(p)) return false;
-      *status = launch_prefill_tc<64, T>(stream, p);
+      if (!tc_eligible<64, T, KT>(p)) return false;
+      *status = launch_prefill_tc<64, T, KT>(stream, p);
       return true;
     case 128:
-      if (!tc_eligible<128, T>(p)) return false;
-      *status = launch_prefill_tc<128, T>(stream, p);
+      if (!tc_eligible<128, T, KT>(p)) return false;
+      *status = launch_prefill_tc<128, T, KT>(stream, p);
       return true;
     case 256:
-      if (!tc_eligible<256, T>(p)) return false;
-      *status = launch_prefill_tc<256, T>(stream, p);
+      if (!tc_eligible<256, T, KT>(p)) return false;
+      *status = launch_prefill_tc<256, T, KT>(stream, p);
       return true;
     default:
       return false;
+  }
+}
+
+template <class T>
+bool try_prefill_tc8(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status) {
+  switch (p.kv_type) {
+    case ffi::DataType::F8E4M3FN: return try_prefill_tc<T, E4M3>(stream, p, status);
+    case ffi::DataType::F8E5M2: return try_prefill_tc<T, E5M2>(stream, p, status);
+    case ffi::DataType::S8: return try_prefill_tc<T, S8>(stream, p, status);
+    default: return false;
   }
 }
 
@@ -1503,6 +1620,8 @@ ffi::Error attention_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
     ffi::Error status = ffi::Error::Success();
     if (qt == D::BF16 && kt == D::BF16 && try_prefill_tc<__nv_bfloat16>(stream, *p, &status)) return status;
     if (qt == D::F16 && kt == D::F16 && try_prefill_tc<__half>(stream, *p, &status)) return status;
+    if (qt == D::BF16 && try_prefill_tc8<__nv_bfloat16>(stream, *p, &status)) return status;
+    if (qt == D::F16 && try_prefill_tc8<__half>(stream, *p, &status)) return status;
   }
   {
     ffi::Error status = ffi::Error::Success();
@@ -1525,8 +1644,9 @@ ffi::Error attention_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
 
 }  // namespace
 
-// Decode: the split-KV kernels. Prefill: the tensor-core kernel where it applies (bf16 / f16, head
-// dims 64, 128, 256, groups up to its row tile), else the split-KV kernels, a query row per token.
+// Decode: the split-KV kernels. Prefill: the tensor-core kernel where it applies (a bf16 / f16 q
+// over its dtype or an 8-bit cache, head dims 64, 128, 256, groups up to its row tile), else the
+// split-KV kernels, a query row per token.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jaxkv_attention_decode_cuda, attention_cuda<false>,
     bind_attention(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JAXKV_CUDA_TRAITS);
