@@ -115,7 +115,12 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int j = 0; j < kWords; ++j) words[j] = live ? load_word(src + j) : uint4{};
     };
-    if (p.tokens == 1) load(in);  // a decode step: in flight beside the metadata
+    if (p.tokens == 1) {
+      load(in);  // a decode step: in flight beside the metadata
+    } else if (p.counts) {  // ragged rows: a warp whose vectors all lie past their rows' counts
+      const int32_t count = __ldg(p.counts + at.b);  // (a padded prefill's tail) does nothing
+      if (__all_sync(0xffffffffu, !in || at.t >= count)) continue;
+    }
     const RowFacts row{__ldg(p.layer), __ldg(p.lengths + at.b),
                        p.counts ? __ldg(p.counts + at.b) : p.tokens,
                        p.active ? __ldg(p.active) : p.batch};
