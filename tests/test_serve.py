@@ -336,6 +336,10 @@ def test_an_8bit_cache_holds_more_sequences_in_the_same_budget(tmp_path, capsys,
     # bytes of scales per head of 16).
     ratio = S.kv_bytes_per_token(CFG, doc["dtype"]) / eight
     assert eight_bit["num_pages"] >= 0.95 * ratio * paged["num_pages"]
+    # Memory is counted in each engine's own bytes: both within the same budget.
+    for run in (paged, eight_bit):
+        assert run["kv_allocated_bytes"] <= 2 * 40 * PER_TOKEN, run["kv_allocated_bytes"]
+    assert eight_bit["kv_allocated_bytes"] == eight_bit["num_pages"] * 4 * eight
     assert eight_bit["requests"] == paged["requests"] == 6
     assert "paged-8bit" in doc["agreement"] and "greedy tokens against paged: paged-8bit" in out
 

@@ -276,8 +276,17 @@ def recompute(cfg, params, system, requests, n: int, max_seq_len: int, eos):
     return result
 
 
+def engine_bytes_per_token(name, args, cfg, per_token):
+    """KV bytes of one token in engine ``name``'s cache: ``per_token`` (the model's dtype), or
+    the 8-bit engine's bytes with its scales (the same budget holds about twice the tokens)."""
+    if name == "paged-8bit":
+        return S.kv_bytes_per_token(cfg, S.KV_DTYPES[args.kv_dtype], scaled=True)
+    return per_token
+
+
 def run_engine(name, args, cfg, params, system, requests, kv_gib, per_token, mean_total):
     engine, p = make_engine(name, args, cfg, params, system, kv_gib, per_token, mean_total)
+    per_token = engine_bytes_per_token(name, args, cfg, per_token)  # the memory rows' bytes
     reqs = S.fresh(requests)
     oracle = S.oracle_reuse(system, requests, args.page_size)
     window = ((args.duration or 0) / 2, 4) if args.profile else None  # mid-run, 4 iterations
@@ -290,8 +299,7 @@ def run_engine(name, args, cfg, params, system, requests, kv_gib, per_token, mea
 
 def make_engine(name, args, cfg, params, system, kv_gib, per_token, mean_total):
     """Engine ``name`` with ``kv_gib`` of KV, and its plan (rows, pages)."""
-    if name == "paged-8bit":  # the same budget holds about twice the tokens
-        per_token = S.kv_bytes_per_token(cfg, S.KV_DTYPES[args.kv_dtype], scaled=True)
+    per_token = engine_bytes_per_token(name, args, cfg, per_token)
     kv = int(kv_gib * 2**30)
     batch = args.max_batch or max(1, min(256, int(kv // per_token // mean_total)))
     p = S.plan(name, kv, per_token, args.max_seq_len, args.page_size, batch)
