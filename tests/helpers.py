@@ -9,6 +9,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxkv import reference as _reference
 
@@ -86,3 +87,12 @@ def copies_of(compiled_hlo: str, x) -> list[str]:
     t = re.escape(hlo_type(x))
     pattern = re.compile(rf"=\s*{t}(\{{[^}}]*\}})?\s+copy(-start)?\(")
     return [line.strip() for line in compiled_hlo.splitlines() if pattern.search(line)]
+
+
+def mesh_of(shape, names):
+    """jax.make_mesh over the first devices of the default backend; skips the test where there
+    are fewer (a one-GPU machine; CPU runs force 8 host devices)."""
+    need = int(np.prod(shape))
+    if jax.device_count() < need:
+        pytest.skip(f"needs {need} devices of the default backend")
+    return jax.make_mesh(shape, names, devices=jax.devices()[:need])

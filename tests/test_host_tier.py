@@ -10,7 +10,7 @@ from jax.experimental import checkify
 
 from jaxkv import NO_PAGE, CacheSharding, PagedKVCache, attention
 
-from helpers import assert_bytes_equal, copies_of, random_array
+from helpers import assert_bytes_equal, copies_of, mesh_of, random_array
 
 L, H, D = 2, 2, 16
 
@@ -393,7 +393,7 @@ def test_a_sharded_cache_swaps_each_shard_to_its_own_host_pages(layout, dtype, s
     """Batch over 2 devices, KV heads over 2: each batch shard moves its rows to its share of the
     host pages and back; flags, counts and every gathered value equal the unsharded cache's, and
     the host pool stays in host memory, split like the pools."""
-    mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices()[:4])
+    mesh = mesh_of((2, 2), ("dp", "tp"))
     src = jnp.bfloat16 if scaling else dtype
     shape = (L, 4, H, 7, D)
     k, v = random_array(shape, src), random_array(shape, src)
@@ -424,9 +424,6 @@ def test_bad_arguments_are_refused_at_trace_time():
         make(host_pages=-1)
     with pytest.raises(TypeError, match="host_pages must be a Python int"):
         make(host_pages=2.0)
-    mesh = jax.make_mesh((2,), ("batch",), devices=jax.devices()[:2])
-    with pytest.raises(ValueError, match="host_pages = 7 is not divisible by the 2 devices"):
-        make(host_pages=7, sharding=CacheSharding(mesh, batch="batch"))
     cache = make()
     with pytest.raises(ValueError, match="PagedKVCache.swap_out: the cache has no host tier"):
         make(host_pages=0).swap_out(jnp.zeros((4,), bool))
@@ -505,11 +502,17 @@ def test_spilled_prefix_survives_device_pressure_and_comes_back():
     assert not bool(jnp.any(cache.prefix_cache.indexed[cache.num_pages:]))
 
 
+def test_host_pages_must_split_evenly_over_the_batch_shards():
+    mesh = mesh_of((2,), ("batch",))
+    with pytest.raises(ValueError, match="host_pages = 7 is not divisible by the 2 devices"):
+        make(host_pages=7, sharding=CacheSharding(mesh, batch="batch"))
+
+
 def test_each_batch_shard_spills_and_finds_its_own_prefix_on_the_host():
     """The previous test on a cache split over 2 batch shards (and 2 head shards): each shard
     spills its cached chain to its own host pages, loses its device pool to another row, and
     finds the chain on the host again."""
-    mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices()[:4])
+    mesh = mesh_of((2, 2), ("dp", "tp"))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 50, (4, 8)), jnp.int32)
     first, second = jnp.array([6, 0, 6, 0], jnp.int32), jnp.array([0, 8, 0, 8], jnp.int32)
     cache = prefix_cache(num_pages=8, max_batch=4,
