@@ -22,8 +22,9 @@ Which kernel: JAX's Pallas ``paged_attention`` is deprecated with its Triton bac
 decode-only, and needs power-of-two blocks; cuDNN's dense attention on a layer of a stacked buffer
 makes XLA slice the layer first. jaxkv's own kernels therefore serve every cache kind through one
 addressing view (``ffi/include/jaxkv/attention.h``): on the GPU, decode is split-KV; prefill runs
-on tensor cores (FlashAttention-2's forward) for bfloat16 / float16 caches with head_dim 64, 128
-or 256 and GQA groups up to its row tile, else the decode kernel with one query row per new token.
+on tensor cores (FlashAttention-2's forward) for bfloat16 / float16 caches and 8-bit ones (each
+K/V tile converted exactly to 16 bits in shared memory) with head_dim 64, 128 or 256 and GQA
+groups up to its row tile, else the decode kernel with one query row per new token.
 The one exception is measured faster: a ``PagedKVCache`` in bfloat16 / float16 (either layout,
 power-of-two pages) on a GPU goes to cuDNN's paged flash attention, reading the whole pool in
 place through jax's private binding (``jaxkv/_cudnn.py``, ``implementation=`` chooses explicitly).
