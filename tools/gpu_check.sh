@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a CUDA machine (the H200 of the device tool): build with the preinstalled toolchain, run the
 # whole test suite on the GPU, then the benchmarks, then the demo for each cache kind against its
-# XLA baseline. Logs go to $OUT (default /tmp/jaxkv-gpu). SKIP_TESTS=1 / SKIP_BENCH=1 / SKIP_DEMO=1
+# XLA baseline. Logs go to $OUT (default /tmp/jaxkv-gpu), packed at the end into logs.tgz (the
+# main ones also beside it). SKIP_TESTS=1 / SKIP_BENCH=1 / SKIP_DEMO=1
 # / SKIP_SANITIZE=1 / SKIP_SOAK=1 / SKIP_BUILD=1 / SKIP_SERVE=1 skip parts; BENCH_OPS="op ..." limits the benchmark to those ops,
 # MEMCHECK / RACECHECK="test files" replace the sanitizers' default test lists, RACECHECK_SELECT
 # racecheck's -k expression, TESTS_BUDGET_S=N the tests file by file within N seconds (below).
@@ -183,6 +184,12 @@ if [ -z "${SKIP_SERVE:-}" ]; then
       --engines paged --prefix-cache ${SERVE_ARGS:-} --json "$OUT/serving-8b-${SERVE_STREAM:-chat}.json" 2>&1)
   } | tee "$OUT/serve.log"
 fi
+# The device tool brings back at most 8 files of $OUT: every log goes into logs.tgz, and only the
+# files read most stay beside it (a call of 2026-11-26 lost its test log among 16 files).
+keep="summary.log tests.log bench.md bench.json bench.log serve.log"
+(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz . 2>/dev/null && for f in *; do
+  case " $keep logs.tgz " in *" $f "*) ;; *) rm -rf -- "$f" ;; esac
+done)
 # The lines that decide the call again, last, so that the tail of a long run still shows them.
 echo "== summary ($(date -u '+%Y-%m-%d %H:%M UTC'))"
 cat "$OUT/summary.log" 2>/dev/null
