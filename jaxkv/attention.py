@@ -50,8 +50,8 @@ from .manager import KVCacheManager
 from .paged import PagedKVCache
 from .sharding import Role, per_shard
 
-# Head dims the kernels are built for (ffi/cuda/attention.cu instantiates these; the CPU handler
-# accepts the same so that a program behaves alike on both).
+# Head dims the kernels are built for (ffi/cuda/attention_decode.cu instantiates these; the CPU
+# handler accepts the same so that a program behaves alike on both).
 HEAD_DIMS = (16, 32, 64, 128, 256)
 QUERY_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 EIGHT_BIT_DTYPES = quantization.QUANTIZED_DTYPES  # fp8 e4m3fn, e5m2, int8

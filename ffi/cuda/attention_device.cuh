@@ -1,0 +1,170 @@
+// Device-side building blocks of jaxkv's attention kernels, shared by the split-KV kernels
+// (attention_decode.cu) and the tensor-core prefill (attention_prefill.cu): block size, the 8-bit
+// formats' tags and their exact conversion to f16, cp.async, mma.sync / ldmatrix / movmatrix,
+// packing; and the two launchers the FFI handlers (attention.cu) choose between.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "jaxkv/attention.h"
+#include "jaxkv/cuda_launch.h"
+
+namespace jaxkv {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kMaxHeads = 8;  // q heads per block at most (python: _MAX_HEADS_PER_BLOCK)
+constexpr float kLog2e = 1.4426950408889634f;
+
+// The 8-bit cache formats, as kernel template arguments.
+struct E4M3 {};
+struct E5M2 {};
+struct S8 {};
+
+// cp.async of 16 bytes to a shared address; a dead word (live false) is filled with zeros.
+__device__ __forceinline__ void copy16(unsigned dst, const char* src, bool live) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(live ? 16 : 0));
+}
+// The same for one word W at a generic pointer into shared memory.
+template <class W>
+__device__ __forceinline__ void copy_async(W* dst, const char* src, bool live) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if constexpr (sizeof(W) == 16)
+    copy16(d, src, live);
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(src), "n"(sizeof(W)),
+                 "r"(live ? static_cast<int>(sizeof(W)) : 0));
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory"); }
+
+template <class T>
+__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], unsigned s) {  // a shared address
+  if constexpr (kTrans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* p) {
+  ldmatrix_x4<kTrans>(r, static_cast<unsigned>(__cvta_generic_to_shared(p)));
+}
+// The 8x8 matrix of 16-bit values whose row lane / 4 holds elements 2 (lane % 4), + 1 (an MMA
+// accumulator's layout, packed), transposed across the warp.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: 2^-inf = 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// A pair of T in one register (the first in the low half) as two floats, and back.
+template <class T>
+__device__ __forceinline__ float2 unpack2(uint32_t w) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  else
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {  // one cvt for the pair
+  uint32_t w;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    memcpy(&w, &h, 4);
+  } else {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    memcpy(&w, &h, 4);
+  }
+  return w;
+}
+
+// Four 8-bit values of a word as two f16 pairs: lo = bytes 0, 1, hi = bytes 2, 3 (the first of a
+// pair in the low half, the fragments' order).
+template <class KT> struct Tc8;
+template <> struct Tc8<E4M3> {
+  __device__ static void to_h2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+    lo = uint32_t{a.x} | (uint32_t{a.y} << 16);
+    hi = uint32_t{b.x} | (uint32_t{b.y} << 16);
+  }
+};
+template <> struct Tc8<E5M2> {
+  __device__ static void to_h2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+    lo = __byte_perm(w, 0u, 0x1404);  // bytes {0, w0, 0, w1}
+    hi = __byte_perm(w, 0u, 0x3424);
+  }
+};
+template <> struct Tc8<S8> {
+  __device__ static void to_h2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+    // f16 0x64XX is 1024 + XX: XX = byte + 128 (the sign bit flipped), then 1152 off. Exact.
+    const uint32_t u = w ^ 0x80808080u;
+    const uint32_t a = __byte_perm(u, 0x64646464u, 0x4140), b = __byte_perm(u, 0x64646464u, 0x4342);
+    const __half2 off = __float2half2_rn(1152.f);
+    __half2 x, y;
+    memcpy(&x, &a, 4);
+    memcpy(&y, &b, 4);
+    x = __hsub2(x, off), y = __hsub2(y, off);
+    memcpy(&lo, &x, 4);
+    memcpy(&hi, &y, 4);
+  }
+};
+
+// Shared memory of `kernel` past the 48 KiB default: the opt-in. Setting the attribute costs a
+// driver call, so each (kernel, device) is configured once (kernels of one signature share a
+// function type, so the record is keyed by the kernel's address).
+template <class Kernel>
+void allow_shared_memory(Kernel kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  constexpr int kMaxDevices = 64, kSlots = 64;
+  static const void* configured[kMaxDevices][kSlots] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  const void* key = reinterpret_cast<const void*>(kernel);
+  for (const void*& slot : configured[device % kMaxDevices]) {
+    if (slot == key) return;
+    if (slot == nullptr) {
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+      slot = key;
+      return;
+    }
+  }
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+}
+
+// The split-KV kernels (attention_decode.cu): every q and cache dtype, decode and the fallback of
+// prefill (a query row per new token).
+ffi::Error launch_split_kv(cudaStream_t stream, const AttentionProblem& p, int splits, float* work);
+// The tensor-core prefill (attention_prefill.cu) where it applies; false: it does not.
+bool launch_prefill_tc(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status);
+
+}  // namespace jaxkv
