@@ -121,30 +121,51 @@ __device__ __forceinline__ int heads_of(const AttentionProblem& p, int y, int* f
   return min(kHeads, p.group - hb * kHeads);
 }
 
+// A split-KV block's share of the grid: query row (b, t) of block x, q heads [h0, h0 + nh) of KV
+// head kvh (block y, at most kHeads of the GQA group), and the keys [k0, k1) of split z below the
+// row's live length.
+struct SplitBlock {
+  int b, t, h0, nh, kvh, split, splits;
+  int32_t k0, k1;
+};
+
+template <int kHeads>
+__device__ __forceinline__ SplitBlock split_block(const AttentionProblem& p, int32_t keys_per_split) {
+  SplitBlock s;
+  const int row = blockIdx.x;
+  s.split = blockIdx.z;
+  s.splits = gridDim.z;
+  s.b = row / p.tokens, s.t = row % p.tokens;
+  s.nh = heads_of<kHeads>(p, blockIdx.y, &s.h0);
+  s.kvh = s.h0 / p.group;
+  const int32_t n = p.layer_ok() ? p.keys(s.b, s.t) : 0;
+  s.k0 = s.split * keys_per_split;
+  s.k1 = min(n, s.k0 + keys_per_split);
+  return s;
+}
+
+// True where the block has no key to read: with one split it owns the output and writes zeros
+// (n == 0); with several, combine_kernel reads only the splits below n.
+template <int kD, class QT>
+__device__ __forceinline__ bool empty_split(const AttentionProblem& p, const SplitBlock& s) {
+  if (s.k0 < s.k1) return false;
+  if (s.splits == 1) {
+    QT* out = reinterpret_cast<QT*>(p.out);
+    for (int i = threadIdx.x; i < s.nh * kD; i += kThreads)
+      Elem<QT>::store1(out + p.q_index(s.b, s.t, s.h0 + i / kD) + i % kD, 0.f);
+  }
+  return true;
+}
+
 template <int kD, int kHeads, class QT, class KT>
 __global__ void __launch_bounds__(kThreads)
     attention_kernel(const AttentionProblem p, int32_t keys_per_split, float* work) {
   using G = Geometry<kD, KT>;
   using W = typename Elem<KT>::W;
-  const int row = blockIdx.x, split = blockIdx.z;
-  const int b = row / p.tokens, t = row % p.tokens;
-  int h0;
-  const int nh = heads_of<kHeads>(p, blockIdx.y, &h0);
-  const int kvh = h0 / p.group;
-  const int splits = gridDim.z;
-  const int32_t n = p.layer_ok() ? p.keys(b, t) : 0;
-  const int32_t k0 = split * keys_per_split;
-  const int32_t k1 = min(n, k0 + keys_per_split);
+  const SplitBlock blk = split_block<kHeads>(p, keys_per_split);
+  if (empty_split<kD, QT>(p, blk)) return;
+  const auto [b, t, h0, nh, kvh, split, splits, k0, k1] = blk;
   QT* out = reinterpret_cast<QT*>(p.out);
-  if (k0 >= k1) {
-    // Nothing to read. With one split this block owns the output: zeros (n == 0). With several,
-    // combine_kernel reads only the splits below n.
-    if (splits == 1) {
-      for (int i = threadIdx.x; i < nh * kD; i += kThreads)
-        Elem<QT>::store1(out + p.q_index(b, t, h0 + i / kD) + i % kD, 0.f);
-    }
-    return;
-  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int sub = lane / G::kLanes, part = lane % G::kLanes;
   const int64_t layer = *p.layer;
@@ -455,23 +476,9 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
   using R = typename S::template Ring<T>;
   constexpr int kTokens = S::kTokens, kDW = S::kDW;
   extern __shared__ __align__(128) unsigned char smem[];
-  const int row = blockIdx.x, split = blockIdx.z;
-  const int b = row / p.tokens, t = row % p.tokens;
-  int h0;
-  const int nh = heads_of<kTcN>(p, blockIdx.y, &h0);
-  const int kvh = h0 / p.group;
-  const int splits = gridDim.z;
-  const int32_t n = p.layer_ok() ? p.keys(b, t) : 0;
-  const int32_t k0 = split * keys_per_split;
-  const int32_t k1 = min(n, k0 + keys_per_split);
-  T* out = reinterpret_cast<T*>(p.out);
-  if (k0 >= k1) {  // as in attention_kernel
-    if (splits == 1) {
-      for (int i = threadIdx.x; i < nh * kD; i += kThreads)
-        Elem<T>::store1(out + p.q_index(b, t, h0 + i / kD) + i % kD, 0.f);
-    }
-    return;
-  }
+  const SplitBlock blk = split_block<kTcN>(p, keys_per_split);
+  if (empty_split<kD, T>(p, blk)) return;
+  const auto [b, t, h0, nh, kvh, split, splits, k0, k1] = blk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tq = lane % 4;  // fragment row (key, or O's column) and column pair (heads)
   const int jw = (warp / kSplitD) * 16;   // this warp's tokens in a stage
@@ -664,23 +671,9 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
     attention_tc8_kernel(const AttentionProblem p, int32_t keys_per_split, float* work) {
   using R = TcRing8<kD, kStages>;
   extern __shared__ __align__(128) unsigned char smem[];
-  const int row = blockIdx.x, split = blockIdx.z;
-  const int b = row / p.tokens, t = row % p.tokens;
-  int h0;
-  const int nh = heads_of<kTcN>(p, blockIdx.y, &h0);
-  const int kvh = h0 / p.group;
-  const int splits = gridDim.z;
-  const int32_t n = p.layer_ok() ? p.keys(b, t) : 0;
-  const int32_t k0 = split * keys_per_split;
-  const int32_t k1 = min(n, k0 + keys_per_split);
-  if (k0 >= k1) {  // as in attention_kernel
-    if (splits == 1) {
-      QT* out = reinterpret_cast<QT*>(p.out);
-      for (int i = threadIdx.x; i < nh * kD; i += kThreads)
-        Elem<QT>::store1(out + p.q_index(b, t, h0 + i / kD) + i % kD, 0.f);
-    }
-    return;
-  }
+  const SplitBlock blk = split_block<kTcN>(p, keys_per_split);
+  if (empty_split<kD, QT>(p, blk)) return;
+  const auto [b, t, h0, nh, kvh, split, splits, k0, k1] = blk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tq = lane % 4;  // fragment row (head) and column pair
   const int iters = (k1 - k0 + kTcTokens - 1) / kTcTokens;
