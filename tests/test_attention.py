@@ -219,6 +219,40 @@ def test_prefill_chunk_spans_several_query_and_key_tiles(layout):
     assert_close(out, want, "bf16")
 
 
+@pytest.mark.parametrize("group,dtype,kind", [(1, jnp.bfloat16, "NHD"), (8, jnp.float16, "HND"),
+                                              (4, jnp.bfloat16, "linear")])
+def test_prefill_over_long_prefixes(group, dtype, kind):
+    """Hundreds of new tokens on prefixes of up to 900 keys, head_dim 128: on Hopper the wgmma
+    prefill (rows of 128 / group tokens, key tiles of 128 through two stages) walks many key tiles
+    past page and tile boundaries, the causal diagonal at every offset within a tile; one row's
+    chunk is cut short by its count, one has no tokens; pages in random order."""
+    head_dim, t, page, pages = 128, 300, 16, 76
+    cap = page * pages
+    prefix = np.array([cap - t, 0, 517], np.int32)
+    q_lengths = np.array([t, 211, 0], np.int32)
+    q = normal((3, t, HKV * group, head_dim), dtype)
+    if kind == "linear":
+        buffer = normal((1, 3, 2, HKV, cap, head_dim), dtype)
+        cache = jaxkv.LinearKVCache(buffer=buffer, lengths=jnp.asarray(prefix),
+                                    active_batch_size=jnp.asarray(3, jnp.int32))
+        k, v = buffer[0, :, 0], buffer[0, :, 1]
+    else:
+        cache = jaxkv.PagedKVCache.create(1, 3 * pages, page, HKV, head_dim, 3, pages, dtype, kind)
+        table = jnp.asarray(_rng.permutation(3 * pages).reshape(3, pages), jnp.int32)
+        shape = cache.k_pages.shape
+        cache = dataclasses.replace(cache, k_pages=normal(shape, dtype),
+                                    v_pages=normal(shape, dtype), page_table=table,
+                                    lengths=jnp.asarray(prefix))
+        kv = ref_gather(cache.k_pages, cache.v_pages, table, jnp.full((3,), cap, jnp.int32), 0,
+                        cap, kind)
+        k, v = kv[:, 0], kv[:, 1]
+    want = ref_prefill(q, k, v, jnp.asarray(prefix), jnp.asarray(q_lengths))
+    prefill = jax.jit(functools.partial(jaxkv.attention.prefill, implementation="jaxkv"))
+    out = prefill(q, cache, 0, jnp.asarray(q_lengths))
+    assert_close(out, want, "bf16" if dtype == jnp.bfloat16 else "f16")
+    assert not np.asarray(out[2]).any()  # no tokens: zeros
+
+
 @pytest.mark.parametrize("head_dim,group,page,scale,dtype", [
     (64, 3, 12, None, jnp.bfloat16),  # a group that does not divide the row tile; pages of 12
     (128, 6, 16, -0.05, jnp.float16),  # a negative softmax scale

@@ -446,6 +446,7 @@ bool try_prefill_tc8(cudaStream_t stream, const AttentionProblem& p, ffi::Error*
 bool launch_prefill_tc(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status) {
   using D = ffi::DataType;
   const D qt = p.q_type, kt = p.kv_type;
+  if (launch_prefill_wgmma(stream, p, status)) return true;
   if (qt == D::BF16 && kt == D::BF16) return try_prefill_tc<__nv_bfloat16>(stream, p, status);
   if (qt == D::F16 && kt == D::F16) return try_prefill_tc<__half>(stream, p, status);
   if (qt == D::BF16) return try_prefill_tc8<__nv_bfloat16>(stream, p, status);

@@ -1,0 +1,354 @@
+// CUDA prefill attention on Hopper's warpgroup MMA (wgmma, sm_90a): a bf16 / f16 q over a cache
+// of its dtype, head_dim 128. Elsewhere (another GPU, dtype or head_dim, an 8-bit cache) the
+// mma.sync kernel of attention_prefill.cu runs.
+#include <cfloat>
+#include <cstdlib>
+
+#include "attention_device.cuh"
+#include "wgmma.cuh"
+
+namespace jaxkv {
+namespace {
+
+// FlashAttention-3's forward, without its copy engine: block (token tile, KV head, row b) of 128
+// query rows (128 / group new tokens x the group's q heads), two warpgroups of 64 rows each. K/V
+// tiles of 128 keys stream by cp.async through three shared-memory stages, each with two
+// mbarriers: `full` (its copies landed: every thread's cp.async arrival, and a plain arrival after
+// its key flags) and `empty` (both warpgroups are done with it; its refill waits). No block
+// barrier in the loop, so the warpgroups run out of phase: they take turns at the tensor cores
+// (two named barriers), and one's softmax (its exponentials are a quarter of the tensor cores'
+// time) overlaps the other's MMAs. A turn issues O += P V of tile i (P from registers, V read
+// MN-major) and S = Q K^T of tile i + 1 (m64n128k16, Q and K from shared memory); then the
+// online softmax of tile i + 1 on the accumulators. Masks (causal, keys without a page) only on
+// the tiles that need them; token tiles run longest first. The page lookups, masks and numerics
+// are the mma.sync kernel's. JAXKV_NO_WGMMA=1 in the environment takes the mma.sync kernel
+// instead (to compare the two).
+constexpr int kWgThreads = 256;  // two warpgroups
+constexpr int kWgD = 128;        // head_dim
+constexpr int kWgRows = 128;     // query rows a block
+constexpr int kWgN = 128;        // keys a K/V tile
+using QTile = SwizzledTile<kWgRows>;
+using KVTile = SwizzledTile<kWgN>;
+
+// Bytes from the 1024-aligned base: Q, per stage K and V, per stage the key flags, per stage the
+// last tile with a key without a page, the mbarriers (full, then empty).
+struct WgLayout {
+  static constexpr int kStages = 3;  // one tile read, two in flight
+  static constexpr unsigned kQ = kWgRows * kWgD * 2;
+  static constexpr unsigned kTile = kWgN * kWgD * 2;
+  static constexpr unsigned kOk = kQ + 2 * kStages * kTile;
+  static constexpr unsigned kMissing = kOk + sizeof(int) * kStages * kWgN;
+  static constexpr unsigned kBars = (kMissing + sizeof(int) * kStages + 7) & ~7u;
+  static constexpr size_t kBytes = kBars + 2 * 8 * kStages + 1024;  // + alignment slack
+  __device__ static unsigned kv(unsigned base, int stage, int kind) { return base + kQ + (stage * 2 + kind) * kTile; }
+  __device__ static unsigned full(unsigned base, int stage) { return base + kBars + 8 * stage; }
+  __device__ static unsigned empty(unsigned base, int stage) { return base + kBars + 8 * (kStages + stage); }
+};
+
+// x[0] = x[0] + ... + x[2 kW - 1] (op: max or sum) by a tree (a loop of halving widths is not
+// unrolled by the compiler at 16 fragments, which moves the array to local memory).
+template <int kW, class Op>
+__device__ __forceinline__ void tree(float* x, Op op) {
+#pragma unroll
+  for (int j = 0; j < kW; ++j) x[j] = op(x[j], x[j + kW]);
+  if constexpr (kW > 1) tree<kW / 2>(x, op);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const AttentionProblem p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = WgLayout;
+  constexpr int kChunks = kWgD / 8;  // 16-byte chunks of a row
+  extern __shared__ __align__(128) unsigned char smem[];
+  const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned base = (raw + 1023) & ~1023u;
+  int* const ok_flags = reinterpret_cast<int*>(smem + (base - raw) + L::kOk);
+  int* const missing_at = reinterpret_cast<int*>(smem + (base - raw) + L::kMissing);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int st = 0; st < L::kStages; ++st) {
+      mbar_init(L::full(base, st), 2 * kWgThreads);
+      mbar_init(L::empty(base, st), kWgThreads);
+      missing_at[st] = 0;
+    }
+  }
+  __syncthreads();
+
+  const int group = p.group, per_tile = kWgRows / group, live_rows = per_tile * group;
+  const int b = blockIdx.z, kvh = blockIdx.y;
+  const int t0 = (gridDim.x - 1 - blockIdx.x) * per_tile;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool layer_ok = p.layer_ok();
+  const int t_last = min(t0 + per_tile, min(p.tokens, p.counts[b])) - 1;
+  const bool any = layer_ok && t_last >= t0;
+  const int32_t n_max = any ? p.keys(b, t_last) : 0, n_min = any ? p.keys(b, t0) : 0;
+  const int tiles = (n_max + kWgN - 1) / kWgN;
+
+  // Two lanes a row (Q) or a key (K, V), every other chunk each: chunk c_copy + 2 y of row
+  // r_copy, in block y / 4 at the row's offset of chunk c_copy XOR (2 y % 8) * 16
+  // (SwizzledTile::chunk, with the constant part taken out of the loop).
+  const int r_copy = threadIdx.x / 2, c_copy = threadIdx.x % 2;
+  const unsigned row_off = r_copy * 128u + ((c_copy ^ (r_copy & 7)) << 4);
+  auto chunk_at = [&](unsigned tile, unsigned block, int y) {
+    return tile + (y / 4) * block + (row_off ^ ((2 * y % 8) << 4));
+  };
+  {  // Q (tracked by tile 0's arrival): rows past the tile's tokens, T or the count are zeros
+    const int t = t0 + r_copy / group;
+    const bool live = r_copy < live_rows && t < p.tokens;
+    const char* src = live ? p.q + p.q_index(b, t, kvh * group + r_copy % group) * 2 : p.q;
+#pragma unroll
+    for (int y = 0; y < kChunks / 2; ++y)
+      copy16(chunk_at(base, QTile::kBlock, y), src + (live ? (c_copy + 2 * y) * 16 : 0), live);
+  }
+  const KVView& kv = p.kv;
+  const int64_t head_base = (layer_ok ? *p.layer : 0) * kv.layer_stride + kvh * kv.head_stride;
+  const int32_t* table = kv.page_table ? kv.page_table + int64_t{b} * kv.max_pages : nullptr;
+  auto fetch = [&](int i) -> int32_t {  // the table entry of this thread's key of tile i
+    const int32_t pos = i * kWgN + r_copy;
+    if (pos >= n_max) return -1;
+    return table ? table[kv.column(pos)] : b;
+  };
+  // This thread's share of tile i into its stage: K and V chunks, its key's flag (and the tile's
+  // number where the key has no page), then its two arrivals on the stage's `full`.
+  auto issue = [&](int i, int32_t page) {
+    const int st = i % L::kStages;
+    const int32_t pos = i * kWgN + r_copy;
+    const bool live = pos < n_max && kv.holds(page);
+    const int64_t off = live ? head_base + page * kv.page_stride + int64_t{kv.slot(pos)} * kv.token_stride : 0;
+#pragma unroll
+    for (int kind = 0; kind < 2; ++kind) {
+      const char* src = (kind == 0 ? kv.k : kv.v) + off;
+      const unsigned tile = L::kv(base, st, kind);
+#pragma unroll
+      for (int y = 0; y < kChunks / 2; ++y)
+        copy16(chunk_at(tile, KVTile::kBlock, y), src + (live ? (c_copy + 2 * y) * 16 : 0), live);
+    }
+    if (c_copy == 0) {
+      ok_flags[st * kWgN + r_copy] = live;
+      if (pos < n_max && !live) atomicMax(missing_at + st, i + 1);
+    }
+    mbar_arrive_copies(L::full(base, st));
+    mbar_arrive(L::full(base, st));
+  };
+#pragma unroll
+  for (int i = 0; i < L::kStages; ++i)
+    if (i < tiles) issue(i, fetch(i));
+  int32_t ahead = fetch(L::kStages);
+
+  // Raw scores, scaled inside each exponent; a negative scale negates Q (exact), 0 becomes the
+  // smallest normal float (as the mma.sync kernel).
+  float qscale = p.scale * kLog2e * *p.k_scale;
+  if (qscale < 0.f) {  // the same for every thread
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's Q chunks (it negates only those)
+#pragma unroll
+    for (int y = 0; y < kChunks / 2; ++y) {
+      const unsigned a = chunk_at(base, QTile::kBlock, y);
+      uint4 w;
+      asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "r"(a));
+      w.x ^= 0x80008000u, w.y ^= 0x80008000u, w.z ^= 0x80008000u, w.w ^= 0x80008000u;
+      asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(a), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w));
+    }
+    fence_async_shared();
+    __syncthreads();
+    qscale = -qscale;
+  }
+  qscale = fmaxf(qscale, FLT_MIN);
+
+  // This thread's rows: warpgroup wg's 64 rows, warp (warp % 4)'s 16 of them, g and g + 8.
+  const int wg = warp / 4, row_w = wg * 64 + (warp % 4) * 16 + lane / 4;
+  int32_t n_row[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = row_w + 8 * hf, t = t0 + r / group;
+    n_row[hf] = (layer_ok && r < live_rows && t < p.tokens) ? p.keys(b, t) : 0;
+  }
+  // Writes O / l of this thread's rows (zeros for a row with no key; rows past the tile or T are
+  // not written).
+  auto write_out = [&](const float* o, const float* l) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float sum = l[hf];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int r = row_w + 8 * hf, t = t0 + r / group;
+      if (r >= live_rows || t >= p.tokens) continue;
+      const bool live = n_row[hf] > 0 && sum > 0.f;
+      const float norm = live ? *p.v_scale / sum : 0.f;
+      T* out = reinterpret_cast<T*>(p.out) + p.q_index(b, t, kvh * group + r % group) + 2 * (lane % 4);
+#pragma unroll
+      for (int dt = 0; dt < kWgD / 8; ++dt) {
+        const uint32_t w = live ? pack2<T>(o[4 * dt + 2 * hf] * norm, o[4 * dt + 2 * hf + 1] * norm) : 0u;
+        *reinterpret_cast<uint32_t*>(out + dt * 8) = w;
+      }
+    }
+  };
+  if (tiles == 0) {  // no key: zeros (the same for the whole block)
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    const float zeros[kWgD / 2] = {}, none[2] = {};
+    write_out(zeros, none);
+    return;
+  }
+
+  constexpr int kSt = kWgN / 8, kOt = kWgD / 8;  // 8-column fragments of S and of O
+  float s[kSt * 4], o[kOt * 4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  uint32_t pa[kWgN / 16][4];  // P of the tile whose P V comes next, as A fragments
+#pragma unroll
+  for (int j = 0; j < kOt * 4; ++j) o[j] = 0.f;
+#pragma unroll
+  for (int j = 0; j < kSt * 4; ++j) s[j] = 0.f;
+  const Wgmma<T, 128> op;
+  // Tile i has landed. (No proxy fence: the copies are cp.async, whose completion the barrier
+  // tracks; a fence here compiled to MEMBAR.ALL.CTA on every tile.)
+  auto wait_full = [&](int i) { mbar_wait(L::full(base, i % L::kStages), (i / L::kStages) & 1); };
+  auto issue_s = [&](int i) {  // S = Q K^T of tile i into s
+    const unsigned k_tile = L::kv(base, i % L::kStages, 0);
+#pragma unroll
+    for (int kk = 0; kk < kWgD / 16; ++kk)
+      mma_ss<0>(op, s, desc_k_major<kWgRows>(base, wg * 64, kk), desc_k_major<kWgN>(k_tile, 0, kk), kk > 0);
+  };
+  // The online softmax of tile i on s (4 lanes share a row): P into pa, O rescaled.
+  auto softmax = [&](int i) {
+    const int st = i % L::kStages;
+    if (missing_at[st] == i + 1 || (i + 1) * kWgN > n_min) {  // the diagonal, keys without a page
+      const int* ok = ok_flags + st * kWgN;
+#pragma unroll
+      for (int nt = 0; nt < kSt; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int jt = nt * 8 + 2 * (lane % 4) + e;
+          const bool held = ok[jt] != 0;
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+            if (!held | (i * kWgN + jt >= n_row[hf])) s[4 * nt + 2 * hf + e] = -INFINITY;
+        }
+    }
+    float mx[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float t[kSt];
+#pragma unroll
+      for (int nt = 0; nt < kSt; ++nt) t[nt] = fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]);
+      tree<kSt / 2>(t, [](float a, float c) { return fmaxf(a, c); });
+      mx[hf] = fmaxf(m[hf], t[0]);
+    }
+#pragma unroll
+    for (int x = 1; x <= 2; x *= 2)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], x));
+    float alpha[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const float top = mx[hf];
+      alpha[hf] = top == -INFINITY ? 1.f : fast_exp2((m[hf] - top) * qscale);
+      const float mb = top == -INFINITY ? 0.f : top * qscale;
+      float sums[kSt];
+#pragma unroll
+      for (int nt = 0; nt < kSt; ++nt) {
+        const float p0 = fast_exp2(fmaf(s[4 * nt + 2 * hf], qscale, -mb));
+        const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hf + 1], qscale, -mb));
+        sums[nt] = p0 + p1;
+        pa[nt / 2][(nt % 2) * 2 + hf] = pack2<T>(p0, p1);
+      }
+      tree<kSt / 2>(sums, [](float a, float c) { return a + c; });
+      m[hf] = top;
+      l[hf] = l[hf] * alpha[hf] + sums[0];  // this lane's columns; the row's sum at the end
+    }
+#pragma unroll
+    for (int dt = 0; dt < kOt; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[4 * dt + e] *= alpha[e / 2];
+  };
+
+  // Turns at the tensor cores: warpgroup w's turn is named barrier 1 + w (both warpgroups count
+  // in it: w waits, the other arrives when its own turn is issued); warpgroup 0 goes first. Each
+  // takes tiles + 1 turns; warpgroup 1 does not arrive after its last (no turn of 0 follows).
+  // The MMAs are issued unconditionally (the compiler serializes wgmma issued under a branch): a
+  // block without keys has left before, and the last turn's S reads a stale stage, unused.
+  const int mine = 1 + wg, theirs = 2 - wg;
+  if (wg == 1) named_arrive(1, kWgThreads);
+  wait_full(0);
+  named_sync(mine, kWgThreads);
+  wgmma_fence();
+  issue_s(0);
+  wgmma_commit();
+  named_arrive(theirs, kWgThreads);
+  wgmma_wait<0>();
+  softmax(0);
+  for (int i = 0; i < tiles; ++i) {
+    const int st = i % L::kStages;
+    const bool next = i + 1 < tiles;
+    if (next) wait_full(i + 1);
+    named_sync(mine, kWgThreads);
+    wgmma_fence();
+    const unsigned v_tile = L::kv(base, st, 1);
+#pragma unroll
+    for (int kk = 0; kk < kWgN / 16; ++kk) mma_rs<1>(op, o, pa[kk], desc_mn_major<kWgN>(v_tile, kk), 1);
+    issue_s(i + 1);
+    wgmma_commit();
+    if (wg == 0 || next) named_arrive(theirs, kWgThreads);
+    wgmma_wait<0>();
+    mbar_arrive(L::empty(base, st));  // this thread is done with tile i
+    if (next) softmax(i + 1);
+    if (i + L::kStages < tiles) {  // tile i's stage, once both warpgroups are done with it
+      mbar_wait(L::empty(base, st), (i / L::kStages) & 1);
+      issue(i + L::kStages, ahead);
+      ahead = fetch(i + L::kStages + 1);
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  write_out(o, l);
+#endif
+}
+
+template <class T>
+ffi::Error launch_wgmma(cudaStream_t stream, const AttentionProblem& p) {
+  allow_shared_memory(prefill_wgmma_kernel<T>, WgLayout::kBytes);
+  const int per_tile = kWgRows / p.group;
+  const dim3 grid(static_cast<unsigned>((p.tokens + per_tile - 1) / per_tile),
+                  static_cast<unsigned>(p.kv.heads), static_cast<unsigned>(p.batch));
+  prefill_wgmma_kernel<T><<<grid, kWgThreads, WgLayout::kBytes, stream>>>(p);
+  return cuda_status("attention.prefill");
+}
+
+// Compute capability 9.0, the sm_90a code built (JAXKV_SM90A) and the shared memory there; once
+// per device.
+bool wgmma_device() {
+#if defined(JAXKV_SM90A)
+  static const bool disabled = std::getenv("JAXKV_NO_WGMMA") != nullptr;
+  constexpr int kMaxDevices = 64;
+  static signed char known[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
+  int device = 0;
+  cudaGetDevice(&device);
+  signed char& k = known[device % kMaxDevices];
+  if (k == 0) {
+    int major = 0, minor = 0, limit = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    k = major == 9 && minor == 0 && WgLayout::kBytes <= static_cast<size_t>(limit) ? 1 : -1;
+  }
+  return k > 0 && !disabled;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool launch_prefill_wgmma(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status) {
+  using D = ffi::DataType;
+  if (p.head_dim != kWgD || p.group > kWgRows || p.kv_type != p.q_type || p.batch > 65535 ||
+      p.kv.heads > 65535 || !wgmma_device())
+    return false;
+  if (p.q_type == D::BF16) {
+    *status = launch_wgmma<__nv_bfloat16>(stream, p);
+    return true;
+  }
+  if (p.q_type == D::F16) {
+    *status = launch_wgmma<__half>(stream, p);
+    return true;
+  }
+  return false;
+}
+
+}  // namespace jaxkv
