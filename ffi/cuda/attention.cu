@@ -1,5 +1,6 @@
 // CUDA handlers of decode and prefill attention: the problem checked, then the tensor-core prefill
-// (attention_prefill.cu) where it applies, else the split-KV kernels (attention_decode.cu).
+// (attention_prefill_wgmma.cu on Hopper, else attention_prefill.cu) where it applies, else the
+// split-KV kernels (attention_decode.cu).
 #include "attention_device.cuh"
 #include "jaxkv/registry.h"
 

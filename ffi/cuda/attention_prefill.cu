@@ -1,5 +1,6 @@
-// CUDA prefill attention on tensor cores: a bf16 / f16 q over a cache of its dtype or an 8-bit
-// one (the split-KV kernels of attention_decode.cu take the rest).
+// CUDA prefill attention on tensor cores (mma.sync): a bf16 / f16 q over a cache of its dtype or
+// an 8-bit one, where the wgmma kernel of attention_prefill_wgmma.cu (Hopper, 16-bit caches,
+// head_dim 128) does not take it; the split-KV kernels of attention_decode.cu take the rest.
 #include <cfloat>
 
 #include "attention_device.cuh"

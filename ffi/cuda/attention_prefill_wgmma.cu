@@ -40,9 +40,11 @@ struct WgLayout {
   static constexpr unsigned kMissing = kOk + sizeof(int) * kStages * kWgN;
   static constexpr unsigned kBars = (kMissing + sizeof(int) * kStages + 7) & ~7u;
   static constexpr size_t kBytes = kBars + 2 * 8 * kStages + 1024;  // + alignment slack
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (unused, and warned of, elsewhere)
   __device__ static unsigned kv(unsigned base, int stage, int kind) { return base + kQ + (stage * 2 + kind) * kTile; }
   __device__ static unsigned full(unsigned base, int stage) { return base + kBars + 8 * stage; }
   __device__ static unsigned empty(unsigned base, int stage) { return base + kBars + 8 * (kStages + stage); }
+#endif
 };
 
 // x[0] = x[0] + ... + x[2 kW - 1] (op: max or sum) by a tree (a loop of halving widths is not
