@@ -382,6 +382,32 @@ def test_prefix_caching_reuses_pages_and_generates_what_recomputation_does(strea
     assert eng.cache_copies() == 0
 
 
+@pytest.mark.parametrize("stream", [CHAT, SHARED], ids=["chat", "shared"])
+def test_a_burst_waits_for_its_prefix_and_reuses_what_the_oracle_does(stream, monkeypatch):
+    """Every request queued at once (chat: all turns of a conversation together): a request
+    whose prefix another row is still prefilling waits for it instead of computing it again, so
+    reuse equals the oracle's best (a pool large enough to evict nothing); admitted in arrival
+    order regardless, the burst reuses less. Tokens equal recomputation either way."""
+    system, requests = S.make_stream(stream, CFG.vocab_size)
+    best = S.oracle_reuse(system, requests, 4)
+    want = serve_cli.recompute(CFG, PARAMS, system, requests, len(requests), 40, None)
+    reuse, on = {}, S._DEFER_SCAN
+    for scan in (on, 0):  # 0: no request is looked past (first come first served)
+        monkeypatch.setattr(S, "_DEFER_SCAN", scan)
+        plan = S.Plan("paged-prefix", batch=4, num_pages=128, page_size=4)
+        kind = S.make_kind("paged-prefix", CFG, "float32", plan)
+        eng = S.ServeEngine(CFG, PARAMS, kind, batch=4, max_seq_len=40, system_prompt=system,
+                            prefill_rows=2, prefill_chunk=4, decode_steps=4, mixed_steps=2)
+        reqs = S.fresh(requests)
+        m = eng.run(reqs)
+        assert [r.output for r in reqs] == want
+        assert m["preemptions"] == 0
+        reuse[scan] = sum(r.matched for r in reqs)
+        assert (m.get("deferred", 0) > 0) == (scan > 0)
+    assert reuse[on] == sum(best[r.id] for r in requests)
+    assert reuse[0] < reuse[on]
+
+
 def test_prefix_cache_spills_to_the_host_and_finds_pages_there():
     """A prefix-caching engine with a host tier spills cached pages ahead of eviction and finds
     them on the host later: the same tokens as recomputation, more reuse than without a host
