@@ -637,7 +637,7 @@ class Schedule:
         self.m = dict(iterations=0, prefill_calls=0, decode_calls=0, evict_calls=0,
                       decode_steps=0, preemptions=0, peak_live=0, peak_decoding=0, busy_host=0.0,
                       prefill_requested=0, prefill_computed=0, prefill_matched=0,
-                      swaps_out=0, swaps_in=0, swap_pages_out=0, swap_pages_in=0,
+                      swaps_out=0, swaps_in=0, swap_pages_out=0, swap_pages_in=0, deferred=0,
                       spilled=[])
 
     def arrive(self, t: float) -> None:
@@ -693,7 +693,7 @@ class Schedule:
             ext = np.concatenate([r.prompt, np.asarray(r.output, np.int32)])
             if self.engine.prefix and i < _DEFER_SCAN and self._waits_for(ext, prefilling + chosen):
                 i += 1  # its prefix is still being prefilled by another row: later, it finds it
-                self.m["deferred"] = self.m.get("deferred", 0) + 1
+                self.m["deferred"] += 1
                 continue
             if size:
                 need = _pages(self.syslen + len(ext) + 1, size) - self.syslen // size
