@@ -11,19 +11,21 @@ namespace jaxkv {
 namespace {
 
 // FlashAttention-3's forward, without its copy engine: block (token tile, KV head, row b) of 128
-// query rows (128 / group new tokens x the group's q heads), two warpgroups of 64 rows each. K/V
-// tiles of 128 keys stream by cp.async through three shared-memory stages, each with two
-// mbarriers: `full` (its copies landed: every thread's cp.async arrival, and a plain arrival after
-// its key flags) and `empty` (both warpgroups are done with it; its refill waits). No block
-// barrier in the loop, so the warpgroups run out of phase: they take turns at the tensor cores
-// (two named barriers), and one's softmax (its exponentials are a quarter of the tensor cores'
-// time) overlaps the other's MMAs. A turn issues O += P V of tile i (P from registers, V read
+// query rows (128 / group new tokens x the group's q heads) and three warpgroups. The producer
+// (warps 0-3, its registers given up to the others by setmaxnreg; two lanes a key) looks up the
+// pages and streams K/V tiles of 128 keys by cp.async through three shared-memory stages, each with two mbarriers:
+// `full` (the tile landed: each producer thread's cp.async arrival, and a plain arrival after its
+// key's flag) and `empty` (both consumers are done with it; its refill waits). The two consumers
+// (64 rows each) never meet at a block barrier, so they run out of phase: they take turns at the
+// tensor cores (two named barriers), and one's softmax (its exponentials are a quarter of the
+// tensor cores' time) overlaps the other's MMAs. A turn issues O += P V of tile i (P from registers, V read
 // MN-major) and S = Q K^T of tile i + 1 (m64n128k16, Q and K from shared memory); then the
 // online softmax of tile i + 1 on the accumulators. Masks (causal, keys without a page) only on
 // the tiles that need them; token tiles run longest first. The page lookups, masks and numerics
 // are the mma.sync kernel's. JAXKV_NO_WGMMA=1 in the environment takes the mma.sync kernel
 // instead (to compare the two).
-constexpr int kWgThreads = 256;  // two warpgroups
+constexpr int kWgThreads = 384;  // the producer and two consumers
+constexpr int kConsumers = 256;
 constexpr int kWgD = 128;        // head_dim
 constexpr int kWgRows = 128;     // query rows a block
 constexpr int kWgN = 128;        // keys a K/V tile
@@ -40,11 +42,9 @@ struct WgLayout {
   static constexpr unsigned kMissing = kOk + sizeof(int) * kStages * kWgN;
   static constexpr unsigned kBars = (kMissing + sizeof(int) * kStages + 7) & ~7u;
   static constexpr size_t kBytes = kBars + 2 * 8 * kStages + 1024;  // + alignment slack
-#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (unused, and warned of, elsewhere)
   __device__ static unsigned kv(unsigned base, int stage, int kind) { return base + kQ + (stage * 2 + kind) * kTile; }
   __device__ static unsigned full(unsigned base, int stage) { return base + kBars + 8 * stage; }
   __device__ static unsigned empty(unsigned base, int stage) { return base + kBars + 8 * (kStages + stage); }
-#endif
 };
 
 // x[0] = x[0] + ... + x[2 kW - 1] (op: max or sum) by a tree (a loop of halving widths is not
@@ -69,8 +69,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int st = 0; st < L::kStages; ++st) {
-      mbar_init(L::full(base, st), 2 * kWgThreads);
-      mbar_init(L::empty(base, st), kWgThreads);
+      mbar_init(L::full(base, st), 2 * 128);  // the producer's threads, two arrivals each
+      mbar_init(L::empty(base, st), kConsumers);
       missing_at[st] = 0;
     }
   }
@@ -86,78 +86,94 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   const int32_t n_max = any ? p.keys(b, t_last) : 0, n_min = any ? p.keys(b, t0) : 0;
   const int tiles = (n_max + kWgN - 1) / kWgN;
 
-  // Two lanes a row (Q) or a key (K, V), every other chunk each: chunk c_copy + 2 y of row
-  // r_copy, in block y / 4 at the row's offset of chunk c_copy XOR (2 y % 8) * 16
-  // (SwizzledTile::chunk, with the constant part taken out of the loop).
-  const int r_copy = threadIdx.x / 2, c_copy = threadIdx.x % 2;
-  const unsigned row_off = r_copy * 128u + ((c_copy ^ (r_copy & 7)) << 4);
-  auto chunk_at = [&](unsigned tile, unsigned block, int y) {
-    return tile + (y / 4) * block + (row_off ^ ((2 * y % 8) << 4));
+  // The producer's threads copy two lanes a row of Q or a key of a K/V tile (so that a warp's
+  // 16-byte copies fill whole 32-byte sectors), every other chunk each, in two passes of 64 rows:
+  // chunk c_copy + 2 y of row r in block y / 4, at the row's offset of chunk c_copy XOR
+  // (2 y % 8) * 16 (SwizzledTile::chunk with the constant part taken out of the loop).
+  const int c_copy = threadIdx.x % 2, r_half = (threadIdx.x % 128) / 2;  // rows r_half, r_half + 64
+  auto row_off = [&](int r) { return r * 128u + ((c_copy ^ (r & 7)) << 4); };
+  auto chunk_at = [&](unsigned tile, unsigned block, unsigned off, int y) {
+    return tile + (y / 4) * block + (off ^ ((2 * y % 8) << 4));
   };
-  {  // Q (tracked by tile 0's arrival): rows past the tile's tokens, T or the count are zeros
-    const int t = t0 + r_copy / group;
-    const bool live = r_copy < live_rows && t < p.tokens;
-    const char* src = live ? p.q + p.q_index(b, t, kvh * group + r_copy % group) * 2 : p.q;
-#pragma unroll
-    for (int y = 0; y < kChunks / 2; ++y)
-      copy16(chunk_at(base, QTile::kBlock, y), src + (live ? (c_copy + 2 * y) * 16 : 0), live);
-  }
-  const KVView& kv = p.kv;
-  const int64_t head_base = (layer_ok ? *p.layer : 0) * kv.layer_stride + kvh * kv.head_stride;
-  const int32_t* table = kv.page_table ? kv.page_table + int64_t{b} * kv.max_pages : nullptr;
-  auto fetch = [&](int i) -> int32_t {  // the table entry of this thread's key of tile i
-    const int32_t pos = i * kWgN + r_copy;
-    if (pos >= n_max) return -1;
-    return table ? table[kv.column(pos)] : b;
-  };
-  // This thread's share of tile i into its stage: K and V chunks, its key's flag (and the tile's
-  // number where the key has no page), then its two arrivals on the stage's `full`.
-  auto issue = [&](int i, int32_t page) {
-    const int st = i % L::kStages;
-    const int32_t pos = i * kWgN + r_copy;
-    const bool live = pos < n_max && kv.holds(page);
-    const int64_t off = live ? head_base + page * kv.page_stride + int64_t{kv.slot(pos)} * kv.token_stride : 0;
-#pragma unroll
-    for (int kind = 0; kind < 2; ++kind) {
-      const char* src = (kind == 0 ? kv.k : kv.v) + off;
-      const unsigned tile = L::kv(base, st, kind);
-#pragma unroll
-      for (int y = 0; y < kChunks / 2; ++y)
-        copy16(chunk_at(tile, KVTile::kBlock, y), src + (live ? (c_copy + 2 * y) * 16 : 0), live);
-    }
-    if (c_copy == 0) {
-      ok_flags[st * kWgN + r_copy] = live;
-      if (pos < n_max && !live) atomicMax(missing_at + st, i + 1);
-    }
-    mbar_arrive_copies(L::full(base, st));
-    mbar_arrive(L::full(base, st));
-  };
-#pragma unroll
-  for (int i = 0; i < L::kStages; ++i)
-    if (i < tiles) issue(i, fetch(i));
-  int32_t ahead = fetch(L::kStages);
-
   // Raw scores, scaled inside each exponent; a negative scale negates Q (exact), 0 becomes the
   // smallest normal float (as the mma.sync kernel).
   float qscale = p.scale * kLog2e * *p.k_scale;
-  if (qscale < 0.f) {  // the same for every thread
-    asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's Q chunks (it negates only those)
+  if (warp < 4) {  // Q (tracked by tile 0's arrival): rows past the tile's tokens, T or the count are zeros
 #pragma unroll
-    for (int y = 0; y < kChunks / 2; ++y) {
-      const unsigned a = chunk_at(base, QTile::kBlock, y);
-      uint4 w;
-      asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "r"(a));
-      w.x ^= 0x80008000u, w.y ^= 0x80008000u, w.z ^= 0x80008000u, w.w ^= 0x80008000u;
-      asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(a), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w));
+    for (int pass = 0; pass < 2; ++pass) {
+      const int r = r_half + 64 * pass, t = t0 + r / group;
+      const bool live = r < live_rows && t < p.tokens;
+      const char* src = live ? p.q + p.q_index(b, t, kvh * group + r % group) * 2 : p.q;
+#pragma unroll
+      for (int y = 0; y < kChunks / 2; ++y)
+        copy16(chunk_at(base, QTile::kBlock, row_off(r), y), src + (live ? (c_copy + 2 * y) * 16 : 0), live);
     }
-    fence_async_shared();
-    __syncthreads();
+    if (qscale < 0.f) {  // the same for every thread
+      asm volatile("cp.async.wait_all;\n" ::: "memory");  // its chunks landed (it negates only those)
+#pragma unroll
+      for (int pass = 0; pass < 2; ++pass)
+#pragma unroll
+        for (int y = 0; y < kChunks / 2; ++y) {
+          const unsigned a = chunk_at(base, QTile::kBlock, row_off(r_half + 64 * pass), y);
+          uint4 w;
+          asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "r"(a));
+          w.x ^= 0x80008000u, w.y ^= 0x80008000u, w.z ^= 0x80008000u, w.w ^= 0x80008000u;
+          asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(a), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w));
+        }
+      fence_async_shared();
+    }
+  }
+  if (qscale < 0.f) {
+    __syncthreads();  // Q negated before any consumer reads it
     qscale = -qscale;
   }
   qscale = fmaxf(qscale, FLT_MIN);
 
-  // This thread's rows: warpgroup wg's 64 rows, warp (warp % 4)'s 16 of them, g and g + 8.
-  const int wg = warp / 4, row_w = wg * 64 + (warp % 4) * 16 + lane / 4;
+  if (warp < 4) {  // the producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    const KVView& kv = p.kv;
+    const int64_t head_base = (layer_ok ? *p.layer : 0) * kv.layer_stride + kvh * kv.head_stride;
+    const int32_t* table = kv.page_table ? kv.page_table + int64_t{b} * kv.max_pages : nullptr;
+    auto fetch = [&](int i, int pass) -> int32_t {  // the table entry of a key of tile i
+      const int32_t pos = i * kWgN + r_half + 64 * pass;
+      if (pos >= n_max) return -1;
+      return table ? table[kv.column(pos)] : b;
+    };
+    int32_t page[2] = {tiles > 0 ? fetch(0, 0) : -1, tiles > 0 ? fetch(0, 1) : -1};
+    for (int i = 0; i < tiles; ++i) {
+      const int st = i % L::kStages;
+      const int32_t ahead[2] = {fetch(i + 1, 0), fetch(i + 1, 1)};  // a tile ahead of their use
+      if (i >= L::kStages) mbar_wait(L::empty(base, st), (i / L::kStages - 1) & 1);
+#pragma unroll
+      for (int pass = 0; pass < 2; ++pass) {
+        const int r = r_half + 64 * pass;
+        const int32_t pos = i * kWgN + r;
+        const bool live = pos < n_max && kv.holds(page[pass]);
+        const int64_t off = live ? head_base + page[pass] * kv.page_stride + int64_t{kv.slot(pos)} * kv.token_stride : 0;
+#pragma unroll
+        for (int kind = 0; kind < 2; ++kind) {
+          const char* src = (kind == 0 ? kv.k : kv.v) + off;
+          const unsigned tile = L::kv(base, st, kind);
+#pragma unroll
+          for (int y = 0; y < kChunks / 2; ++y)
+            copy16(chunk_at(tile, KVTile::kBlock, row_off(r), y), src + (live ? (c_copy + 2 * y) * 16 : 0), live);
+        }
+        if (c_copy == 0) {
+          ok_flags[st * kWgN + r] = live;
+          if (pos < n_max && !live) atomicMax(missing_at + st, i + 1);
+        }
+      }
+      mbar_arrive_copies(L::full(base, st));
+      mbar_arrive(L::full(base, st));
+      page[0] = ahead[0], page[1] = ahead[1];
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+
+  // A consumer. This thread's rows: consumer wg's 64 rows, warp (warp % 4)'s 16 of them, g and g + 8.
+  const int wg = warp / 4 - 1, row_w = wg * 64 + (warp % 4) * 16 + lane / 4;
   int32_t n_row[2];
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
@@ -185,7 +201,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     }
   };
   if (tiles == 0) {  // no key: zeros (the same for the whole block)
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
     const float zeros[kWgD / 2] = {}, none[2] = {};
     write_out(zeros, none);
     return;
@@ -267,37 +282,31 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   // The MMAs are issued unconditionally (the compiler serializes wgmma issued under a branch): a
   // block without keys has left before, and the last turn's S reads a stale stage, unused.
   const int mine = 1 + wg, theirs = 2 - wg;
-  if (wg == 1) named_arrive(1, kWgThreads);
+  if (wg == 1) named_arrive(1, kConsumers);
   wait_full(0);
-  named_sync(mine, kWgThreads);
+  named_sync(mine, kConsumers);
   wgmma_fence();
   issue_s(0);
   wgmma_commit();
-  named_arrive(theirs, kWgThreads);
+  named_arrive(theirs, kConsumers);
   wgmma_wait<0>();
   softmax(0);
   for (int i = 0; i < tiles; ++i) {
     const int st = i % L::kStages;
     const bool next = i + 1 < tiles;
     if (next) wait_full(i + 1);
-    named_sync(mine, kWgThreads);
+    named_sync(mine, kConsumers);
     wgmma_fence();
     const unsigned v_tile = L::kv(base, st, 1);
 #pragma unroll
     for (int kk = 0; kk < kWgN / 16; ++kk) mma_rs<1>(op, o, pa[kk], desc_mn_major<kWgN>(v_tile, kk), 1);
     issue_s(i + 1);
     wgmma_commit();
-    if (wg == 0 || next) named_arrive(theirs, kWgThreads);
+    if (wg == 0 || next) named_arrive(theirs, kConsumers);
     wgmma_wait<0>();
     mbar_arrive(L::empty(base, st));  // this thread is done with tile i
     if (next) softmax(i + 1);
-    if (i + L::kStages < tiles) {  // tile i's stage, once both warpgroups are done with it
-      mbar_wait(L::empty(base, st), (i / L::kStages) & 1);
-      issue(i + L::kStages, ahead);
-      ahead = fetch(i + L::kStages + 1);
-    }
   }
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
   write_out(o, l);
 #endif
 }
