@@ -489,6 +489,47 @@ def test_prefill_over_many_key_tiles(dtype, head_dim, group, q_dtype, scaling):
                                    np.asarray(want[row, :live], np.float32), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
+def test_prefill_reads_every_value_of_the_format(dtype):
+    """Every finite value of the format (subnormals, the largest, int8's -128) as K and V of a
+    per-tensor cache at head_dim 128 (on Hopper the wgmma kernel, whose producer converts by
+    integer moves), row 0's V only the subnormals (a flush to zero would show), and a NaN in one
+    row's V and another row's K (the floats): the output is attention over the values
+    themselves, NaN where the reference's is."""
+    b, h, group, page, pages, t, d = 3, 1, 4, 16, 6, 24, 128
+    cap = page * pages
+    bits = np.arange(256, dtype=np.uint8).view(np.dtype(dtype)).astype(np.float32)
+    finite = bits[np.isfinite(bits)]
+    assert finite.size == {"int8": 256, "float8_e4m3fn": 254, "float8_e5m2": 248}[np.dtype(dtype).name]
+    k, v = (_rng.permutation(np.resize(finite, b * h * cap * d)).reshape(b, h, cap, d)
+            for _ in range(2))
+    if dtype != jnp.int8:
+        tiny = finite[(finite != 0) & (np.abs(finite) < float(jnp.finfo(dtype).smallest_normal))]
+        v[0] = _rng.choice(tiny, v[0].shape)
+        v[1, 0, 5, 7] = np.nan  # row 1: output column 7
+        k[2, 0, 3, 0] = np.nan  # row 2: every score
+    prefix = jnp.asarray([cap - t, 40, 17], jnp.int32)
+    q_lengths = jnp.asarray([t, 20, 9], jnp.int32)
+    c = jaxkv.PagedKVCache.create(1, b * pages, page, h, d, b, pages, dtype, "NHD",
+                                  scaling="per_tensor")
+    n = prefix + q_lengths
+    c, served = c.reserve(n)
+    assert bool(jnp.all(served))
+    c = c.append(0, jnp.asarray(k), jnp.asarray(v), n).commit(n)
+    magnitude = float(np.max(np.abs(finite)))  # logits of order one
+    q = (values((b, t, h * group, d), spread=0.0) / magnitude).astype(jnp.bfloat16)
+    got = jax.jit(jaxkv.attention.prefill)(q, dataclasses.replace(c, lengths=prefix), 0, q_lengths)
+    want = ref.prefill_attention(q, jnp.asarray(k), jnp.asarray(v), prefix, q_lengths)
+    for row, live in enumerate(np.asarray(q_lengths)):  # P in bf16: 2^-9 of the largest |V|
+        largest = np.nanmax(np.abs(v[row]))
+        np.testing.assert_allclose(np.asarray(got[row, :live], np.float32),
+                                   np.asarray(want[row, :live], np.float32),
+                                   atol=4e-3 * largest, rtol=2e-2)
+    if dtype != jnp.int8:  # the NaNs reached the outputs they should (and only those)
+        assert np.isnan(np.asarray(got[1, :20, :, 7], np.float32)).all()
+        assert np.isnan(np.asarray(got[2, :9], np.float32)).all()
+
+
 def test_bad_arguments_are_refused_naming_them():
     with pytest.raises(ValueError, match="scaling is for the 8-bit dtypes"):
         jaxkv.LinearKVCache.create(1, 2, 1, 4, 8, jnp.bfloat16, scaling="per_tensor")

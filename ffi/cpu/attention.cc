@@ -105,7 +105,7 @@ void attend(const AttentionProblem& p) {
             sum += w;
             for (int64_t d = 0; d < D; ++d) acc[d] += w * values[s * D + d];
           }
-          const float norm = sum > 0.f ? v_scale / sum : 0.f;
+          const float norm = sum != 0.f ? v_scale / sum : 0.f;
           for (int64_t d = 0; d < D; ++d) store(p.out + (qi + d) * qe, p.q_type, acc[d] * norm);
         }
       }

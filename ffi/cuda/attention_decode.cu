@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(kThreads)
       sum += sm_l[w][g] * r;
     }
     if (splits == 1) {
-      const float o = sum > 0.f ? a / sum * *p.v_scale : 0.f;
+      const float o = sum != 0.f ? a / sum * *p.v_scale : 0.f;
       Elem<QT>::store1(out + p.q_index(b, t, h0 + g) + d, o);
     } else {
       // workspace [B, T, Hq, splits, D + 2]: acc, then max and sum
@@ -446,7 +446,7 @@ __device__ __forceinline__ void tc_finish(unsigned char* smem, int slot, bool wr
       sum += sm_l[w * kTcN + h] * r;
     }
     if (splits == 1) {
-      Elem<OT>::store1(out + p.q_index(b, t, h0 + h) + d, sum > 0.f ? a / sum * *p.v_scale : 0.f);
+      Elem<OT>::store1(out + p.q_index(b, t, h0 + h) + d, sum != 0.f ? a / sum * *p.v_scale : 0.f);
     } else {
       float* w = work + (p.q_index(b, t, h0 + h) / kD * splits + split) * (kD + 2);
       w[d] = a;
@@ -895,7 +895,7 @@ __global__ void combine_kernel(const AttentionProblem p, int32_t keys_per_split,
       a += ws[d] * r;
       sum += ws[D + 1] * r;
     }
-    const float o = sum > 0.f ? a / sum * *p.v_scale : 0.f;
+    const float o = sum != 0.f ? a / sum * *p.v_scale : 0.f;
     Elem<QT>::store1(reinterpret_cast<QT*>(p.out) + p.q_index(b, t, h) + d, o);
   }
 }

@@ -32,6 +32,10 @@ __device__ __forceinline__ void copy16(unsigned dst, const char* src, bool live)
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(live ? 16 : 0));
 }
 // The same for one word W at a generic pointer into shared memory.
+// 16 bytes into shared memory (shared address `dst`).
+__device__ __forceinline__ void store16(unsigned dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
 template <class W>
 __device__ __forceinline__ void copy_async(W* dst, const char* src, bool live) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
@@ -138,6 +142,13 @@ template <> struct Tc8<S8> {
     memcpy(&hi, &y, 4);
   }
 };
+
+// A pair of f16 (exact values of an 8-bit format) as the same pair in bf16 (exact too: at most 8
+// significant bits, |x| <= 57344).
+__device__ __forceinline__ uint32_t half2_to_bf16x2(uint32_t h) {
+  const float2 f = unpack2<__half>(h);
+  return pack2<__nv_bfloat16>(f.x, f.y);
+}
 
 // Shared memory of `kernel` past the 48 KiB default: the opt-in. Setting the attribute costs a
 // driver call, so each (kernel, device) is configured once (kernels of one signature share a

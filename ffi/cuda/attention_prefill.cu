@@ -65,13 +65,6 @@ struct PrefillLayout {
   }
 };
 
-// A pair of f16 (exact values of an 8-bit format) as the same pair in bf16 (exact too: at most 8
-// significant bits, |x| <= 57344).
-__device__ __forceinline__ uint32_t half2_to_bf16x2(uint32_t h) {
-  const float2 f = unpack2<__half>(h);
-  return pack2<__nv_bfloat16>(f.x, f.y);
-}
-
 // KT: T (a cache of q's dtype) or E4M3 / E5M2 / S8 (an 8-bit cache, converted tile by tile).
 template <int kD, class T, class KT = T>
 __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const AttentionProblem p) {
@@ -373,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const int r = warp * 16 * kM + mi * 16 + lane / 4 + 8 * hf, t = t0 + r / group;
       if (r >= live_rows || t >= p.tokens) continue;
-      const bool live = n_row[mi][hf] > 0 && sum > 0.f;
+      const bool live = n_row[mi][hf] > 0 && sum != 0.f;
       const float norm = live ? *p.v_scale / sum : 0.f;
       T* out = reinterpret_cast<T*>(p.out) + p.q_index(b, t, kvh * group + r % group) + 2 * (lane % 4);
 #pragma unroll

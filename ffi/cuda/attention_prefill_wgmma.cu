@@ -1,6 +1,6 @@
 // CUDA prefill attention on Hopper's warpgroup MMA (wgmma, sm_90a): a bf16 / f16 q over a cache
-// of its dtype, head_dim 128. Elsewhere (another GPU, dtype or head_dim, an 8-bit cache) the
-// mma.sync kernel of attention_prefill.cu runs.
+// of its dtype or an 8-bit one (fp8 e4m3 / e5m2, int8), head_dim 128. Elsewhere (another GPU or
+// head_dim) the mma.sync kernel of attention_prefill.cu runs.
 #include <cfloat>
 #include <cstdlib>
 
@@ -22,30 +22,36 @@ namespace {
 // MN-major) and S = Q K^T of tile i + 1 (m64n128k16, Q and K from shared memory); then the
 // online softmax of tile i + 1 on the accumulators. Masks (causal, keys without a page) only on
 // the tiles that need them; token tiles run longest first. The page lookups, masks and numerics
-// are the mma.sync kernel's. JAXKV_NO_WGMMA=1 in the environment takes the mma.sync kernel
-// instead (to compare the two).
+// are the mma.sync kernel's. An 8-bit cache: the producer loads its bytes into registers and
+// stores them converted (K exactly into q's dtype, V into bf16 times its per-token scale, one
+// rounding) into the same 16-bit tiles, so that the consumers' code is unchanged but for K's
+// per-token scales on the scores (float32) and P V in bf16. JAXKV_NO_WGMMA=1 in the environment
+// takes the mma.sync kernel instead (to compare the two).
 constexpr int kWgThreads = 384;  // the producer and two consumers
-constexpr int kConsumers = 256;
 constexpr int kWgD = 128;        // head_dim
 constexpr int kWgRows = 128;     // query rows a block
 constexpr int kWgN = 128;        // keys a K/V tile
 using QTile = SwizzledTile<kWgRows>;
 using KVTile = SwizzledTile<kWgN>;
 
-// Bytes from the 1024-aligned base: Q, per stage K and V, per stage the key flags, per stage the
-// last tile with a key without a page, the mbarriers (full, then empty).
+// Bytes from the 1024-aligned base: Q, per stage K and V, per stage the key flags (a byte a key),
+// an 8-bit cache's per stage K scales (float a key), per stage the last tile with a key without
+// a page, the mbarriers (full, then empty). 227 KiB at most (Hopper's opt-in limit).
+template <bool k8>
 struct WgLayout {
   static constexpr int kStages = 3;  // one tile read, two in flight
   static constexpr unsigned kQ = kWgRows * kWgD * 2;
   static constexpr unsigned kTile = kWgN * kWgD * 2;
   static constexpr unsigned kOk = kQ + 2 * kStages * kTile;
-  static constexpr unsigned kMissing = kOk + sizeof(int) * kStages * kWgN;
+  static constexpr unsigned kKs = kOk + kStages * kWgN;
+  static constexpr unsigned kMissing = kKs + (k8 ? sizeof(float) * kStages * kWgN : 0);
   static constexpr unsigned kBars = (kMissing + sizeof(int) * kStages + 7) & ~7u;
   static constexpr size_t kBytes = kBars + 2 * 8 * kStages + 1024;  // + alignment slack
   __device__ static unsigned kv(unsigned base, int stage, int kind) { return base + kQ + (stage * 2 + kind) * kTile; }
   __device__ static unsigned full(unsigned base, int stage) { return base + kBars + 8 * stage; }
   __device__ static unsigned empty(unsigned base, int stage) { return base + kBars + 8 * (kStages + stage); }
 };
+static_assert(WgLayout<true>::kBytes <= 227 * 1024, "shared memory");
 
 // x[0] = x[0] + ... + x[2 kW - 1] (op: max or sum) by a tree (a loop of halving widths is not
 // unrolled by the compiler at 16 fragments, which moves the array to local memory).
@@ -56,15 +62,24 @@ __device__ __forceinline__ void tree(float* x, Op op) {
   if constexpr (kW > 1) tree<kW / 2>(x, op);
 }
 
-template <class T>
+// KT: T (a cache of q's dtype) or E4M3 / E5M2 / S8 (an 8-bit cache).
+template <class T, class KT = T>
 __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const AttentionProblem p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using L = WgLayout;
+  constexpr bool k8 = !std::is_same_v<KT, T>;
+  using PT = std::conditional_t<k8, __nv_bfloat16, T>;  // P and V in the P V MMA
+  using L = WgLayout<k8>;
+  constexpr int kConsumers = 256;
+  // Registers a thread after setmaxnreg (the launch's 168 x 384 redistributed): an 8-bit cache's
+  // producer holds a key's K and V bytes while it converts them.
+  constexpr int kProducerRegs = k8 ? 72 : 56, kConsumerRegs = k8 ? 216 : 224;
   constexpr int kChunks = kWgD / 8;  // 16-byte chunks of a row
   extern __shared__ __align__(128) unsigned char smem[];
   const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const unsigned base = (raw + 1023) & ~1023u;
-  int* const ok_flags = reinterpret_cast<int*>(smem + (base - raw) + L::kOk);
+  unsigned char* const ok_flags = smem + (base - raw) + L::kOk;
+  float* const k_scales = reinterpret_cast<float*>(smem + (base - raw) + L::kKs);  // k8 only
+  const bool token_scales = k8 && p.scales.k != nullptr;
   int* const missing_at = reinterpret_cast<int*>(smem + (base - raw) + L::kMissing);
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -130,10 +145,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   qscale = fmaxf(qscale, FLT_MIN);
 
   if (warp < 4) {  // the producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    set_registers<false, kProducerRegs>();
     const KVView& kv = p.kv;
     const int64_t head_base = (layer_ok ? *p.layer : 0) * kv.layer_stride + kvh * kv.head_stride;
     const int32_t* table = kv.page_table ? kv.page_table + int64_t{b} * kv.max_pages : nullptr;
+    const int64_t scale_base = (layer_ok ? *p.layer : 0) * p.scales.layer_stride + kvh * p.scales.head_stride;
     auto fetch = [&](int i, int pass) -> int32_t {  // the table entry of a key of tile i
       const int32_t pos = i * kWgN + r_half + 64 * pass;
       if (pos >= n_max) return -1;
@@ -150,19 +166,57 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         const int32_t pos = i * kWgN + r;
         const bool live = pos < n_max && kv.holds(page[pass]);
         const int64_t off = live ? head_base + page[pass] * kv.page_stride + int64_t{kv.slot(pos)} * kv.token_stride : 0;
+        if constexpr (k8) {  // the key's bytes into registers, stored converted
+          uint4 w[2][kChunks / 4];  // K, V: this lane's 16-byte chunks c_copy + 2 y of the row's 8
 #pragma unroll
-        for (int kind = 0; kind < 2; ++kind) {
-          const char* src = (kind == 0 ? kv.k : kv.v) + off;
-          const unsigned tile = L::kv(base, st, kind);
+          for (int kind = 0; kind < 2; ++kind)
 #pragma unroll
-          for (int y = 0; y < kChunks / 2; ++y)
-            copy16(chunk_at(tile, KVTile::kBlock, row_off(r), y), src + (live ? (c_copy + 2 * y) * 16 : 0), live);
+            for (int y = 0; y < kChunks / 4; ++y)
+              w[kind][y] = live ? __ldg(reinterpret_cast<const uint4*>((kind == 0 ? kv.k : kv.v) + off) + c_copy + 2 * y)
+                                : make_uint4(0u, 0u, 0u, 0u);
+          float v_scale = 1.f;
+          if (token_scales) {
+            const int64_t so = live ? scale_base + page[pass] * p.scales.page_stride + int64_t{kv.slot(pos)} * p.scales.token_stride : 0;
+            v_scale = live ? *reinterpret_cast<const float*>(p.scales.v + so) : 0.f;
+            if (c_copy == 0) k_scales[st * kWgN + r] = live ? *reinterpret_cast<const float*>(p.scales.k + so) : 0.f;
+          }
+#pragma unroll
+          for (int kind = 0; kind < 2; ++kind)
+#pragma unroll
+            for (int y = 0; y < kChunks / 4; ++y) {
+              const uint32_t u[4] = {w[kind][y].x, w[kind][y].y, w[kind][y].z, w[kind][y].w};
+              uint32_t h[8];
+#pragma unroll
+              for (int e = 0; e < 4; ++e) Tc8<KT>::to_h2(u[e], h[2 * e], h[2 * e + 1]);
+#pragma unroll
+              for (int j = 0; j < 8; ++j) {
+                if (kind == 1 && token_scales) {  // V times its scale, rounded once into bf16
+                  const float2 f = unpack2<__half>(h[j]);
+                  h[j] = pack2<__nv_bfloat16>(f.x * v_scale, f.y * v_scale);
+                } else if (kind == 1 || std::is_same_v<T, __nv_bfloat16>) {
+                  h[j] = half2_to_bf16x2(h[j]);
+                }
+              }
+              const int c = 2 * (c_copy + 2 * y);  // the first of its two 16-bit chunks
+              store16(KVTile::chunk(L::kv(base, st, kind), r, c), h[0], h[1], h[2], h[3]);
+              store16(KVTile::chunk(L::kv(base, st, kind), r, c + 1), h[4], h[5], h[6], h[7]);
+            }
+        } else {
+#pragma unroll
+          for (int kind = 0; kind < 2; ++kind) {
+            const char* src = (kind == 0 ? kv.k : kv.v) + off;
+            const unsigned tile = L::kv(base, st, kind);
+#pragma unroll
+            for (int y = 0; y < kChunks / 2; ++y)
+              copy16(chunk_at(tile, KVTile::kBlock, row_off(r), y), src + (live ? (c_copy + 2 * y) * 16 : 0), live);
+          }
         }
         if (c_copy == 0) {
           ok_flags[st * kWgN + r] = live;
           if (pos < n_max && !live) atomicMax(missing_at + st, i + 1);
         }
       }
+      if constexpr (k8) fence_async_shared();  // its stores, before the tensor cores read them
       mbar_arrive_copies(L::full(base, st));
       mbar_arrive(L::full(base, st));
       page[0] = ahead[0], page[1] = ahead[1];
@@ -170,7 +224,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+  set_registers<true, kConsumerRegs>();
 
   // A consumer. This thread's rows: consumer wg's 64 rows, warp (warp % 4)'s 16 of them, g and g + 8.
   const int wg = warp / 4 - 1, row_w = wg * 64 + (warp % 4) * 16 + lane / 4;
@@ -190,7 +244,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const int r = row_w + 8 * hf, t = t0 + r / group;
       if (r >= live_rows || t >= p.tokens) continue;
-      const bool live = n_row[hf] > 0 && sum > 0.f;
+      const bool live = n_row[hf] > 0 && sum != 0.f;
       const float norm = live ? *p.v_scale / sum : 0.f;
       T* out = reinterpret_cast<T*>(p.out) + p.q_index(b, t, kvh * group + r % group) + 2 * (lane % 4);
 #pragma unroll
@@ -213,7 +267,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   for (int j = 0; j < kOt * 4; ++j) o[j] = 0.f;
 #pragma unroll
   for (int j = 0; j < kSt * 4; ++j) s[j] = 0.f;
-  const Wgmma<T, 128> op;
+  const Wgmma<T, 128> op;       // S = Q K^T
+  const Wgmma<PT, 128> op_pv;   // O += P V
   // Tile i has landed. (No proxy fence: the copies are cp.async, whose completion the barrier
   // tracks; a fence here compiled to MEMBAR.ALL.CTA on every tile.)
   auto wait_full = [&](int i) { mbar_wait(L::full(base, i % L::kStages), (i / L::kStages) & 1); };
@@ -226,8 +281,16 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   // The online softmax of tile i on s (4 lanes share a row): P into pa, O rescaled.
   auto softmax = [&](int i) {
     const int st = i % L::kStages;
+    if (token_scales) {  // an 8-bit cache's K scales on their scores
+      const float* ks = k_scales + st * kWgN;
+#pragma unroll
+      for (int nt = 0; nt < kSt; ++nt) {
+        const float2 f = *reinterpret_cast<const float2*>(ks + nt * 8 + 2 * (lane % 4));
+        s[4 * nt] *= f.x, s[4 * nt + 1] *= f.y, s[4 * nt + 2] *= f.x, s[4 * nt + 3] *= f.y;
+      }
+    }
     if (missing_at[st] == i + 1 || (i + 1) * kWgN > n_min) {  // the diagonal, keys without a page
-      const int* ok = ok_flags + st * kWgN;
+      const unsigned char* ok = ok_flags + st * kWgN;
 #pragma unroll
       for (int nt = 0; nt < kSt; ++nt)
 #pragma unroll
@@ -264,7 +327,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         const float p0 = fast_exp2(fmaf(s[4 * nt + 2 * hf], qscale, -mb));
         const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hf + 1], qscale, -mb));
         sums[nt] = p0 + p1;
-        pa[nt / 2][(nt % 2) * 2 + hf] = pack2<T>(p0, p1);
+        pa[nt / 2][(nt % 2) * 2 + hf] = pack2<PT>(p0, p1);
       }
       tree<kSt / 2>(sums, [](float a, float c) { return a + c; });
       m[hf] = top;
@@ -299,7 +362,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     wgmma_fence();
     const unsigned v_tile = L::kv(base, st, 1);
 #pragma unroll
-    for (int kk = 0; kk < kWgN / 16; ++kk) mma_rs<1>(op, o, pa[kk], desc_mn_major<kWgN>(v_tile, kk), 1);
+    for (int kk = 0; kk < kWgN / 16; ++kk) mma_rs<1>(op_pv, o, pa[kk], desc_mn_major<kWgN>(v_tile, kk), 1);
     issue_s(i + 1);
     wgmma_commit();
     if (wg == 0 || next) named_arrive(theirs, kConsumers);
@@ -311,13 +374,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
 #endif
 }
 
-template <class T>
+template <class T, class KT = T>
 ffi::Error launch_wgmma(cudaStream_t stream, const AttentionProblem& p) {
-  allow_shared_memory(prefill_wgmma_kernel<T>, WgLayout::kBytes);
+  constexpr size_t bytes = WgLayout<!std::is_same_v<KT, T>>::kBytes;
+  allow_shared_memory(prefill_wgmma_kernel<T, KT>, bytes);
   const int per_tile = kWgRows / p.group;
   const dim3 grid(static_cast<unsigned>((p.tokens + per_tile - 1) / per_tile),
                   static_cast<unsigned>(p.kv.heads), static_cast<unsigned>(p.batch));
-  prefill_wgmma_kernel<T><<<grid, kWgThreads, WgLayout::kBytes, stream>>>(p);
+  prefill_wgmma_kernel<T, KT><<<grid, kWgThreads, bytes, stream>>>(p);
   return cuda_status("attention.prefill");
 }
 
@@ -336,7 +400,7 @@ bool wgmma_device() {
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
     cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    k = major == 9 && minor == 0 && WgLayout::kBytes <= static_cast<size_t>(limit) ? 1 : -1;
+    k = major == 9 && minor == 0 && WgLayout<true>::kBytes <= static_cast<size_t>(limit) ? 1 : -1;
   }
   return k > 0 && !disabled;
 #else
@@ -344,22 +408,27 @@ bool wgmma_device() {
 #endif
 }
 
+// q T over a cache of T or an 8-bit format; false for any other cache dtype.
+template <class T>
+bool launch_for_cache(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status) {
+  using D = ffi::DataType;
+  if (p.kv_type == p.q_type) *status = launch_wgmma<T>(stream, p);
+  else if (p.kv_type == D::F8E4M3FN) *status = launch_wgmma<T, E4M3>(stream, p);
+  else if (p.kv_type == D::F8E5M2) *status = launch_wgmma<T, E5M2>(stream, p);
+  else if (p.kv_type == D::S8) *status = launch_wgmma<T, S8>(stream, p);
+  else return false;
+  return true;
+}
+
 }  // namespace
 
 bool launch_prefill_wgmma(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status) {
   using D = ffi::DataType;
-  if (p.head_dim != kWgD || p.group > kWgRows || p.kv_type != p.q_type || p.batch > 65535 ||
-      p.kv.heads > 65535 || !wgmma_device())
+  if (p.head_dim != kWgD || p.group > kWgRows || p.batch > 65535 || p.kv.heads > 65535 ||
+      (p.q_type != D::BF16 && p.q_type != D::F16) || !wgmma_device())
     return false;
-  if (p.q_type == D::BF16) {
-    *status = launch_wgmma<__nv_bfloat16>(stream, p);
-    return true;
-  }
-  if (p.q_type == D::F16) {
-    *status = launch_wgmma<__half>(stream, p);
-    return true;
-  }
-  return false;
+  return p.q_type == D::BF16 ? launch_for_cache<__nv_bfloat16>(stream, p, status)
+                             : launch_for_cache<__half>(stream, p, status);
 }
 
 }  // namespace jaxkv

@@ -56,6 +56,14 @@ __device__ __forceinline__ void wgmma_wait() {
 // Ordinary shared-memory writes (cp.async included) made visible to the tensor cores' reads.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// This warpgroup's registers a thread from here on (setmaxnreg: kInc takes from the block's pool,
+// which another warpgroup's decrease fills).
+template <bool kInc, int kRegs>
+__device__ __forceinline__ void set_registers() {
+  if constexpr (kInc) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory");
+  else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory");
+}
+
 // mbarriers (shared address `bar`): a phase completes when `count` arrivals have come; a waiter
 // names the parity of the phase it waits for (0 for the first, 1, 0, ...).
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
