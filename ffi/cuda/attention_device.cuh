@@ -150,6 +150,43 @@ __device__ __forceinline__ uint32_t half2_to_bf16x2(uint32_t h) {
   return pack2<__nv_bfloat16>(f.x, f.y);
 }
 
+// The query tile of a prefill block (both tensor-core prefills): grid (token tiles, KV heads,
+// rows b), the longest tiles first; kRows query rows, each a new token and one of the group's q
+// heads (row r: token t0 + r / group, head kvh * group + r % group). The keys of its last live
+// query bound its K/V tiles (keys grow with t); below those of its first, no causal mask.
+struct PrefillTile {
+  int group, per_tile, live_rows, b, kvh, t0;
+  bool layer_ok;
+  int32_t n_max, n_min;
+  __device__ PrefillTile(const AttentionProblem& p, int rows)
+      : group(p.group), per_tile(rows / p.group), live_rows(per_tile * p.group), b(blockIdx.z),
+        kvh(blockIdx.y), t0((gridDim.x - 1 - blockIdx.x) * per_tile), layer_ok(p.layer_ok()) {
+    const int t_last = min(t0 + per_tile, min(p.tokens, p.counts[b])) - 1;
+    const bool any = layer_ok && t_last >= t0;
+    n_max = any ? p.keys(b, t_last) : 0;
+    n_min = any ? p.keys(b, t0) : 0;
+  }
+  // Row r's token and q head; live: a query of the call (not past the tile's rows or T).
+  struct Row {
+    int t, head;
+    bool live;
+  };
+  __device__ Row row(const AttentionProblem& p, int r) const {
+    const int t = t0 + r / group;
+    return {t, kvh * group + r % group, r < live_rows && t < p.tokens};
+  }
+  __device__ int64_t q_index(const AttentionProblem& p, const Row& q) const { return p.q_index(b, q.t, q.head); }
+  __device__ int32_t keys(const AttentionProblem& p, const Row& q) const {  // 0: a row without keys
+    return layer_ok && q.live ? p.keys(b, q.t) : 0;
+  }
+  __device__ int tiles(int keys_a_tile) const { return (n_max + keys_a_tile - 1) / keys_a_tile; }
+  static dim3 grid(const AttentionProblem& p, int rows) {
+    const int per = rows / p.group;
+    return dim3(static_cast<unsigned>((p.tokens + per - 1) / per), static_cast<unsigned>(p.kv.heads),
+                static_cast<unsigned>(p.batch));
+  }
+};
+
 // Shared memory of `kernel` past the 48 KiB default: the opt-in. Setting the attribute costs a
 // driver call, so each (kernel, device) is configured once (kernels of one signature share a
 // function type, so the record is keyed by the kernel's address).

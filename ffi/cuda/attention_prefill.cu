@@ -84,25 +84,20 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
   int* const ok_flags = reinterpret_cast<int*>(aligned + L::kOk);
   const bool token_scales = k8 && p.scales.k != nullptr;
 
-  const int group = p.group, per_tile = L::kRows / group, live_rows = per_tile * group;
-  const int b = blockIdx.z, kvh = blockIdx.y;
-  const int t0 = (gridDim.x - 1 - blockIdx.x) * per_tile;
+  const PrefillTile q_tile(p, L::kRows);
+  const int b = q_tile.b, kvh = q_tile.kvh;
+  const int32_t n_max = q_tile.n_max;
+  const int tiles = q_tile.tiles(kN);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const bool layer_ok = p.layer_ok();
-  // Keys of the block: those of its last live query (keys grow with t); the first live query's
-  // keys need no causal mask.
-  const int t_last = min(t0 + per_tile, min(p.tokens, p.counts[b])) - 1;
-  const bool any = layer_ok && t_last >= t0;
-  const int32_t n_max = any ? p.keys(b, t_last) : 0, n_min = any ? p.keys(b, t0) : 0;
-  const int tiles = (n_max + kN - 1) / kN;
 
   // Q (rows past the tile's tokens, T or the count are zeros, masked below): kThreads / kRows
   // lanes a row, every kQLanes-th chunk each.
   {
     constexpr int kQLanes = kThreads / L::kRows;
-    const int r = threadIdx.x / kQLanes, c0 = threadIdx.x % kQLanes, t = t0 + r / group;
-    const bool live = r < live_rows && t < p.tokens;
-    const char* src = live ? p.q + (p.q_index(b, t, kvh * group + r % group) + c0 * 8) * 2 : p.q;
+    const int r = threadIdx.x / kQLanes, c0 = threadIdx.x % kQLanes;
+    const PrefillTile::Row q = q_tile.row(p, r);
+    const bool live = q.live;
+    const char* src = live ? p.q + (q_tile.q_index(p, q) + c0 * 8) * 2 : p.q;
     const unsigned dst = L::row(base, r, c0);
 #pragma unroll
     for (int y = 0; y < kChunks / kQLanes; ++y) copy16(dst ^ (y * kQLanes * 16), src + (live ? y * kQLanes * 16 : 0), live);
@@ -112,7 +107,8 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
   // serves K and V.
   const KVView& kv = p.kv;
   const int c_copy = threadIdx.x % kLanes, j_copy = threadIdx.x / kLanes;
-  const int64_t head_base = (layer_ok ? *p.layer : 0) * kv.layer_stride + kvh * kv.head_stride + c_copy * 16;
+  const int layer = q_tile.layer_ok ? *p.layer : 0;
+  const int64_t head_base = layer * kv.layer_stride + kvh * kv.head_stride + c_copy * 16;
   const int32_t* table = kv.page_table ? kv.page_table + int64_t{b} * kv.max_pages : nullptr;
   // The table entry of this thread's key of tile i (-1: past n_max), loaded a tile ahead of its use.
   auto fetch = [&](int i) -> int32_t {
@@ -120,7 +116,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
     if (pos >= n_max) return -1;
     return table ? table[kv.column(pos)] : b;
   };
-  const int64_t scale_base = (layer_ok ? *p.layer : 0) * p.scales.layer_stride + kvh * p.scales.head_stride;
+  const int64_t scale_base = layer * p.scales.layer_stride + kvh * p.scales.head_stride;
   auto issue = [&](int i, int32_t page) {
     const int32_t pos = i * kN + j_copy;
     const bool live = pos < n_max && kv.holds(page);
@@ -159,8 +155,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
   for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const int r = warp * 16 * kM + mi * 16 + lane / 4 + 8 * hf, t = t0 + r / group;
-      n_row[mi][hf] = (layer_ok && r < live_rows && t < p.tokens) ? p.keys(b, t) : 0;
+      n_row[mi][hf] = q_tile.keys(p, q_tile.row(p, warp * 16 * kM + mi * 16 + lane / 4 + 8 * hf));
     }
   // ldmatrix addresses of this lane at column 0 (k-step 0): Q rows of the warp, K and V rows of
   // stage 0; 16 columns further is an XOR with 32.
@@ -195,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
     copy_wait<L::kStages - 2>();  // this tile (and Q)
     // One barrier a tile: tile i landed for every warp, and every warp is done with tile i - 1,
     // whose stage tile i + 2 refills.
-    const bool mask = __syncthreads_or(missing & 1u) || (i + 1) * kN > n_min;
+    const bool mask = __syncthreads_or(missing & 1u) || (i + 1) * kN > q_tile.n_min;
     missing >>= 1;
     if (i + 2 < tiles) missing |= unsigned{issue(i + 2, ahead)} << 1;
     else copy_commit();
@@ -364,11 +359,11 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
       float sum = l[mi][hf];
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int r = warp * 16 * kM + mi * 16 + lane / 4 + 8 * hf, t = t0 + r / group;
-      if (r >= live_rows || t >= p.tokens) continue;
+      const PrefillTile::Row q = q_tile.row(p, warp * 16 * kM + mi * 16 + lane / 4 + 8 * hf);
+      if (!q.live) continue;
       const bool live = n_row[mi][hf] > 0 && sum != 0.f;
       const float norm = live ? *p.v_scale / sum : 0.f;
-      T* out = reinterpret_cast<T*>(p.out) + p.q_index(b, t, kvh * group + r % group) + 2 * (lane % 4);
+      T* out = reinterpret_cast<T*>(p.out) + q_tile.q_index(p, q) + 2 * (lane % 4);
 #pragma unroll
       for (int dt = 0; dt < kOt; ++dt) {
         const uint32_t w = live ? pack2<T>(o[mi][dt][2 * hf] * norm, o[mi][dt][2 * hf + 1] * norm) : 0u;
@@ -395,10 +390,7 @@ template <int kD, class T, class KT>
 ffi::Error launch_prefill_tc(cudaStream_t stream, const AttentionProblem& p) {
   using L = PrefillLayoutOf<kD, T, KT>;
   allow_shared_memory(prefill_tc_kernel<kD, T, KT>, L::kBytes);
-  const int per_tile = L::kRows / p.group;
-  const dim3 grid(static_cast<unsigned>((p.tokens + per_tile - 1) / per_tile),
-                  static_cast<unsigned>(p.kv.heads), static_cast<unsigned>(p.batch));
-  prefill_tc_kernel<kD, T, KT><<<grid, kThreads, L::kBytes, stream>>>(p);
+  prefill_tc_kernel<kD, T, KT><<<PrefillTile::grid(p, L::kRows), kThreads, L::kBytes, stream>>>(p);
   return cuda_status("attention.prefill");
 }
 

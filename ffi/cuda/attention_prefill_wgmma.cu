@@ -91,15 +91,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   }
   __syncthreads();
 
-  const int group = p.group, per_tile = kWgRows / group, live_rows = per_tile * group;
-  const int b = blockIdx.z, kvh = blockIdx.y;
-  const int t0 = (gridDim.x - 1 - blockIdx.x) * per_tile;
+  const PrefillTile q_tile(p, kWgRows);
+  const int b = q_tile.b, kvh = q_tile.kvh;
+  const int32_t n_max = q_tile.n_max;
+  const int tiles = q_tile.tiles(kWgN);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const bool layer_ok = p.layer_ok();
-  const int t_last = min(t0 + per_tile, min(p.tokens, p.counts[b])) - 1;
-  const bool any = layer_ok && t_last >= t0;
-  const int32_t n_max = any ? p.keys(b, t_last) : 0, n_min = any ? p.keys(b, t0) : 0;
-  const int tiles = (n_max + kWgN - 1) / kWgN;
 
   // The producer's threads copy two lanes a row of Q or a key of a K/V tile (so that a warp's
   // 16-byte copies fill whole 32-byte sectors), every other chunk each, in two passes of 64 rows:
@@ -116,9 +112,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   if (warp < 4) {  // Q (tracked by tile 0's arrival): rows past the tile's tokens, T or the count are zeros
 #pragma unroll
     for (int pass = 0; pass < 2; ++pass) {
-      const int r = r_half + 64 * pass, t = t0 + r / group;
-      const bool live = r < live_rows && t < p.tokens;
-      const char* src = live ? p.q + p.q_index(b, t, kvh * group + r % group) * 2 : p.q;
+      const int r = r_half + 64 * pass;
+      const PrefillTile::Row q = q_tile.row(p, r);
+      const bool live = q.live;
+      const char* src = live ? p.q + q_tile.q_index(p, q) * 2 : p.q;
 #pragma unroll
       for (int y = 0; y < kChunks / 2; ++y)
         copy16(chunk_at(base, QTile::kBlock, row_off(r), y), src + (live ? (c_copy + 2 * y) * 16 : 0), live);
@@ -147,9 +144,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   if (warp < 4) {  // the producer
     set_registers<false, kProducerRegs>();
     const KVView& kv = p.kv;
-    const int64_t head_base = (layer_ok ? *p.layer : 0) * kv.layer_stride + kvh * kv.head_stride;
+    const int layer = q_tile.layer_ok ? *p.layer : 0;
+    const int64_t head_base = layer * kv.layer_stride + kvh * kv.head_stride;
     const int32_t* table = kv.page_table ? kv.page_table + int64_t{b} * kv.max_pages : nullptr;
-    const int64_t scale_base = (layer_ok ? *p.layer : 0) * p.scales.layer_stride + kvh * p.scales.head_stride;
+    const int64_t scale_base = layer * p.scales.layer_stride + kvh * p.scales.head_stride;
     auto fetch = [&](int i, int pass) -> int32_t {  // the table entry of a key of tile i
       const int32_t pos = i * kWgN + r_half + 64 * pass;
       if (pos >= n_max) return -1;
@@ -230,10 +228,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   const int wg = warp / 4 - 1, row_w = wg * 64 + (warp % 4) * 16 + lane / 4;
   int32_t n_row[2];
 #pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int r = row_w + 8 * hf, t = t0 + r / group;
-    n_row[hf] = (layer_ok && r < live_rows && t < p.tokens) ? p.keys(b, t) : 0;
-  }
+  for (int hf = 0; hf < 2; ++hf) n_row[hf] = q_tile.keys(p, q_tile.row(p, row_w + 8 * hf));
   // Writes O / l of this thread's rows (zeros for a row with no key; rows past the tile or T are
   // not written).
   auto write_out = [&](const float* o, const float* l) {
@@ -242,11 +237,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       float sum = l[hf];
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int r = row_w + 8 * hf, t = t0 + r / group;
-      if (r >= live_rows || t >= p.tokens) continue;
+      const PrefillTile::Row q = q_tile.row(p, row_w + 8 * hf);
+      if (!q.live) continue;
       const bool live = n_row[hf] > 0 && sum != 0.f;
       const float norm = live ? *p.v_scale / sum : 0.f;
-      T* out = reinterpret_cast<T*>(p.out) + p.q_index(b, t, kvh * group + r % group) + 2 * (lane % 4);
+      T* out = reinterpret_cast<T*>(p.out) + q_tile.q_index(p, q) + 2 * (lane % 4);
 #pragma unroll
       for (int dt = 0; dt < kWgD / 8; ++dt) {
         const uint32_t w = live ? pack2<T>(o[4 * dt + 2 * hf] * norm, o[4 * dt + 2 * hf + 1] * norm) : 0u;
@@ -289,7 +284,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         s[4 * nt] *= f.x, s[4 * nt + 1] *= f.y, s[4 * nt + 2] *= f.x, s[4 * nt + 3] *= f.y;
       }
     }
-    if (missing_at[st] == i + 1 || (i + 1) * kWgN > n_min) {  // the diagonal, keys without a page
+    if (missing_at[st] == i + 1 || (i + 1) * kWgN > q_tile.n_min) {  // the diagonal, keys without a page
       const unsigned char* ok = ok_flags + st * kWgN;
 #pragma unroll
       for (int nt = 0; nt < kSt; ++nt)
@@ -378,10 +373,7 @@ template <class T, class KT = T>
 ffi::Error launch_wgmma(cudaStream_t stream, const AttentionProblem& p) {
   constexpr size_t bytes = WgLayout<!std::is_same_v<KT, T>>::kBytes;
   allow_shared_memory(prefill_wgmma_kernel<T, KT>, bytes);
-  const int per_tile = kWgRows / p.group;
-  const dim3 grid(static_cast<unsigned>((p.tokens + per_tile - 1) / per_tile),
-                  static_cast<unsigned>(p.kv.heads), static_cast<unsigned>(p.batch));
-  prefill_wgmma_kernel<T, KT><<<grid, kWgThreads, bytes, stream>>>(p);
+  prefill_wgmma_kernel<T, KT><<<PrefillTile::grid(p, kWgRows), kWgThreads, bytes, stream>>>(p);
   return cuda_status("attention.prefill");
 }
 
