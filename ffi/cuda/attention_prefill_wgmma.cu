@@ -10,23 +10,23 @@
 namespace jaxkv {
 namespace {
 
-// FlashAttention-3's forward, without its copy engine: block (token tile, KV head, row b) of 128
-// query rows (128 / group new tokens x the group's q heads) and three warpgroups. The producer
-// (warps 0-3, its registers given up to the others by setmaxnreg; two lanes a key) looks up the
-// pages and streams K/V tiles of 128 keys by cp.async through three shared-memory stages, each with two mbarriers:
-// `full` (the tile landed: each producer thread's cp.async arrival, and a plain arrival after its
-// key's flag) and `empty` (both consumers are done with it; its refill waits). The two consumers
-// (64 rows each) never meet at a block barrier, so they run out of phase: they take turns at the
-// tensor cores (two named barriers), and one's softmax (its exponentials are a quarter of the
-// tensor cores' time) overlaps the other's MMAs. A turn issues O += P V of tile i (P from registers, V read
-// MN-major) and S = Q K^T of tile i + 1 (m64n128k16, Q and K from shared memory); then the
-// online softmax of tile i + 1 on the accumulators. Masks (causal, keys without a page) only on
-// the tiles that need them; token tiles run longest first. The page lookups, masks and numerics
-// are the mma.sync kernel's. An 8-bit cache: the producer loads its bytes into registers and
-// stores them converted (K exactly into q's dtype, V into bf16 times its per-token scale, one
-// rounding) into the same 16-bit tiles, so that the consumers' code is unchanged but for K's
-// per-token scales on the scores (float32) and P V in bf16. JAXKV_NO_WGMMA=1 in the environment
-// takes the mma.sync kernel instead (to compare the two).
+// FlashAttention-3's forward, without its copy engine (TMA): block (token tile, KV head, row b)
+// of 128 query rows (128 / group new tokens x the group's q heads), three warpgroups. The
+// producer (warps 0-3, most of its registers given to the others by setmaxnreg; two lanes a key)
+// looks up the pages and streams K/V tiles of 128 keys by cp.async through three shared-memory
+// stages, each with two mbarriers: `full` (the tile landed: each producer thread's cp.async
+// arrival, and a plain arrival after its key's flag) and `empty` (both consumers are done with
+// it; its refill waits). The two consumers (64 rows each) never meet at a block barrier, so they
+// run out of phase: they take turns at the tensor cores (two named barriers), and one's softmax
+// (its exponentials are a quarter of the tensor cores' time) overlaps the other's MMAs. A turn
+// issues O += P V of tile i (P from registers, V read MN-major) and S = Q K^T of tile i + 1
+// (m64n128k16, Q and K from shared memory); then the online softmax of tile i + 1 on the
+// accumulators. Masks (causal, keys without a page) only on the tiles that need them; token tiles
+// run longest first. The page lookups and masks are the mma.sync kernel's. An 8-bit cache: the
+// producer loads its bytes into registers and stores them converted (K exactly into q's dtype, V
+// into bf16 times its per-token scale, one rounding) into the same 16-bit tiles, so that the
+// consumers' code is the same but for K's per-token scales on the scores (float32) and P V in
+// bf16. JAXKV_NO_WGMMA=1 in the environment takes the mma.sync kernel instead (to compare).
 constexpr int kWgThreads = 384;  // the producer and two consumers
 constexpr int kWgD = 128;        // head_dim
 constexpr int kWgRows = 128;     // query rows a block
