@@ -27,6 +27,17 @@ namespace {
 
 constexpr int kUnroll = 4;
 
+// A pair of per-head values (the tensor-core kernels' two heads of lane tq) reduced by op over
+// the 8 lanes g = lane / 4 that hold the same heads' other keys.
+template <class Op>
+__device__ __forceinline__ void over_keys(float& x0, float& x1, Op op) {
+#pragma unroll
+  for (int x = 4; x < 32; x *= 2) {
+    x0 = op(x0, __shfl_xor_sync(0xffffffffu, x0, x));
+    x1 = op(x1, __shfl_xor_sync(0xffffffffu, x1, x));
+  }
+}
+
 // Element types and their vector loads: kElems elements per word W.
 template <class T> struct Elem;
 template <> struct Elem<float> {
@@ -417,11 +428,7 @@ __device__ __forceinline__ void tc_finish(unsigned char* smem, int slot, bool wr
                                           const AttentionProblem& p, int b, int t, int h0, int nh,
                                           int split, int splits, float* work) {
   const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-#pragma unroll
-  for (int x = 4; x < 32; x *= 2) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
-  }
+  over_keys(l0, l1, [](float a, float c) { return a + c; });
   float* sm_acc = reinterpret_cast<float*>(smem);  // [kSlots][kTcN][kD]
   float* sm_m = sm_acc + kSlots * kTcN * kD;       // [kSlots][kTcN]
   float* sm_l = sm_m + kSlots * kTcN;
@@ -552,11 +559,7 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
     }
     // Online softmax per head: the max over the 8 lanes g of each tq.
     float mx0 = fmaxf(m0, fmaxf(sc[0], sc[2])), mx1 = fmaxf(m1, fmaxf(sc[1], sc[3]));
-#pragma unroll
-    for (int x = 4; x < 32; x *= 2) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
-    }
+    over_keys(mx0, mx1, [](float a, float c) { return fmaxf(a, c); });
     const float a0 = mx0 == -INFINITY ? 1.f : exp2f(m0 - mx0);
     const float a1 = mx1 == -INFINITY ? 1.f : exp2f(m1 - mx1);
     m0 = mx0, m1 = mx1;
@@ -799,11 +802,7 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
       sc[2 * e + 1] = ok ? sc[2 * e + 1] * f : -INFINITY;
     }
     float mx0 = fmaxf(m0, fmaxf(sc[0], sc[2])), mx1 = fmaxf(m1, fmaxf(sc[1], sc[3]));
-#pragma unroll
-    for (int x = 4; x < 32; x *= 2) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
-    }
+    over_keys(mx0, mx1, [](float a, float c) { return fmaxf(a, c); });
     const float a0 = mx0 == -INFINITY ? 1.f : fast_exp2(m0 - mx0);
     const float a1 = mx1 == -INFINITY ? 1.f : fast_exp2(m1 - mx1);
     m0 = mx0, m1 = mx1;
