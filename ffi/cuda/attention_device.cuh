@@ -36,6 +36,13 @@ __device__ __forceinline__ void copy16(unsigned dst, const char* src, bool live)
 __device__ __forceinline__ void store16(unsigned dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
+// The 8 16-bit floats at shared address `a` negated in place (their sign bits: exact).
+__device__ __forceinline__ void negate16(unsigned a) {
+  uint4 w;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "r"(a));
+  w.x ^= 0x80008000u, w.y ^= 0x80008000u, w.z ^= 0x80008000u, w.w ^= 0x80008000u;
+  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(a), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w));
+}
 template <class W>
 __device__ __forceinline__ void copy_async(W* dst, const char* src, bool live) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));

@@ -171,13 +171,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
     constexpr int kQLanes = kThreads / L::kRows;
     const unsigned dst = L::row(base, threadIdx.x / kQLanes, threadIdx.x % kQLanes);
 #pragma unroll
-    for (int y = 0; y < kChunks / kQLanes; ++y) {
-      const unsigned a = dst ^ (y * kQLanes * 16);
-      uint4 w;
-      asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "r"(a));
-      w.x ^= 0x80008000u, w.y ^= 0x80008000u, w.z ^= 0x80008000u, w.w ^= 0x80008000u;
-      asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(a), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w));
-    }
+    for (int y = 0; y < kChunks / kQLanes; ++y) negate16(dst ^ (y * kQLanes * 16));
     qscale = -qscale;
   }
   qscale = fmaxf(qscale, FLT_MIN);

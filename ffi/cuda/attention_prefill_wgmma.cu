@@ -125,13 +125,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
 #pragma unroll
       for (int pass = 0; pass < 2; ++pass)
 #pragma unroll
-        for (int y = 0; y < kChunks / 2; ++y) {
-          const unsigned a = chunk_at(base, QTile::kBlock, row_off(r_half + 64 * pass), y);
-          uint4 w;
-          asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "r"(a));
-          w.x ^= 0x80008000u, w.y ^= 0x80008000u, w.z ^= 0x80008000u, w.w ^= 0x80008000u;
-          asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(a), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w));
-        }
+        for (int y = 0; y < kChunks / 2; ++y) negate16(chunk_at(base, QTile::kBlock, row_off(r_half + 64 * pass), y));
       fence_async_shared();
     }
   }
