@@ -10,12 +10,12 @@ A swapped row keeps its length; its own device pages go back to the pool and lea
 ``append``, ``reserve``, ``commit``, ``fork`` and attention see a row on the host and report it.
 Its host pages are listed in ``HostPages.table`` at the positions of the pages they hold.
 
-Data moves in one loop of copies per call, one copy per page: a host page holds the page's K and
-V of every layer in one contiguous block (the host pool is page-major), which XLA moves to or
-from a page-sized device buffer as one DMA, sliced from or written into the device pools on the
-device; no host computation, no staging array of the whole transfer, and both pools updated in
-place. The loop runs for the pages the call moves; ``max_pages`` (static) bounds them: rows are
-taken in slot order while their pages fit in it.
+Data moves in one custom call per direction (and pool pair) for every page and layer of a
+call: a host page holds the page's K and V of every layer in one contiguous block (the host
+pool is page-major), and the kernel reads the page ids on the device (no host round trip, no
+staging buffer, both pools updated in place). ``max_pages`` (static) bounds a call: rows are
+taken in slot order while their pages fit in it. With ``overlap=True`` the copy runs on a side
+stream beside the work after it, its pages held out of reach until ``settle``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import page_index
+from . import _ffi, page_index
 from ._allocator import allocate, allocate_indexed
 from ._checks import check
 from .layout import PAGE_AXIS, host_roles
@@ -49,6 +49,11 @@ class HostPages:
     # int32 [max_batch, max_pages_per_seq]: a swapped row's host pages at the positions of the
     # pages it moved; the shared pages it kept on the device (a prefix) stay in its page table
     table: jax.Array
+    # Overlapped transfers (``overlap=True``), until ``settle``: bool [num_pages] device pages a
+    # swap_out still reads (held meanwhile), and int32 [max_batch, max_pages_per_seq] the device
+    # pages a swap_in writes, at the row's positions (the row stays on the host meanwhile)
+    outgoing: jax.Array
+    incoming: jax.Array
 
     @property
     def num_pages(self) -> int:
@@ -60,13 +65,18 @@ class HostPages:
         return jnp.any(self.table != NO_PAGE, axis=1)
 
     @property
+    def arriving(self) -> jax.Array:
+        """bool ``[max_batch]``: rows an overlapped ``swap_in`` is bringing back."""
+        return jnp.any(self.incoming != NO_PAGE, axis=1)
+
+    @property
     def held(self) -> jax.Array:
         """int32 ``[max_batch]``: host pages each row holds."""
         return jnp.sum(self.table != NO_PAGE, axis=1, dtype=jnp.int32)
 
 
 def empty(num_pages: int, device_pool: jax.Array, layout: str, scaled: bool, max_batch: int,
-          max_pages_per_seq: int, sharding=None) -> HostPages:
+          max_pages_per_seq: int, num_device_pages: int, sharding=None) -> HostPages:
     """An empty host tier: every host page free, no row swapped; its pages of ``device_pool``'s
     shape and dtype, in the host memory of its device (with ``sharding``, a ``CacheSharding``:
     of its devices, each batch shard's share of the host pages in its own device's host memory)."""
@@ -83,85 +93,72 @@ def empty(num_pages: int, device_pool: jax.Array, layout: str, scaled: bool, max
         placed = sharding.named(*roles[name]) if sharding is not None else device_pool.sharding
         return jax.device_put(np.zeros(shape, dtype), placed.with_memory_kind("pinned_host"))
 
-    def state(name, shape, fill):
+    def state(name, shape, fill, dtype=jnp.int32):
         if sharding is None:
-            return jnp.full(shape, fill, jnp.int32)
-        return sharding.full(shape, fill, jnp.int32, roles[name])
+            return jnp.full(shape, fill, dtype)
+        return sharding.full(shape, fill, dtype, roles[name])
 
+    rows = (max_batch, max_pages_per_seq)
     return HostPages(pages=host("pages", page, device_pool.dtype),
                      scales=host("scales", page[:3], jnp.float32) if scaled else None,
                      ref_counts=state("ref_counts", (num_pages,), 0),
-                     table=state("table", (max_batch, max_pages_per_seq), NO_PAGE))
+                     table=state("table", rows, NO_PAGE),
+                     outgoing=state("outgoing", (num_device_pages,), False, jnp.bool_),
+                     incoming=state("incoming", rows, NO_PAGE))
 
 
 # --- the transfers: the only code that touches host memory ----------------------------------------
-# A transfer is a loop of copies, one per page (its K and V, every layer: contiguous on the host),
-# CHUNK of them unrolled per iteration. XLA:GPU compiles each into one DMA between the host pool
-# and a page-sized device buffer (no host computation, no copy of either pool): 90% of the pinned
-# copy bandwidth out, 78% in, on an H200 (jaxkv.bench --swap, 2026-11-26; docs/host-tier.md).
-CHUNK = 16
+# One custom call per pool pair and direction moves every page of a call, all layers, K and V
+# (ffi/cuda/host_pages.cu: one kernel reaching the pinned host pool through unified addressing,
+# the page ids read on the device; on CPU, one memcpy per run). Pairs naming a page out of range
+# (the padding past the pages moved) are skipped.
+def _to_host(axis: int, host_pool, k_pool, v_pool, src, dst, overlap: bool = False):
+    """Device pages ``src`` (of ``k_pool`` and ``v_pool``) -> host pages ``dst``, in place."""
+    if not overlap:  # after the overlapped transfers: they may still use these host pages
+        src, dst = _fence(src, dst)
+    # the result typed like the pool, memory space included (a ShapeDtypeStruct says "device")
+    return _ffi.call("jaxkv_pages_to_host", jax.typeof(host_pool), src, dst, k_pool, v_pool,
+                     host_pool, input_output_aliases={4: 0}, axis=np.int64(axis),
+                     overlap=overlap)
 
 
-def _each_pair(count: jax.Array, body, carry):
-    """``carry = body(i, carry)`` for ``i`` in ``[0, count)``: ``CHUNK`` per loop iteration, then
-    the rest one by one, so that a call copies the pages it moves and no more."""
-    def chunk(c, carry):
-        for j in range(CHUNK):
-            carry = body(c * CHUNK + j, carry)
-        return carry
-    full = count // CHUNK
-    carry = jax.lax.fori_loop(0, full, chunk, carry)
-    return jax.lax.fori_loop(full * CHUNK, count, body, carry)
+def _from_host(axis: int, k_pool, v_pool, host_pool, src, dst, overlap: bool = False):
+    """Host pages ``src`` -> device pages ``dst`` of ``k_pool`` and ``v_pool``, in place."""
+    if not overlap:
+        src, dst = _fence(src, dst)
+    return tuple(_ffi.call("jaxkv_pages_from_host", (jax.typeof(k_pool), jax.typeof(v_pool)),
+                           src, dst, host_pool, k_pool, v_pool, input_output_aliases={3: 0, 4: 1},
+                           axis=np.int64(axis), overlap=overlap))
 
 
-def _page(pool, axis: int, i):
-    """Page ``i`` of a device pool, every layer: the pool's shape without its page dimension."""
-    return jnp.squeeze(jax.lax.dynamic_slice_in_dim(pool, i, 1, axis), axis)
+def _fence(*arrays):
+    """``arrays`` (small: page ids, allocator state), after every transfer started with
+    ``overlap`` has ended: the compute stream waits for jaxkv's side stream, and whatever is
+    computed from them comes after."""
+    return tuple(_ffi.call("jaxkv_host_fence", tuple(jax.typeof(a) for a in arrays), *arrays,
+                           input_output_aliases={i: i for i in range(len(arrays))}))
 
 
-def _to_host(axis: int, host_pool, k_pool, v_pool, src, dst):
-    """Device pages ``src`` (of ``k_pool`` and ``v_pool``) -> host pages ``dst``. ``src``, ``dst``
-    int32 ``[M]``, the pairs first and dense: a ``dst`` out of range ends them."""
-    count = jnp.sum(dst < host_pool.shape[0], dtype=jnp.int32)
-
-    def copy(i, host_pool):
-        kv = jnp.stack([_page(k_pool, axis, src[i]), _page(v_pool, axis, src[i])])[None]
-        return jax.lax.dynamic_update_slice_in_dim(
-            host_pool, jax.device_put(kv, jax.memory.Space.Host), dst[i], 0)
-    return _each_pair(count, copy, host_pool)
-
-
-def _from_host(axis: int, k_pool, v_pool, host_pool, src, dst):
-    """Host pages ``src`` -> device pages ``dst`` of ``k_pool`` and ``v_pool`` (the pairs first
-    and dense: a ``dst`` out of range ends them)."""
-    count = jnp.sum(dst < k_pool.shape[axis], dtype=jnp.int32)
-
-    def copy(i, pools):
-        kv = jax.device_put(jax.lax.dynamic_slice_in_dim(host_pool, src[i], 1, 0),
-                            jax.memory.Space.Device)[0]
-        return tuple(jax.lax.dynamic_update_slice_in_dim(pool, jnp.expand_dims(x, axis), dst[i],
-                                                         axis) for pool, x in zip(pools, kv))
-    return _each_pair(count, copy, (k_pool, v_pool))
-
-
-def _move_to_host(cache, host: HostPages, src, dst) -> dict:
+def _move_to_host(cache, host: HostPages, src, dst, overlap: bool = False) -> dict:
     """``HostPages`` fields with device pages ``src`` copied to host pages ``dst``: K and V, and
     the per-token-head scales of an 8-bit cache."""
     axis = PAGE_AXIS[cache.layout]
-    fields = {"pages": _to_host(axis, host.pages, cache.k_pages, cache.v_pages, src, dst)}
+    fields = {"pages": _to_host(axis, host.pages, cache.k_pages, cache.v_pages, src, dst,
+                                overlap)}
     if host.scales is not None:
-        fields["scales"] = _to_host(axis, host.scales, cache.k_scales, cache.v_scales, src, dst)
+        fields["scales"] = _to_host(axis, host.scales, cache.k_scales, cache.v_scales, src, dst,
+                                    overlap)
     return fields
 
 
-def _move_to_device(cache, src, dst) -> dict:
+def _move_to_device(cache, src, dst, overlap: bool = False) -> dict:
     """Cache fields with host pages ``src`` copied to device pages ``dst``."""
     axis, host = PAGE_AXIS[cache.layout], cache.host
-    k, v = _from_host(axis, cache.k_pages, cache.v_pages, host.pages, src, dst)
+    k, v = _from_host(axis, cache.k_pages, cache.v_pages, host.pages, src, dst, overlap)
     fields = {"k_pages": k, "v_pages": v}
     if host.scales is not None:
         fields["k_scales"], fields["v_scales"] = _from_host(
-            axis, cache.k_scales, cache.v_scales, host.scales, src, dst)
+            axis, cache.k_scales, cache.v_scales, host.scales, src, dst, overlap)
     return fields
 
 
@@ -186,10 +183,11 @@ def _budget(need: jax.Array, eligible: jax.Array, max_pages: int) -> jax.Array:
     return eligible & (jnp.cumsum(want) <= max_pages)
 
 
-def swap_out(op: str, cache, rows: jax.Array, max_pages: int):
+def swap_out(op: str, cache, rows: jax.Array, max_pages: int, overlap: bool):
     """``PagedKVCache.swap_out``'s body (arguments checked). A row's leading pages that another
     row also holds (a forked or matched prefix) stay on the device, held by the row: moving them
-    would free nothing and bring them back unshared."""
+    would free nothing and bring them back unshared. Overlapped, the pages moved stay held
+    (``outgoing``) until ``settle``."""
     host = cache.host
     held = cache.pages_held
     on_host = host.on_host
@@ -204,15 +202,20 @@ def swap_out(op: str, cache, rows: jax.Array, max_pages: int):
     host_counts, swapped, first, free_ids, index = _allocate_host(cache, own, eligible)
     src, dst, host_rows = _moves(table, kept, own, swapped, first, free_ids, max_pages,
                                  host.num_pages)
-    host = dataclasses.replace(host, ref_counts=host_counts,
-                               table=jnp.where(swapped[:, None], host_rows, host.table),
-                               **_move_to_host(cache, host, src, dst))
-    # The pages moved go back to the pool; the shared prefix stays in the page table.
+    # The pages moved go back to the pool (after the transfer, if overlapped); the shared
+    # prefix stays in the page table.
     gone = host_rows >= 0
+    moved = jnp.where(gone, table, cache.num_pages)
+    ref_counts, outgoing = cache.ref_counts, host.outgoing
+    if overlap:
+        outgoing = outgoing.at[moved].set(True, mode="drop")
+    else:
+        ref_counts = ref_counts.at[moved].add(-1, mode="drop")
+    host = dataclasses.replace(host, ref_counts=host_counts, outgoing=outgoing,
+                               table=jnp.where(swapped[:, None], host_rows, host.table),
+                               **_move_to_host(cache, host, src, dst, overlap))
     return dataclasses.replace(
-        cache, host=host, prefix_cache=index,
-        ref_counts=cache.ref_counts.at[jnp.where(gone, table, cache.num_pages)].add(
-            -1, mode="drop"),
+        cache, host=host, prefix_cache=index, ref_counts=ref_counts,
         page_table=jnp.where(gone, NO_PAGE, table),
         new_tokens=jnp.where(swapped, 0, cache.new_tokens)), swapped
 
@@ -226,28 +229,57 @@ def _allocate_host(cache, need: jax.Array, eligible: jax.Array):
     return allocate_indexed(host.ref_counts, need, eligible, index, p, cache.max_pages_per_seq)
 
 
-def swap_in(op: str, cache, rows: jax.Array, max_pages: int):
-    """``PagedKVCache.swap_in``'s body (arguments checked)."""
+def swap_in(op: str, cache, rows: jax.Array, max_pages: int, overlap: bool):
+    """``PagedKVCache.swap_in``'s body (arguments checked). Overlapped, the rows stay on the
+    host, their new pages in ``incoming``, until ``settle``."""
     host = cache.host
-    on_host = host.on_host
-    check(~rows | on_host, f"{op}: a selected row is not on the host (nothing moved)")
+    waiting = host.on_host & ~host.arriving
+    check(~rows | waiting,
+          f"{op}: a selected row is not on the host, or is already coming back (nothing moved)")
     held = host.held
-    eligible = _budget(held, rows & on_host, max_pages)
+    eligible = _budget(held, rows & waiting, max_pages)
     ref_counts, served, first, free_ids, index = cache._allocate(held, eligible)
     src, dst, device_rows = _moves(host.table, cache.pages_held, held, served, first, free_ids,
                                    max_pages, cache.num_pages)
+    moved = _move_to_device(cache, src, dst, overlap)
+    if overlap:
+        host = dataclasses.replace(host, incoming=jnp.where(served[:, None], device_rows,
+                                                            host.incoming))
+        return dataclasses.replace(cache, host=host, ref_counts=ref_counts, prefix_cache=index,
+                                   **moved), served
     cache = dataclasses.replace(
         cache, host=released(host, served), ref_counts=ref_counts, prefix_cache=index,
-        page_table=jnp.where(device_rows >= 0, device_rows, cache.page_table),
-        **_move_to_device(cache, src, dst))
+        page_table=jnp.where(device_rows >= 0, device_rows, cache.page_table), **moved)
     return cache, served
 
 
+def settle(cache):
+    """``PagedKVCache.settle_swaps``' body: waits for the overlapped transfers, then frees the
+    device pages swapped out and puts the rows swapped in back on their pages."""
+    host = cache.host
+    # Fenced: the allocator state and page table, from which every later use of these pages is
+    # computed (the pools need no fence, and copying them would cost).
+    ref_counts, page_table = _fence(cache.ref_counts, cache.page_table)
+    incoming, outgoing = host.incoming, host.outgoing
+    host = dataclasses.replace(host, incoming=jnp.full_like(incoming, NO_PAGE),
+                               outgoing=jnp.zeros_like(outgoing))
+    return dataclasses.replace(
+        cache, host=released(host, jnp.any(incoming != NO_PAGE, axis=1)),
+        ref_counts=ref_counts - outgoing.astype(jnp.int32),
+        page_table=jnp.where(incoming >= 0, incoming, page_table))
+
+
 def released(host: HostPages, mask: jax.Array) -> HostPages:
-    """The host pages of the rows in ``mask`` freed (the rows end)."""
+    """The host pages of the rows in ``mask`` freed (the rows end, or came back). Device pages
+    an overlapped swap_in is still writing for them are freed by ``settle``, after it."""
     freed = jnp.where(mask[:, None] & (host.table >= 0), host.table, host.num_pages)
+    coming = mask[:, None] & (host.incoming >= 0)
+    outgoing = host.outgoing.at[jnp.where(coming, host.incoming, host.outgoing.shape[0])].set(
+        True, mode="drop")
     return dataclasses.replace(host, ref_counts=host.ref_counts.at[freed].set(0, mode="drop"),
-                               table=jnp.where(mask[:, None], NO_PAGE, host.table))
+                               table=jnp.where(mask[:, None], NO_PAGE, host.table),
+                               incoming=jnp.where(mask[:, None], NO_PAGE, host.incoming),
+                               outgoing=outgoing)
 
 
 # --- the prefix cache's host tier --------------------------------------------------------------

@@ -38,7 +38,8 @@ def host_roles(layout: str, scaled: bool) -> dict:
     same without ``head_dim``."""
     axis = PAGE_AXIS[layout]
     page = POOL[layout][:axis] + POOL[layout][axis + 1:]
-    return dict(pages=("batch", None) + page, ref_counts=ROWS, table=ROWS,
+    return dict(pages=("batch", None) + page, ref_counts=ROWS, table=ROWS, outgoing=ROWS,
+                incoming=ROWS,
                 scales=("batch", None) + page[:3] if scaled else None)
 
 

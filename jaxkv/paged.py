@@ -170,7 +170,7 @@ class PagedKVCache:
             return cache
         return dataclasses.replace(cache, host=host_tier.empty(
             host_pages, cache.k_pages, layout, scaling == "per_token_head", max_batch,
-            max_pages_per_seq, sharding))
+            max_pages_per_seq, num_pages, sharding))
 
     # Static configuration, read off the shapes.
     def _geometry(self) -> dict:
@@ -228,6 +228,14 @@ class PagedKVCache:
         if self.host is None:
             return jnp.zeros((self.max_batch,), bool)
         return self.host.on_host
+
+    @property
+    def arriving(self) -> jax.Array:
+        """bool ``[max_batch]``: rows an overlapped ``swap_in`` is bringing back (still
+        ``on_host`` until ``settle_swaps``; all false without a host tier)."""
+        if self.host is None:
+            return jnp.zeros((self.max_batch,), bool)
+        return self.host.arriving
 
     @property
     def num_free_host_pages(self) -> jax.Array:
@@ -349,7 +357,8 @@ class PagedKVCache:
         host = cache.host
         if host is not None and self.host is not None:  # swapped rows move with the others
             host = dataclasses.replace(
-                host, table=jnp.where(filled[:, None], self.host.table[src], NO_PAGE))
+                host, table=jnp.where(filled[:, None], self.host.table[src], NO_PAGE),
+                incoming=jnp.where(filled[:, None], self.host.incoming[src], NO_PAGE))
         return dataclasses.replace(
             cache,
             host=host,
@@ -470,7 +479,7 @@ class PagedKVCache:
 
     # The host tier.
     @per_shard(rows=Role(ROWS), out=(None, Role(ROWS)))
-    def swap_out(self, rows: jax.Array, max_pages: int | None = None):
+    def swap_out(self, rows: jax.Array, max_pages: int | None = None, *, overlap: bool = False):
         """Moves the pages of each selected row (all layers, K, V and per-token scales) to the
         host tier and frees them on the device; the row keeps its length and is ``on_host`` until
         ``swap_in``. Its leading pages that another row also holds (a forked or matched prefix)
@@ -484,12 +493,16 @@ class PagedKVCache:
         **Returns:** ``(cache, swapped)``, ``swapped`` bool ``[max_batch]``. A selected row that
         is already on the host or holds no pages of its own is left as it was and reported
         through ``checkify``; one that did not fit reads false.
+
+        ``overlap`` (static): the copy runs on a stream of its own, beside the work queued after
+        it (on a GPU; on CPU it is done when the call returns), and the pages moved stay held
+        until ``settle_swaps``, which frees them.
         """
         op = "PagedKVCache.swap_out"
-        return host_tier.swap_out(op, self, *self._swap_args(op, rows, max_pages))
+        return host_tier.swap_out(op, self, *self._swap_args(op, rows, max_pages, overlap))
 
     @per_shard(rows=Role(ROWS), out=(None, Role(ROWS)))
-    def swap_in(self, rows: jax.Array, max_pages: int | None = None):
+    def swap_in(self, rows: jax.Array, max_pages: int | None = None, *, overlap: bool = False):
         """Brings each selected row back from the host tier: reserves device pages (as
         ``reserve`` does, evicting cached prefix pages if need be), copies its pages in and frees
         its host pages.
@@ -497,10 +510,26 @@ class PagedKVCache:
         ``rows``, ``max_pages``: as for ``swap_out``. **Returns:** ``(cache, served)``, ``served``
         bool ``[max_batch]``: false where the device pool lacked the row's pages (or
         ``max_pages`` was used up): nothing changes for such a row. A selected row that is not on
-        the host is reported through ``checkify``.
+        the host, or is already coming back, is reported through ``checkify``.
+
+        ``overlap`` (static): the copy runs beside the work queued after it (as for
+        ``swap_out``); a row served stays ``on_host`` (and ``arriving``) until
+        ``settle_swaps`` puts it back on its new pages.
         """
         op = "PagedKVCache.swap_in"
-        return host_tier.swap_in(op, self, *self._swap_args(op, rows, max_pages))
+        return host_tier.swap_in(op, self, *self._swap_args(op, rows, max_pages, overlap))
+
+    @per_shard()
+    def settle_swaps(self) -> "PagedKVCache":
+        """Completes the swaps started with ``overlap=True``: waits for their copies (the work
+        after it in the same stream waits; the host is not blocked), frees the device pages
+        swapped out and puts the rows swapped in back on their pages. Call it before reading
+        the host pool, and one step after an overlapped swap: the decode in between runs beside
+        the copies. A no-op when nothing is in flight."""
+        if self.host is None:
+            raise ValueError("PagedKVCache.settle_swaps: the cache has no host tier "
+                             "(PagedKVCache.create(..., host_pages=N))")
+        return host_tier.settle(self)
 
     @per_shard(out=(None, Combined("sum")))
     def spill_prefix(self, max_pages: int | None = None):
@@ -521,7 +550,7 @@ class PagedKVCache:
                              "(PagedKVCache.create(..., prefix_cache=True, host_pages=N))")
         return host_tier.spill(self, self._transfer_size(op, "max_pages", max_pages, lo=1))
 
-    def _swap_args(self, op: str, rows, max_pages) -> tuple[jax.Array, int]:
+    def _swap_args(self, op: str, rows, max_pages, overlap) -> tuple[jax.Array, int, bool]:
         if self.host is None:
             raise ValueError(f"{op}: the cache has no host tier "
                              "(PagedKVCache.create(..., host_pages=N))")
@@ -529,7 +558,9 @@ class PagedKVCache:
         if rows.dtype != jnp.bool_:
             raise TypeError(f"{op}: rows must be bool, got {rows.dtype}")
         validate.shape(op, "rows", rows, (self.max_batch,), "[max_batch]")
-        return rows, self._transfer_size(op, "max_pages", max_pages, lo=1)
+        if not isinstance(overlap, bool):
+            raise TypeError(f"{op}: overlap must be a bool, got {type(overlap).__name__}")
+        return rows, self._transfer_size(op, "max_pages", max_pages, lo=1), overlap
 
     def _transfer_size(self, op: str, name: str, pages, lo: int) -> int:
         """A host transfer's static size in pages: ``pages``, or a full row when None."""

@@ -176,6 +176,30 @@ def copy_pages(k_pages, v_pages, src_pages, dst_pages, layout="HND"):
     return _from_hnd(move(kp), layout), _from_hnd(move(vp), layout)
 
 
+def _host_pairs(src_pages, dst_pages, src_count, dst_count):
+    ok = (src_pages >= 0) & (src_pages < src_count) & (dst_pages >= 0) & (dst_pages < dst_count)
+    return jnp.clip(src_pages, 0, src_count - 1), jnp.where(ok, dst_pages, dst_count)
+
+
+def pages_to_host(host_pool, k_pages, v_pages, src_pages, dst_pages, axis: int):
+    """Host page ``dst[i]`` (``[2, *page]``: K then V, the device pools' shape without the page
+    axis ``axis``) becomes device page ``src[i]``; pairs with a page out of range are skipped."""
+    src, dst = _host_pairs(src_pages, dst_pages, k_pages.shape[axis], host_pool.shape[0])
+    page = lambda pool: jnp.moveaxis(jnp.take(pool, src, axis=axis), axis, 0)
+    return host_pool.at[dst].set(jnp.stack([page(k_pages), page(v_pages)], 1), mode="drop")
+
+
+def pages_from_host(k_pages, v_pages, host_pool, src_pages, dst_pages, axis: int):
+    """Device page ``dst[i]`` of both pools becomes host page ``src[i]``'s K and V; pairs with a
+    page out of range are skipped."""
+    src, dst = _host_pairs(src_pages, dst_pages, host_pool.shape[0], k_pages.shape[axis])
+
+    def put(pool, kv):
+        moved = jnp.moveaxis(pool, axis, 0).at[dst].set(host_pool[src, kv], mode="drop")
+        return jnp.moveaxis(moved, 0, axis)
+    return put(k_pages, 0), put(v_pages, 1)
+
+
 # --- attention ---
 
 

@@ -23,6 +23,10 @@ def make(num_pages=10, page_size=2, max_batch=4, max_pages_per_seq=4, host_pages
 
 swap_out = jax.jit(PagedKVCache.swap_out, static_argnums=2, donate_argnums=0)
 swap_in = jax.jit(PagedKVCache.swap_in, static_argnums=2, donate_argnums=0)
+swap_out_overlapped = jax.jit(functools.partial(PagedKVCache.swap_out, overlap=True),
+                              static_argnums=2, donate_argnums=0)
+swap_in_overlapped = jax.jit(functools.partial(PagedKVCache.swap_in, overlap=True),
+                             static_argnums=2, donate_argnums=0)
 
 
 @jax.jit
@@ -183,6 +187,40 @@ def test_release_and_compact_carry_host_rows():
         assert_bytes_equal(got, want, "the moved row")
 
 
+def test_overlapped_swaps_hold_their_pages_until_settled():
+    """Overlapped, a swap_out's device pages stay held and a swap_in's row stays on the host
+    (reported like one) until settle_swaps; a row coming back moves with compact and, released,
+    frees its new pages at the settle; the bytes come back."""
+    cache = filled(make(num_pages=12), [3, 4, 5, 2])
+    before = [row_bytes(cache, b) for b in range(4)]
+    free = int(cache.num_free_pages)
+    cache, swapped = swap_out_overlapped(cache, jnp.array([True, True, True, False]), 8)
+    assert np.asarray(swapped).tolist() == [True, True, True, False]
+    assert int(cache.num_free_pages) == free
+    assert np.asarray(cache.on_host).tolist() == [True, True, True, False]
+    cache = cache.settle_swaps()
+    assert int(cache.num_free_pages) == free + 7
+    cache, served = swap_in_overlapped(cache, jnp.array([True, True, True, False]), 8)
+    assert np.asarray(served).tolist() == [True, True, True, False]
+    assert np.asarray(cache.arriving).tolist() == [True, True, True, False]
+    assert np.asarray(cache.on_host).tolist() == [True, True, True, False]
+    assert int(cache.num_free_pages) == free and int(cache.num_free_host_pages) == 8 - 7
+    err_of = lambda f, *a: checkify.checkify(f)(*a)[0].get()  # noqa: E731
+    assert "already coming back" in err_of(lambda c: c.swap_in(c.on_host), cache)
+    kv = random_array((4, H, 1, D), jnp.float32)
+    assert "on the host" in err_of(lambda c: c.append(0, kv, kv, jnp.ones(4, jnp.int32)), cache)
+    cache = cache.release(jnp.array([True, False, False, False]))  # row 0's 2 pages: at settle
+    assert int(cache.num_free_pages) == free
+    cache = cache.compact(jnp.array([-1, 2, 0, 1], jnp.int32))  # row 2 -> 0, row 1 -> 2
+    assert np.asarray(cache.arriving).tolist() == [True, False, True, False]
+    cache = cache.settle_swaps()
+    assert int(cache.num_free_pages) == free + 2 and int(cache.num_free_host_pages) == 8
+    assert not bool(jnp.any(cache.on_host)) and not bool(jnp.any(cache.arriving))
+    for row, old in ((0, 2), (2, 1), (1, 3)):
+        for got, want in zip(row_bytes(cache, row), before[old]):
+            assert_bytes_equal(got, want, f"row {row} (was {old})")
+
+
 def test_rows_on_the_host_are_reported_and_never_touched():
     """Appending, reserving, committing, forking from or attending over a row on the host is
     reported; its length stays and nothing reads or writes device pages for it."""
@@ -253,6 +291,9 @@ class Model:
         self.table = [[] for _ in range(B)]
         self.host = [[] for _ in range(B)]
         self.length = [0] * B
+        # overlapped swaps until settle: device pages held, and each row's pages coming back
+        self.outgoing: set = set()
+        self.incoming = [[] for _ in range(B)]
 
     def _take(self, free, needs, eligible, budget=None):
         served, total, spent = [], 0, 0
@@ -294,41 +335,57 @@ class Model:
         for b in np.flatnonzero(mask):
             self.dev_free |= set(self.table[b])
             self.host_free |= set(self.host[b])
-            self.table[b], self.host[b], self.length[b] = [], [], 0
+            self.outgoing |= set(self.incoming[b])
+            self.table[b], self.host[b], self.length[b], self.incoming[b] = [], [], 0, []
 
-    def swap_out(self, mask, budget):
+    def settle(self):
+        self.dev_free |= self.outgoing
+        self.outgoing = set()
+        for b in range(self.B):
+            if self.incoming[b]:
+                self.host_free |= set(self.host[b])
+                self.table[b], self.host[b], self.incoming[b] = self.incoming[b], [], []
+
+    def swap_out(self, mask, budget, overlap=False):
         eligible = [bool(m) and not self.host[b] and bool(self.table[b])
                     for b, m in enumerate(mask)]
         needs = [len(t) for t in self.table]
         swapped, pages = self._take(self.host_free, needs, eligible, budget)
         for b in range(self.B):
             if swapped[b]:
-                self.dev_free |= set(self.table[b])
+                (self.outgoing if overlap else self.dev_free).update(self.table[b])
                 self.table[b], self.host[b] = [], pages[b]
         return swapped
 
-    def swap_in(self, mask, budget):
-        eligible = [bool(m) and bool(self.host[b]) for b, m in enumerate(mask)]
+    def swap_in(self, mask, budget, overlap=False):
+        eligible = [bool(m) and bool(self.host[b]) and not self.incoming[b]
+                    for b, m in enumerate(mask)]
         needs = [len(h) for h in self.host]
         served, pages = self._take(self.dev_free, needs, eligible, budget)
         for b in range(self.B):
-            if served[b]:
+            if served[b] and overlap:
+                self.incoming[b] = pages[b]
+            elif served[b]:
                 self.host_free |= set(self.host[b])
                 self.table[b], self.host[b] = pages[b], []
         return served
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_random_operations_agree_with_the_model(seed):
-    """reserve + append, release, swap_out, swap_in in any order: the same results, tables,
-    host tables and lengths as the model, and every row on the device reads its own tokens."""
+@pytest.mark.parametrize("seed,overlapped", [(s, False) for s in range(5)] +
+                         [(s, True) for s in range(5, 10)])
+def test_random_operations_agree_with_the_model(seed, overlapped):
+    """reserve + append, release, swap_out, swap_in in any order (overlapped: either form of
+    each swap, and settle_swaps): the same results, tables, host tables, pages in flight and
+    lengths as the model, and every row on the device reads its own tokens."""
     rng = np.random.default_rng(seed)
     P, N, B, K, S, T = 10, 7, 4, 4, 2, 5
     cache, model = make(P, S, B, K, host_pages=N), Model(P, N, B, K, S)
     data = [np.zeros((L, 2, H, 0, D), np.float32) for _ in range(B)]
     release = jax.jit(PagedKVCache.release)
+    settle = jax.jit(PagedKVCache.settle_swaps, donate_argnums=0)
     for step in range(40):
-        op = rng.integers(4)
+        op = rng.integers(5 if overlapped else 4)
+        overlap = overlapped and bool(rng.integers(2))
         if op == 0:
             n = rng.integers(0, T + 1, B).astype(np.int32)
             n = np.where([bool(h) for h in model.host], 0, n).astype(np.int32)
@@ -349,15 +406,22 @@ def test_random_operations_agree_with_the_model(seed):
                 data[b] = data[b][:, :, :, :0]
         elif op == 2:
             mask, budget = rng.random(B) < 0.5, int(rng.integers(1, 9))
-            cache, swapped = swap_out(cache, jnp.asarray(mask), budget)
-            assert np.asarray(swapped).tolist() == model.swap_out(mask, budget), step
-        else:
+            cache, swapped = (swap_out_overlapped if overlap else swap_out)(
+                cache, jnp.asarray(mask), budget)
+            assert np.asarray(swapped).tolist() == model.swap_out(mask, budget, overlap), step
+        elif op == 3:
             mask, budget = rng.random(B) < 0.6, int(rng.integers(1, 9))
-            cache, served = swap_in(cache, jnp.asarray(mask), budget)
-            assert np.asarray(served).tolist() == model.swap_in(mask, budget), step
+            cache, served = (swap_in_overlapped if overlap else swap_in)(
+                cache, jnp.asarray(mask), budget)
+            assert np.asarray(served).tolist() == model.swap_in(mask, budget, overlap), step
+        else:
+            cache = settle(cache)
+            model.settle()
         pad = lambda rows: [r + [NO_PAGE] * (K - len(r)) for r in rows]  # noqa: E731
         assert np.asarray(cache.page_table).tolist() == pad(model.table), step
         assert np.asarray(cache.host.table).tolist() == pad(model.host), step
+        assert np.asarray(cache.host.incoming).tolist() == pad(model.incoming), step
+        assert set(np.flatnonzero(np.asarray(cache.host.outgoing))) == model.outgoing, step
         assert np.asarray(cache.lengths).tolist() == model.length, step
         assert int(cache.num_free_pages) == len(model.dev_free), step
         assert int(cache.num_free_host_pages) == len(model.host_free), step
@@ -389,7 +453,8 @@ def test_prefix_cache_pages_are_evicted_by_swap_in():
 
 @pytest.mark.parametrize("layout,dtype,scaling", [("HND", jnp.float32, None),
                                                   ("NHD", jnp.float8_e4m3fn, "per_token_head")])
-def test_a_sharded_cache_swaps_each_shard_to_its_own_host_pages(layout, dtype, scaling):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_sharded_cache_swaps_each_shard_to_its_own_host_pages(layout, dtype, scaling, overlap):
     """Batch over 2 devices, KV heads over 2: each batch shard moves its rows to its share of the
     host pages and back; flags, counts and every gathered value equal the unsharded cache's, and
     the host pool stays in host memory, split like the pools."""
@@ -404,10 +469,12 @@ def test_a_sharded_cache_swaps_each_shard_to_its_own_host_pages(layout, dtype, s
                      sharding=sharding)
         cache, served = fill(cache, n, k, v)
         assert bool(jnp.all(served))
-        cache, swapped = swap_out(cache, rows, 8)
+        cache, swapped = (swap_out_overlapped if overlap else swap_out)(cache, rows, 8)
+        cache = cache.settle_swaps()
         assert cache.host.pages.sharding.memory_kind == "pinned_host"
         out = [swapped, cache.on_host, cache.num_free_pages, cache.num_free_host_pages]
-        cache, back = swap_in(cache, rows, 8)
+        cache, back = (swap_in_overlapped if overlap else swap_in)(cache, rows, 8)
+        cache = cache.settle_swaps()
         got = [np.asarray(x, np.float32) for x in cache.gather(0, 8, split=True)]
         results.append([np.asarray(x) for x in out + [back, cache.on_host]] + got)
         if sharding is not None:
@@ -433,6 +500,10 @@ def test_bad_arguments_are_refused_at_trace_time():
         cache.swap_out(jnp.zeros((3,), bool))
     with pytest.raises(ValueError, match="max_pages must be"):
         cache.swap_out(jnp.zeros((4,), bool), 0)
+    with pytest.raises(TypeError, match="swap_in: overlap must be a bool"):
+        cache.swap_in(jnp.zeros((4,), bool), overlap=1)
+    with pytest.raises(ValueError, match="settle_swaps: the cache has no host tier"):
+        make(host_pages=0).settle_swaps()
 
 
 # --- the prefix cache's host tier ----------------------------------------------------------------

@@ -586,7 +586,7 @@ def _rows_view(cache, rows):
     tables; the same pools, counts and index."""
     host = cache.host
     if host is not None:
-        host = dataclasses.replace(host, table=host.table[rows])
+        host = dataclasses.replace(host, table=host.table[rows], incoming=host.incoming[rows])
     return dataclasses.replace(cache, page_table=cache.page_table[rows],
                                lengths=cache.lengths[rows], new_tokens=cache.new_tokens[rows],
                                host=host)
