@@ -114,8 +114,8 @@ def empty(num_pages: int, device_pool: jax.Array, layout: str, scaled: bool, max
 # (the padding past the pages moved) are skipped.
 def _to_host(axis: int, host_pool, k_pool, v_pool, src, dst, overlap: bool = False):
     """Device pages ``src`` (of ``k_pool`` and ``v_pool``) -> host pages ``dst``, in place."""
-    if not overlap:  # after the overlapped transfers: they may still use these host pages
-        src, dst = _fence(src, dst)
+    if not overlap:  # after the overlapped transfers: they may still use these pages
+        src, dst = _fence((src, dst), (host_pool, k_pool, v_pool))
     # the result typed like the pool, memory space included (a ShapeDtypeStruct says "device")
     return _ffi.call("jaxkv_pages_to_host", jax.typeof(host_pool), src, dst, k_pool, v_pool,
                      host_pool, input_output_aliases={4: 0}, axis=np.int64(axis),
@@ -125,18 +125,19 @@ def _to_host(axis: int, host_pool, k_pool, v_pool, src, dst, overlap: bool = Fal
 def _from_host(axis: int, k_pool, v_pool, host_pool, src, dst, overlap: bool = False):
     """Host pages ``src`` -> device pages ``dst`` of ``k_pool`` and ``v_pool``, in place."""
     if not overlap:
-        src, dst = _fence(src, dst)
+        src, dst = _fence((src, dst), (host_pool, k_pool, v_pool))
     return tuple(_ffi.call("jaxkv_pages_from_host", (jax.typeof(k_pool), jax.typeof(v_pool)),
                            src, dst, host_pool, k_pool, v_pool, input_output_aliases={3: 0, 4: 1},
                            axis=np.int64(axis), overlap=overlap))
 
 
-def _fence(*arrays):
-    """``arrays`` (small: page ids, allocator state), after every transfer started with
+def _fence(arrays, after):
+    """``arrays`` (small: page ids, allocator state), once every transfer started with
     ``overlap`` has ended: the compute stream waits for jaxkv's side stream, and whatever is
-    computed from them comes after."""
+    computed from them comes after. ``after``: the pools the transfers produce, read by the
+    fence (not written, so never copied) so that XLA runs it after them."""
     return tuple(_ffi.call("jaxkv_host_fence", tuple(jax.typeof(a) for a in arrays), *arrays,
-                           input_output_aliases={i: i for i in range(len(arrays))}))
+                           *after, input_output_aliases={i: i for i in range(len(arrays))}))
 
 
 def _move_to_host(cache, host: HostPages, src, dst, overlap: bool = False) -> dict:
@@ -258,8 +259,11 @@ def settle(cache):
     device pages swapped out and puts the rows swapped in back on their pages."""
     host = cache.host
     # Fenced: the allocator state and page table, from which every later use of these pages is
-    # computed (the pools need no fence, and copying them would cost).
-    ref_counts, page_table = _fence(cache.ref_counts, cache.page_table)
+    # computed, after the transfers (their pools read by the fence).
+    pools = [cache.k_pages, cache.v_pages, host.pages]
+    if host.scales is not None:
+        pools += [cache.k_scales, cache.v_scales, host.scales]
+    ref_counts, page_table = _fence((cache.ref_counts, cache.page_table), pools)
     incoming, outgoing = host.incoming, host.outgoing
     host = dataclasses.replace(host, incoming=jnp.full_like(incoming, NO_PAGE),
                                outgoing=jnp.zeros_like(outgoing))

@@ -525,7 +525,9 @@ class PagedKVCache:
         after it in the same stream waits; the host is not blocked), frees the device pages
         swapped out and puts the rows swapped in back on their pages. Call it before reading
         the host pool, and one step after an overlapped swap: the decode in between runs beside
-        the copies. A no-op when nothing is in flight."""
+        the copies. A no-op when nothing is in flight. Until it, every call that takes the
+        cache must donate it and the cache must not be dropped (XLA does not know the copy is
+        still running: it would copy, or free, the pools under it)."""
         if self.host is None:
             raise ValueError("PagedKVCache.settle_swaps: the cache has no host tier "
                              "(PagedKVCache.create(..., host_pages=N))")

@@ -1,6 +1,7 @@
 """The host tier: PagedKVCache.swap_out / swap_in against a host model, bytes, scales, in place."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -219,6 +220,41 @@ def test_overlapped_swaps_hold_their_pages_until_settled():
     for row, old in ((0, 2), (2, 1), (1, 3)):
         for got, want in zip(row_bytes(cache, row), before[old]):
             assert_bytes_equal(got, want, f"row {row} (was {old})")
+
+
+def test_settle_is_ordered_after_the_transfer_in_one_jit():
+    """swap_out(overlap) -> settle -> reserve + append into the freed pages, all in one jit: the
+    fence reads the transfer's output (so no schedule runs it first), and the host pages hold
+    the row swapped out, not the data appended after. Sized on a GPU so that a fence that did not
+    wait would lose the race (the race was seen there: 255 of 256 pages overwritten)."""
+    gpu = jax.default_backend() == "gpu"
+    layers, heads, dim, size, pages = (32, 8, 128, 16, 512) if gpu else (2, 2, 8, 2, 16)
+    per_row = pages // 2
+    cache = PagedKVCache.create(num_layers=layers, num_kv_heads=heads, head_dim=dim,
+                                num_pages=pages, page_size=size, max_batch=2,
+                                max_pages_per_seq=per_row, dtype=jnp.bfloat16, host_pages=per_row)
+
+    def put(c, row, value):
+        n = jnp.array([per_row * size if r == row else 0 for r in range(2)], jnp.int32)
+        c, _ = c.reserve(n)
+        x = jnp.full((layers, 2, heads, per_row * size, dim), value, jnp.bfloat16)
+        return c.append_layers(x, x, n).commit(n)
+
+    def swap_settle_and_reuse(c):
+        c, _ = c.swap_out(jnp.array([True, False]), per_row, overlap=True)
+        return put(c.settle_swaps(), 1, 2.0)
+
+    cache = jax.jit(lambda c: put(c, 0, 1.0), donate_argnums=0)(cache)
+    step = jax.jit(swap_settle_and_reuse, donate_argnums=0)
+    hlo = step.lower(cache).compile().as_text()
+    out = re.search(r"(%\S+) = .*custom_call_target=\"jaxkv_pages_to_host\"", hlo).group(1)
+    fence = re.search(r"= .*custom-call\(([^)]*)\).*custom_call_target=\"jaxkv_host_fence\"", hlo)
+    assert out in fence.group(1).split(", "), "the fence does not read the transfer's output"
+    cache = jax.jit(PagedKVCache.settle_swaps, donate_argnums=0)(step(cache))
+    host = np.asarray(jax.device_put(cache.host.pages, jax.memory.Space.Device), np.float32)
+    assert np.all(host == 1.0), f"{int(np.sum(np.any(host.reshape(per_row, -1) != 1, 1)))} " \
+        "host pages overwritten"
+    assert bool(jnp.all(cache.page_table[1] >= 0))
 
 
 def test_rows_on_the_host_are_reported_and_never_touched():

@@ -100,26 +100,41 @@ SideStream& side_stream() {
   return streams[device % kMaxDevices];
 }
 
+// The stream and events, created together: published only when all exist.
+cudaError_t create(SideStream& s) {
+  cudaStream_t stream;
+  cudaEvent_t events[2 + SideStream::kSlots];
+  cudaError_t err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  if (err) return err;
+  for (int i = 0; i < 2 + SideStream::kSlots; ++i) {
+    if ((err = cudaEventCreateWithFlags(&events[i], cudaEventDisableTiming))) {
+      while (i--) cudaEventDestroy(events[i]);
+      cudaStreamDestroy(stream);
+      return err;
+    }
+  }
+  s.ready = events[0];
+  s.done = events[1];
+  for (int i = 0; i < SideStream::kSlots; ++i) s.slot_done[i] = events[2 + i];
+  s.stream = stream;
+  return cudaSuccess;
+}
+
 cudaError_t start_on_side(HostTransfer t, cudaStream_t compute) {
   SideStream& s = side_stream();
   std::lock_guard<std::mutex> lock(s.mutex);
   cudaError_t err = cudaSuccess;
-  if (s.stream == nullptr) {
-    if ((err = cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking))) return err;
-    if ((err = cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming))) return err;
-    if ((err = cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming))) return err;
-    for (auto& e : s.slot_done)
-      if ((err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming))) return err;
-  }
+  if (s.stream == nullptr && (err = create(s))) return err;
   const int slot = s.next;
   s.next = (s.next + 1) % SideStream::kSlots;
   // The transfer kSlots ago has read its ids before this one overwrites them.
   if ((err = cudaStreamWaitEvent(compute, s.slot_done[slot], 0))) return err;
   const int64_t need = std::max<int64_t>(1, 2 * int64_t{t.pairs});
-  if (s.capacity[slot] < need) {
-    if ((err = cudaStreamSynchronize(s.stream))) return err;
-    if (s.ids[slot] && (err = cudaFree(s.ids[slot]))) return err;
-    if ((err = cudaMalloc(&s.ids[slot], need * sizeof(int32_t)))) return err;
+  if (s.capacity[slot] < need) {  // stream-ordered: nothing blocks the host
+    if (s.ids[slot] && (err = cudaFreeAsync(s.ids[slot], s.stream))) return err;
+    s.ids[slot] = nullptr;
+    s.capacity[slot] = 0;
+    if ((err = cudaMallocAsync(&s.ids[slot], need * sizeof(int32_t), compute))) return err;
     s.capacity[slot] = need;
   }
   int32_t* src = s.ids[slot];
