@@ -264,11 +264,11 @@ def settle(cache):
     if host.scales is not None:
         pools += [cache.k_scales, cache.v_scales, host.scales]
     ref_counts, page_table = _fence((cache.ref_counts, cache.page_table), pools)
-    incoming, outgoing = host.incoming, host.outgoing
+    incoming, outgoing, arrived = host.incoming, host.outgoing, host.arriving
     host = dataclasses.replace(host, incoming=jnp.full_like(incoming, NO_PAGE),
                                outgoing=jnp.zeros_like(outgoing))
     return dataclasses.replace(
-        cache, host=released(host, jnp.any(incoming != NO_PAGE, axis=1)),
+        cache, host=released(host, arrived),
         ref_counts=ref_counts - outgoing.astype(jnp.int32),
         page_table=jnp.where(incoming >= 0, incoming, page_table))
 
