@@ -28,9 +28,12 @@ def exact_matmuls():
 @pytest.mark.parametrize("mesh", ["tp=2,dp=2", "tp=4", "dp=4"])
 def test_every_engine_on_a_mesh_generates_what_one_device_recomputes(mesh, tmp_path, capsys):
     path = tmp_path / "serve.json"
-    rc = entry.main(["serve", "--mesh", mesh, "--requests", "12", "--json", str(path)])
+    # float32 (a GPU's default is bf16) at full matmul precision: every engine equals
+    # recomputation on one device, token for token, on CPU devices and on GPUs alike
+    rc = entry.main(["serve", "--mesh", mesh, "--requests", "12", "--dtype", "float32",
+                     "--json", str(path)])
     out = capsys.readouterr().out
-    assert rc == 0, out  # float32: every engine equals recomputation, token for token
+    assert rc == 0, out
     doc = json.loads(path.read_text())
     assert set(doc["engines"]) == set(S.DEFAULT_ENGINES)
     assert doc["recomputed"] == {name: 12 for name in S.DEFAULT_ENGINES}
@@ -44,7 +47,8 @@ def test_a_swapping_engine_on_a_mesh_generates_what_one_device_recomputes(tmp_pa
     path = tmp_path / "serve.json"
     rc = entry.main(["serve", "--mesh", "tp=2,dp=2", "--engines", "paged-swap", "--requests",
                      "24", "--max-batch", "8", "--kv-gib", "0.0003", "--max-seq-len", "128",
-                     "--mean-prompt", "24", "--mean-output", "48", "--json", str(path)])
+                     "--mean-prompt", "24", "--mean-output", "48", "--dtype", "float32",
+                     "--json", str(path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     doc = json.loads(path.read_text())

@@ -322,7 +322,6 @@ def test_paged_lifecycle_equals_unsharded_per_shard(sharding):
 
 
 def check_paged_lifecycle(s):
-    k = s.batch_shards
     c = poisoned(jaxkv.PagedKVCache.create(L, PAGES, PAGE, H, D, B, 4, F32, sharding=s))
     glob, local_args, owner = paged_args(s)
     got = paged_steps(c, glob)
@@ -341,7 +340,7 @@ def check_paged_lifecycle(s):
         assert_bytes_equal(got["gather_split"][i],
                            np.concatenate([w["gather_split"][i] for w in want]), "gather split")
     assert_bytes_equal(got["forked"], want[owner]["forked"], "forked")
-    assert bool(want[owner]["forked"][0]) and k * PAGES > 0
+    assert bool(want[owner]["forked"][0])  # the fork ran: the comparison above says something
 
 
 # The functional ops' sharding= argument.
@@ -685,8 +684,11 @@ def test_demo_command_with_batch_shards_matches_the_xla_baseline(kind, capsys):
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", ["heads", "batch"])
 def test_lifecycles_on_every_gpu(split):
-    """The CUDA kernels per shard: every op on a mesh of all the GPUs (1, 2, ...)."""
+    """The CUDA kernels per shard: every op on a mesh of all the GPUs (1, 2, ...); the batch over
+    at most B / 2 of them, since a fork takes two rows of one shard."""
     gpus = jax.devices("gpu")
+    if split == "batch":
+        gpus = gpus[:max(1, min(len(gpus), B // 2))]
     if B % len(gpus) or H % len(gpus) or PAGES % len(gpus):
         pytest.skip(f"{len(gpus)} GPUs do not divide the test shapes")
     mesh = jax.make_mesh((len(gpus),), ("d",), devices=gpus)
