@@ -70,10 +70,11 @@ def parse_args(argv):
     add("--turn-gap", type=float, default=1.0, help="chat: seconds between turns (1.0)")
     add("--prefixes", type=int, default=8, help="shared: the long prompts (8)")
     add("--prefix-len", type=int, help="shared: tokens of each long prompt (2048 on 1b and 8b)")
-    add("--preempt", choices=S.PREEMPT, default="recompute",
-        help="what the paged engines do with a preempted request: recompute its prompt "
-             "(default: swapping is not yet shown faster on a GPU) or swap its pages to host "
-             "memory and back (engine paged-swap always swaps)")
+    add("--preempt", choices=S.PREEMPT, default="swap",
+        help="what the paged engines do with a preempted request: swap its pages to host "
+             "memory and back (default: measured faster, 1.07x recomputation's output tokens/s "
+             "on an H100 and 1.04x on an H200, 8B, 4k-token prompts; docs/host-tier.md) or "
+             "recompute its prompt (no pinned host memory); engine paged-swap always swaps")
     add("--host-kv-gib", type=float,
         help="the host tier of a swapping engine, GiB (default: the KV budget); given, the "
              "prefix-caching engine gets one too and spills cached pages to it")
