@@ -81,33 +81,6 @@ def append_dense(buffer, k_scales, v_scales, per_token: bool, k, v, lengths, cou
     return tuple(out)
 
 
-def quantize_kv(x: jax.Array, dtype, scales=None):
-    """``(q, k_scales, v_scales)``: K/V ``x`` (float, ``[2, H, T, D]``) in ``dtype`` by the
-    append kernel, bit for bit what an 8-bit cache's ``append`` stores (``jaxkv.reference.
-    quantize``) on every backend: XLA's own float32 division rounds differently on a GPU.
-    ``scales``: None (per token and head: returned ``[H, T]`` each), or the per-tensor
-    ``(k_scale, v_scale)`` (returned as given, ``[1]`` each)."""
-    _, heads, tokens, head_dim = x.shape
-    per_token = scales is None
-    if per_token:
-        ks = vs = jnp.zeros((1, heads, tokens), jnp.float32)
-    else:
-        ks, vs = (jnp.reshape(jnp.asarray(s, jnp.float32), (1,)) for s in scales)
-    if tokens == 0:
-        q = jnp.zeros(x.shape, dtype)
-    else:  # one layer of one row and capacity T, appended from position 0
-        buffer = jnp.zeros((1, 2, heads, tokens, head_dim), dtype)
-        # K and V as slices of x let XLA:GPU fold the slicing into the call (its "dynamic slice
-        # fusion"), which then wrote wrong scales (H200, jax 0.11.2, 2026-11-26): the barrier
-        # hands the call K and V as arrays of their own.
-        k, v = jax.lax.optimization_barrier((x[0][None], x[1][None]))
-        q, ks, vs = append_dense(buffer, ks, vs, per_token, k, v,
-                                 jnp.zeros((1,), jnp.int32), jnp.full((1,), tokens, jnp.int32),
-                                 1, jnp.zeros((), jnp.int32))
-        q = q[0]
-    return q, ks[0] if per_token else ks, vs[0] if per_token else vs
-
-
 def append_paged(k_pages, v_pages, k_scales, v_scales, per_token: bool, page_table, lengths, k, v,
                  counts, layer_idx, nhd: bool):
     """The one FFI call of a quantizing paged append: (k_pages, v_pages, k_scales, v_scales)."""

@@ -3,7 +3,8 @@
 TensorRT Edge-LLM's saveKVCacheLayerIntoTensor / saveKVCacheBatched and
 instantiateKVCacheLayerFromTensor / instantiateKVCacheBatched, for layers of any shape and dtype
 in one launch. Both directions are one FFI target ("jaxkv_copy_prefix"): per (layer, slot, K/V
-head) the copy is one contiguous run of ``T * head_dim`` elements on both sides.
+head) the copy is one contiguous run of ``T * head_dim`` elements on both sides. An unquantized
+prefix instantiated into an 8-bit cache takes "jaxkv_quantize_prefix", which quantizes on the way.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import numpy as np
 from . import _ffi
 from . import _validate as validate
 from . import ops
-from . import quantization
 from ._checks import check, elsewhere
 from .layout import LAYER, REPLICATED, SAVED
 from .sharding import FromOwner, Role, per_shard, row_ids
@@ -265,28 +265,48 @@ def save_saved_kv(op, buffers, names, batch_idx, seq_len, scales=None) -> SavedK
                                                         else "per_tensor"))
 
 
-def _quantized(op: str, saved: SavedKV, dtype, scaling: str, k_scales, v_scales) -> SavedKV:
-    """An unquantized saved prefix quantized for an 8-bit cache of ``dtype`` by the append
-    kernel, exactly as that cache's ``append`` would store it: per token and head, its own
-    scales; per tensor, the cache's scale of each layer. A pass over the prefix before the copy
-    (a temporary of the prefix's 8-bit bytes), not a quantizing copy kernel."""
-    layers, ks, vs = [], [], []
-    for i, layer in enumerate(saved.layers):
-        if np.dtype(layer.dtype) not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16),
-                                         np.dtype(jnp.float16)):
-            raise TypeError(f"{op}: saved.layers[{i}] has dtype {layer.dtype}; an 8-bit cache "
+_FLOATS = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def _instantiate_quantizing(op, buffers, names, saved: SavedKV, batch_idx, scales):
+    """An unquantized ``saved`` into an 8-bit cache: the one FFI call ("jaxkv_quantize_prefix")
+    quantizes each (slot, K/V head, token) vector on its way, bit for bit as the cache's
+    ``append`` stores it (per token and head: its own scale, written beside it; per tensor: the
+    cache's scale of each layer). Returns (buffers, the per-token scale leaves written)."""
+    k_scales, v_scales, per_token = scales
+    rows = buffers[0].shape[-5]
+    layers = _described(op, buffers, names)
+    if saved.num_layers != len(layers):
+        raise ValueError(f"{op}: {saved.num_layers} saved layers for {len(layers)} cache layers")
+    for i, ((name, shape, _), x) in enumerate(zip(layers, saved.layers)):
+        if np.dtype(x.dtype) not in _FLOATS:
+            raise TypeError(f"{op}: saved.layers[{i}] has dtype {x.dtype}; an 8-bit cache "
                             "takes a float32, bfloat16 or float16 prefix (quantized on the way)")
-        if scaling == "per_token_head":
-            q, k_s, v_s = quantization.quantize_kv(layer, dtype)  # [2, H, T, D]; [H, T] each
-            ks.append(k_s)
-            vs.append(v_s)
-        else:
-            ks.append(jnp.asarray(k_scales[i], jnp.float32))
-            vs.append(jnp.asarray(v_scales[i], jnp.float32))
-            q, _, _ = quantization.quantize_kv(layer, dtype, (ks[-1], vs[-1]))
-        layers.append(q)
-    return SavedKV(layers=tuple(layers), length=saved.length, k_scales=tuple(ks),
-                   v_scales=tuple(vs), scaling=scaling)
+        _, _, h, s, d = shape
+        if x.ndim != 4 or x.shape[0] != 2 or x.shape[1] != h or x.shape[3] != d or x.shape[2] > s:
+            raise ValueError(f"{op}: saved.layers[{i}] must have shape (2, {h}, T <= {s}, {d}) "
+                             f"to fit {name}, got {x.shape}")
+    slots = _slots(op, batch_idx, rows, allow_many=True)
+    n = len(layers)
+    if per_token:
+        given = jnp.zeros((0,), jnp.float32)
+        extra = _scale_buffers(k_scales, v_scales)[0]
+    else:  # [2, n]: each layer's K scale, then its V scale
+        given = jnp.stack([jnp.stack([jnp.reshape(jnp.asarray(sc[i], jnp.float32), ())
+                                      for i in range(n)]) for sc in (k_scales, v_scales)])
+        extra = []
+    targets = [*buffers, *extra]
+    out = _ffi.call(
+        "jaxkv_quantize_prefix",
+        [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in targets],
+        slots,
+        given,
+        *saved.layers,
+        *targets,
+        input_output_aliases={2 + n + i: i for i in range(len(targets))},
+        rows=rows,
+    )
+    return list(out[:len(buffers)]), list(out[len(buffers):])
 
 
 def _scale_buffers(k_scales, v_scales):
@@ -307,8 +327,8 @@ def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx, scales=N
     v_scales: Any
     k_scales, v_scales, per_token = scales if scales is not None else (None, None, False)
     scaling = None if scales is None else ("per_token_head" if per_token else "per_tensor")
-    if saved.scaling is None and scaling is not None:
-        saved = _quantized(op, saved, buffers[0].dtype, scaling, k_scales, v_scales)
+    if saved.scaling is None and scaling is not None:  # quantized on the way, in one launch
+        return _instantiate_quantizing(op, buffers, names, saved, batch_idx, scales)
     if saved.scaling != scaling:
         raise ValueError(
             f"{op}: saved was saved from a cache with scaling={saved.scaling!r}, this cache has "

@@ -288,12 +288,14 @@ def test_save_and_instantiate_keep_bytes_and_scales(kind, scaling):
 
 
 @pytest.mark.parametrize("kind", ["linear", "manager"])
-@pytest.mark.parametrize("dtype,scaling", [(jnp.float8_e4m3fn, "per_token_head"),
-                                           (jnp.int8, "per_tensor")])
-def test_an_unquantized_prefix_is_quantized_on_instantiate(kind, dtype, scaling):
-    """A bfloat16 prompt saved once instantiates into an 8-bit cache as that cache's append
-    would store it: reference.quantize's bytes and scales, bit for bit."""
-    plain = started(kind, jnp.bfloat16, [6, 6, 6, 6])
+@pytest.mark.parametrize("dtype,scaling,src", [(jnp.float8_e4m3fn, "per_token_head", jnp.bfloat16),
+                                               (jnp.int8, "per_tensor", jnp.bfloat16),
+                                               (jnp.float8_e5m2, "per_token_head", jnp.float32),
+                                               (jnp.int8, "per_token_head", jnp.float16)])
+def test_an_unquantized_prefix_is_quantized_on_instantiate(kind, dtype, scaling, src):
+    """A float prompt saved once instantiates into an 8-bit cache as that cache's append would
+    store it: reference.quantize's bytes and scales, bit for bit."""
+    plain = started(kind, src, [6, 6, 6, 6])
     saved = plain.save(1, 5)
     kw = dict(k_scale=0.05, v_scale=0.07) if scaling == "per_tensor" else {}
     c = started(kind, dtype, [6, 6, 6, 6], scaling, **kw)
@@ -316,6 +318,32 @@ def test_an_unquantized_prefix_is_quantized_on_instantiate(kind, dtype, scaling)
     raw = dataclasses.replace(saved, layers=tuple(x.astype(jnp.int8) for x in saved.layers))
     with pytest.raises(TypeError, match="takes a float32, bfloat16 or float16 prefix"):
         c.instantiate(raw, 0)  # bytes without scales cannot be quantized
+
+
+@pytest.mark.parametrize("kind", ["linear", "manager"])
+@pytest.mark.parametrize("scaling", ["per_token_head", "per_tensor"])
+def test_quantizing_instantiate_is_one_launch_in_place(kind, scaling):
+    """Quantized on the way: one call of the quantizing copy for every layer and slot, no other
+    jaxkv kernel (no pass of the append over the prefix), no copy of any cache leaf, the outputs
+    the inputs' buffers; a slot outside the rows is reported and written nowhere."""
+    plain = started(kind, jnp.float32, [6, 6, 6, 6])
+    saved = plain.save(1, 5)
+    c = started(kind, jnp.float8_e4m3fn, [6, 6, 6, 6], scaling)
+    run = jax.jit(lambda c, s, i: c.instantiate(s, i), donate_argnums=0)
+    slots = jnp.asarray([0, 2], jnp.int32)
+    hlo = run.lower(c, saved, slots).compile().as_text()
+    calls = [t for t in hlo.split('custom_call_target="')[1:] if t.startswith("jaxkv_")]
+    assert [t.split('"')[0] for t in calls] == ["jaxkv_quantize_prefix"], calls
+    big = [x for x in jax.tree.leaves(c) if x.size >= 256]
+    for x in big:
+        assert not copies_of(hlo, x), copies_of(hlo, x)
+    pointers = [x.unsafe_buffer_pointer() for x in big]
+    out = run(c, saved, slots)
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(out) if x.size >= 256] == pointers
+    err, bad = jax.jit(checkify.checkify(lambda c: c.instantiate(saved, jnp.asarray([B], jnp.int32))))(out)
+    assert "batch_idx outside" in err.get()
+    for x, y in zip(jax.tree.leaves(bad), jax.tree.leaves(out)):
+        assert_bytes_equal(jnp.atleast_1d(x), jnp.atleast_1d(y), "a slot outside writes nothing")
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
@@ -672,11 +700,14 @@ _append_checked = jax.jit(checkify.checkify(lambda c, k, n: c.append(1, k, k, n)
 @pytest.mark.parametrize("kind", ["linear", "manager"])
 def test_sharded_dense_8bit_caches_equal_unsharded(kind):
     """Scales sharded like their data (batch and heads) through append, compact, save and
-    instantiate, byte for byte the unsharded cache's."""
+    instantiate (of the 8-bit prefix saved, and of a float one quantized on the way), byte for
+    byte the unsharded cache's."""
     mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices("cpu")[:4])
     s = jaxkv.CacheSharding(mesh, heads="tp", batch="dp")
     k, v = values((B, H, 5, D)), values((B, H, 5, D))
     n = jnp.asarray([5, 2, 4, 3], jnp.int32)
+    prompt = jaxkv.SavedKV(layers=tuple(values((2, H, 4, D), jnp.bfloat16) for _ in range(L)),
+                           length=jnp.asarray(4, jnp.int32))
     caches = []
     for sharding in (None, s):
         if kind == "linear":
@@ -688,6 +719,7 @@ def test_sharded_dense_8bit_caches_equal_unsharded(kind):
         c = c.compact(jnp.asarray([1, 0, 3, 2], jnp.int32))  # swaps inside each batch shard
         saved = c.save(0, 3)
         c = c.instantiate(saved, jnp.asarray([3], jnp.int32))
+        c = c.instantiate(prompt, jnp.asarray([0, 2], jnp.int32))  # one row in each batch shard
         caches.append((c, saved))
     (one, saved1), (two, saved2) = caches
     if kind == "linear":
@@ -701,5 +733,6 @@ def test_sharded_dense_8bit_caches_equal_unsharded(kind):
             d2, s2 = token_view(two, 1, kv)
             m = int(one.lengths[b])
             assert m == int(two.lengths[b])
+            m = max(m, 4) if b in (0, 2) else m  # the float prompt's 4 tokens
             assert_bytes_equal(d2[b, :, :m], d1[b, :, :m], f"row {b} data")
             assert_bytes_equal(s2[b, :, :m], s1[b, :, :m], f"row {b} scales")

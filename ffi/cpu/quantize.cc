@@ -1,7 +1,10 @@
-// CPU handlers of the quantizing appends (dense and paged): one vector at a time.
+// CPU handlers of the quantizing appends (dense and paged) and of the quantizing instantiate: one
+// vector at a time.
 #include <cmath>
+#include <memory>
 
 #include "jaxkv/quantize.h"
+#include "jaxkv/quantize_prefix.h"
 #include "jaxkv/registry.h"
 
 namespace jaxkv {
@@ -11,16 +14,7 @@ void quantize_all(const QuantAppend& p) {
   for (int64_t i = 0; i < p.vectors(); ++i) {
     QuantTarget t;
     const VectorIndex at = vector_index(p, i);
-    if (!quant_target(p, at, row_facts(p, at.b), &t)) continue;
-    float s = t.given;
-    if (t.scale) {
-      float amax = 0.f;
-      for (int32_t d = 0; d < p.head_dim; ++d) amax = fmaxf(amax, fabsf(load_float(t.src, d, p.input)));
-      s = amax / format_max(p.format);
-      *t.scale = s;
-    }
-    for (int32_t d = 0; d < p.head_dim; ++d)
-      t.dst[d] = static_cast<char>(quantize_value(load_float(t.src, d, p.input), s, p.format));
+    if (quant_target(p, at, row_facts(p, at.b), &t)) quantize_vector(t, p.head_dim, p.input, p.format);
   }
 }
 
@@ -50,8 +44,25 @@ ffi::Error paged_append_quantized_cpu(
   return ffi::Error::Success();
 }
 
+ffi::Error quantize_prefix_cpu(ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> given,
+                               ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t rows) {
+  auto p = std::make_unique<QuantPrefix>();
+  if (auto e = describe_quant_prefix(slots, given, args, rets, rows, p.get()); e.failure()) return e;
+  for (int layer = 0; layer < p->num_layers; ++layer) {
+    const QuantPrefixLayer& l = p->layers[layer];
+    for (int64_t i = 0; i < p->first_vector[layer + 1] - p->first_vector[layer]; ++i) {
+      QuantTarget t;
+      if (quant_prefix_target(*p, layer, i, &t)) quantize_vector(t, l.cache.token_bytes, l.input, l.format);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_quantize_prefix_cpu, quantize_prefix_cpu,
+                              bind_quantize_prefix(ffi::Ffi::Bind()));
+JAXKV_REGISTER_TARGET("jaxkv_quantize_prefix", "cpu", jaxkv_quantize_prefix_cpu);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_append_quantized_cpu, append_quantized_cpu,
                               bind_append_quantized(ffi::Ffi::Bind()));
 JAXKV_REGISTER_TARGET("jaxkv_append_quantized", "cpu", jaxkv_append_quantized_cpu);

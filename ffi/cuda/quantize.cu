@@ -1,8 +1,9 @@
-// CUDA handlers of the quantizing appends (dense and paged): each (layer, row, K/V, head, token)
-// vector is read once, its max |x| reduced by shuffles, its scale written by one lane and its
-// bytes by every lane: one pass over the input, no temporary. For head_dim 32 to 256 (a power of
-// two) the kernel is compiled per input and cache format (quantize_kernel_fixed, several vectors a
-// warp); other sizes, and inputs of 2^31 vectors or more, take the generic one-warp-a-vector kernel.
+// CUDA handlers of the quantizing appends (dense and paged) and of the quantizing instantiate:
+// each (layer, row, K/V, head, token) vector is read once, its max |x| reduced by shuffles, its
+// scale written by one lane and its bytes by every lane: one pass over the input, no temporary.
+// For head_dim 32 to 256 (a power of two) the append kernel is compiled per input and cache format
+// (quantize_kernel_fixed, several vectors a warp); other sizes, inputs of 2^31 vectors or more and
+// the instantiate take the generic one-warp-a-vector kernel's body (quantize_vector_warp).
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 
 #include "jaxkv/cuda_launch.h"
 #include "jaxkv/quantize.h"
+#include "jaxkv/quantize_prefix.h"
 #include "jaxkv/registry.h"
 
 namespace jaxkv {
@@ -18,6 +20,32 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kMaxValuesPerLane = 8;  // head_dim <= 256 (the Python side checks)
 
+// One vector by one warp, lane d holding values d, d + 32, ...: its scale (max |x| by shuffles,
+// written by lane 0) and its bytes. The whole warp calls it (every lane takes part in the shuffles).
+__device__ __forceinline__ void quantize_vector_warp(const QuantTarget& t, int head_dim, Format input,
+                                                     Format format, int lane) {
+  float x[kMaxValuesPerLane];
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < kMaxValuesPerLane; ++j) {
+    const int d = lane + 32 * j;
+    x[j] = d < head_dim ? load_float(t.src, d, input) : 0.f;
+    amax = fmaxf(amax, fabsf(x[j]));
+  }
+  float s = t.given;
+  if (t.scale) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    s = amax / format_max(format);
+    if (lane == 0) *t.scale = s;
+  }
+#pragma unroll
+  for (int j = 0; j < kMaxValuesPerLane; ++j) {
+    const int d = lane + 32 * j;
+    if (d < head_dim) t.dst[d] = static_cast<char>(quantize_value(x[j], s, format));
+  }
+}
+
 __global__ void __launch_bounds__(kWarps * 32) quantize_kernel(const QuantAppend p) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t{gridDim.x} * kWarps;
@@ -25,26 +53,23 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_kernel(const QuantAppend
     QuantTarget t;
     const VectorIndex at = vector_index(p, i);
     if (!quant_target(p, at, row_facts(p, at.b), &t)) continue;  // the same for every lane
-    float x[kMaxValuesPerLane];
-    float amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < kMaxValuesPerLane; ++j) {
-      const int d = lane + 32 * j;
-      x[j] = d < p.head_dim ? load_float(t.src, d, p.input) : 0.f;
-      amax = fmaxf(amax, fabsf(x[j]));
-    }
-    float s = t.given;
-    if (t.scale) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-      s = amax / format_max(p.format);
-      if (lane == 0) *t.scale = s;
-    }
-#pragma unroll
-    for (int j = 0; j < kMaxValuesPerLane; ++j) {
-      const int d = lane + 32 * j;
-      if (d < p.head_dim) t.dst[d] = static_cast<char>(quantize_value(x[j], s, p.format));
-    }
+    quantize_vector_warp(t, p.head_dim, p.input, p.format, lane);
+  }
+}
+
+// The quantizing instantiate (quantize_prefix.h): a warp a vector, every layer and slot in one
+// launch. A prefix is instantiated once per request, so this is the generic kernel's shape, not
+// the append's tuned one.
+__global__ void __launch_bounds__(kWarps * 32)
+    quantize_prefix_kernel(const __grid_constant__ QuantPrefix p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t total = p.first_vector[p.num_layers], warps = int64_t{gridDim.x} * kWarps;
+  for (int64_t i = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32; i < total; i += warps) {
+    const int layer = layer_of_unit(p.first_vector, p.num_layers, i);
+    const QuantPrefixLayer& l = p.layers[layer];
+    QuantTarget t;
+    if (!quant_prefix_target(p, layer, i - p.first_vector[layer], &t)) continue;  // whole warp
+    quantize_vector_warp(t, l.cache.token_bytes, l.input, l.format, lane);
   }
 }
 
@@ -260,8 +285,25 @@ ffi::Error paged_append_quantized_cuda(
   return launch(stream, *p, "paged_append_quantized");
 }
 
+ffi::Error quantize_prefix_cuda(cudaStream_t stream, ffi::Buffer<ffi::S32> slots,
+                                ffi::Buffer<ffi::F32> given, ffi::RemainingArgs args,
+                                ffi::RemainingRets rets, int64_t rows) {
+  QuantPrefix p;
+  if (auto e = describe_quant_prefix(slots, given, args, rets, rows, &p); e.failure()) return e;
+  const int64_t blocks = (p.first_vector[p.num_layers] + kWarps - 1) / kWarps;
+  if (blocks == 0) return ffi::Error::Success();
+  quantize_prefix_kernel<<<static_cast<unsigned>(std::min<int64_t>(blocks, 1 << 20)), kWarps * 32, 0,
+                           stream>>>(p);
+  return cuda_status("quantize_prefix");
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxkv_quantize_prefix_cuda, quantize_prefix_cuda,
+    bind_quantize_prefix(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    JAXKV_CUDA_TRAITS);
+JAXKV_REGISTER_TARGET("jaxkv_quantize_prefix", "CUDA", jaxkv_quantize_prefix_cuda);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jaxkv_append_quantized_cuda, append_quantized_cuda,
     bind_append_quantized(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),

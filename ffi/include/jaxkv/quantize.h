@@ -132,6 +132,20 @@ JAXKV_HD uint8_t quantize_value(float x, float s, Format f) {
   return encode(s > 0.f ? x / s : 0.f, f);
 }
 
+// One vector, serially (the CPU handlers): its scale (per token and head: max|x| / QMAX, written
+// to t.scale; per tensor t.given) and its head_dim bytes.
+inline void quantize_vector(const QuantTarget& t, int32_t head_dim, Format input, Format format) {
+  float s = t.given;
+  if (t.scale) {
+    float amax = 0.f;
+    for (int32_t d = 0; d < head_dim; ++d) amax = fmaxf(amax, fabsf(load_float(t.src, d, input)));
+    s = amax / format_max(format);
+    *t.scale = s;
+  }
+  for (int32_t d = 0; d < head_dim; ++d)
+    t.dst[d] = static_cast<char>(quantize_value(load_float(t.src, d, input), s, format));
+}
+
 // Builds the problem from the buffers; `table`: null for a dense cache, `active`: null for every
 // row; `k_scales` / `v_scales` [L] per tensor.
 inline ffi::ErrorOr<QuantAppend> make_quant_append(
