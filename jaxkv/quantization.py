@@ -24,13 +24,20 @@ SCALINGS = ("per_token_head", "per_tensor")
 INPUT_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
-def scaling_of(op: str, dtype, scaling) -> str | None:
-    """The scaling of a new cache of ``dtype``: ``scaling`` checked, or the default."""
+MAX_HEAD_DIM = 256  # of an 8-bit cache: a quantizing kernel's warp holds a vector, 8 values a lane
+
+
+def scaling_of(op: str, dtype, scaling, head_dims) -> str | None:
+    """The scaling of a new cache of ``dtype``: ``scaling`` checked, or the default; an 8-bit
+    cache's ``head_dims`` (one per layer) at most ``MAX_HEAD_DIM``."""
     if np.dtype(dtype) not in QUANTIZED_DTYPES:
         if scaling is not None:
             raise ValueError(f"{op}: scaling is for the 8-bit dtypes (float8_e4m3fn, float8_e5m2, "
                              f"int8); the cache's dtype is {np.dtype(dtype)}")
         return None
+    if max(head_dims) > MAX_HEAD_DIM:
+        raise ValueError(f"{op}: an 8-bit cache takes head_dim <= {MAX_HEAD_DIM} (its quantizing "
+                         f"kernels hold a vector in one warp), got {max(head_dims)}")
     scaling = "per_token_head" if scaling is None else scaling
     if scaling not in SCALINGS:
         raise ValueError(f"{op}: scaling must be one of {SCALINGS}, got {scaling!r}")

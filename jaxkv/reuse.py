@@ -296,12 +296,15 @@ def _instantiate_quantizing(op, buffers, names, saved: SavedKV, batch_idx, scale
                                       for i in range(n)]) for sc in (k_scales, v_scales)])
         extra = []
     targets = [*buffers, *extra]
+    # The prefix as arrays of their own: XLA:GPU's dynamic slice fusion of a call on slices of
+    # the prefix wrote wrong scales once (the append's pass over it: H200, jax 0.11.2).
+    prefix = jax.lax.optimization_barrier(tuple(saved.layers))
     out = _ffi.call(
         "jaxkv_quantize_prefix",
         [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in targets],
         slots,
         given,
-        *saved.layers,
+        *prefix,
         *targets,
         input_output_aliases={2 + n + i: i for i in range(len(targets))},
         rows=rows,

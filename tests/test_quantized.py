@@ -297,15 +297,17 @@ def test_an_unquantized_prefix_is_quantized_on_instantiate(kind, dtype, scaling,
     store it: reference.quantize's bytes and scales, bit for bit."""
     plain = started(kind, src, [6, 6, 6, 6])
     saved = plain.save(1, 5)
-    kw = dict(k_scale=0.05, v_scale=0.07) if scaling == "per_tensor" else {}
+    per_layer = (np.asarray([0.05, 0.09], np.float32), np.asarray([0.07, 0.03], np.float32))
+    kw = dict(k_scale=jnp.asarray(per_layer[0]), v_scale=jnp.asarray(per_layer[1])) \
+        if scaling == "per_tensor" else {}
     c = started(kind, dtype, [6, 6, 6, 6], scaling, **kw)
     out = jax.jit(lambda c, s: c.instantiate(s, jnp.asarray([0, 2], jnp.int32)))(c, saved)
     assert out.scaling == scaling
     for kv in (0, 1):
-        scale = None if scaling == "per_token_head" else (0.05, 0.07)[kv]
         for layer in range(L):
-            src, _ = token_view(plain, layer, kv)
-            want, want_s = quantize_on_cpu(src[1, :, :5], dtype, scale)
+            scale = None if scaling == "per_token_head" else float(per_layer[kv][layer])
+            src_data, _ = token_view(plain, layer, kv)
+            want, want_s = quantize_on_cpu(src_data[1, :, :5], dtype, scale)
             data, scales = token_view(c, layer, kv)
             got, got_s = token_view(out, layer, kv)
             for row in (0, 2):
@@ -313,11 +315,59 @@ def test_an_unquantized_prefix_is_quantized_on_instantiate(kind, dtype, scaling,
                 assert_bytes_equal(got[row, :, 5:], data[row, :, 5:], "past T untouched")
                 if scaling == "per_token_head":
                     assert_bytes_equal(got_s[row, :, :5], want_s, "scales")
-            assert_bytes_equal(got[1], data[1], "other rows untouched")
-            assert_bytes_equal(got[3], data[3], "other rows untouched")
+                    assert_bytes_equal(got_s[row, :, 5:], scales[row, :, 5:], "scales past T")
+            for row in (1, 3):
+                assert_bytes_equal(got[row], data[row], "other rows untouched")
+                if scaling == "per_token_head":
+                    assert_bytes_equal(got_s[row], scales[row], "other rows' scales untouched")
     raw = dataclasses.replace(saved, layers=tuple(x.astype(jnp.int8) for x in saved.layers))
     with pytest.raises(TypeError, match="takes a float32, bfloat16 or float16 prefix"):
         c.instantiate(raw, 0)  # bytes without scales cannot be quantized
+
+
+@pytest.mark.parametrize("scaling", ["per_token_head", "per_tensor"])
+def test_quantizing_instantiate_reads_each_layer_its_own_shape(scaling):
+    """A manager whose layers differ in heads and head dims (one not a power of two, one below
+    a warp): every layer quantized with its own geometry and, per tensor, its own scale."""
+    configs = [jaxkv.KVLayerConfig(2, 48), jaxkv.KVLayerConfig(1, 16), jaxkv.KVLayerConfig(3, 8)]
+    k_s, v_s = np.asarray([0.05, 0.2, 0.01], np.float32), np.asarray([0.3, 0.02, 0.1], np.float32)
+    kw = dict(k_scale=jnp.asarray(k_s), v_scale=jnp.asarray(v_s)) if scaling == "per_tensor" else {}
+    c = jaxkv.KVCacheManager.create(configs, B, S, jnp.float8_e4m3fn, scaling=scaling, **kw)
+    c = c.reset(jnp.full((B,), 7, jnp.int32))
+    layers = tuple(values((2, cf.num_kv_heads, 6, cf.head_dim), jnp.bfloat16) for cf in configs)
+    out = jax.jit(lambda c: c.instantiate(jaxkv.SavedKV(layers, jnp.asarray(6, jnp.int32)),
+                                          jnp.asarray([1], jnp.int32)))(c)
+    for i, x in enumerate(layers):
+        for kv in (0, 1):
+            scale = None if scaling == "per_token_head" else float((k_s, v_s)[kv][i])
+            want, want_s = quantize_on_cpu(x[kv], jnp.float8_e4m3fn, scale)
+            assert_bytes_equal(out.layers[i][1, kv, :, :6], want, f"layer {i} bytes")
+            if scaling == "per_token_head":
+                assert_bytes_equal((out.k_scales, out.v_scales)[kv][i][1, :, :6], want_s,
+                                   f"layer {i} scales")
+
+
+def test_quantizing_instantiate_takes_as_many_layers_as_a_launch():
+    """130 layers of per-token scales: the data and both scale stacks, 390 buffers' worth of
+    layers, in one call (the scales are described per kind, each within the 256 layers)."""
+    n = 130
+    c = jaxkv.LinearKVCache.create(n, 2, 1, 4, 8, jnp.int8).reset(jnp.zeros((2,), jnp.int32))
+    layers = tuple(values((2, 1, 3, 8)) for _ in range(n))
+    run = jax.jit(lambda c: c.instantiate(jaxkv.SavedKV(layers, jnp.asarray(3, jnp.int32)), 1),
+                  donate_argnums=0)
+    out = run(c)
+    want, want_s = quantize_on_cpu(layers[n - 1][1], jnp.int8)
+    assert_bytes_equal(out.buffer[n - 1, 1, 1, :, :3], want, "the last layer's V")
+    assert_bytes_equal(out.v_scales[n - 1, 1, :, :3], want_s, "its scales")
+
+
+def test_an_8bit_cache_takes_head_dims_its_kernels_hold():
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        jaxkv.LinearKVCache.create(1, 2, 1, 4, 512, jnp.int8)
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        jaxkv.KVCacheManager.create([jaxkv.KVLayerConfig(1, 8), jaxkv.KVLayerConfig(1, 384)], 2,
+                                    4, jnp.float8_e5m2)
+    jaxkv.LinearKVCache.create(1, 2, 1, 4, 512, jnp.bfloat16)  # a float cache has no such bound
 
 
 @pytest.mark.parametrize("kind", ["linear", "manager"])

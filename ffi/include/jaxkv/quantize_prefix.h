@@ -74,7 +74,7 @@ ffi::Error describe_quant_prefix(ffi::Buffer<ffi::S32>& slots, ffi::Buffer<ffi::
   // their layers against the saved prefixes (args minus the cache buffers).
   if (args.size() < rets.size()) return invalid(op, "missing arguments");
   const size_t num_saved = args.size() - rets.size();
-  LayerSpan data[kMaxLayers], scales[kMaxLayers];
+  LayerSpan data[kMaxLayers], k_scales[kMaxLayers], v_scales[kMaxLayers];
   const size_t data_buffers = per_token ? rets.size() / 3 : rets.size();
   if (per_token && data_buffers * 3 != rets.size())
     return invalid(op, "one K and one V scale buffer per data buffer expected");
@@ -84,11 +84,18 @@ ffi::Error describe_quant_prefix(ffi::Buffer<ffi::S32>& slots, ffi::Buffer<ffi::
     return invalid(op, "one saved prefix per layer expected");
   if (!per_token && static_cast<int64_t>(given.element_count()) != 2 * *n)
     return invalid(op, "per-tensor scales must be [2, num_layers]");
-  if (per_token) {
-    auto from = [&](size_t i) { return ret(data_buffers + i); };
-    auto m = describe_layers(op, from, 2 * data_buffers, true, rows, scales);
-    if (m.has_error()) return m.error();
-    if (*m != 2 * *n) return invalid(op, "scale layers do not match the data layers");
+  if (per_token) {  // K's scale buffers, then V's: each as many layers as the data (<= 256)
+    for (int kv = 0; kv < 2; ++kv) {
+      auto from = [&](size_t i) { return ret((1 + kv) * data_buffers + i); };
+      for (size_t b = 0; b < data_buffers; ++b) {
+        auto x = from(b);
+        if (x.has_error()) return x.error();
+        if (x->element_type() != ffi::DataType::F32) return invalid(op, "scales must be float32");
+      }
+      auto m = describe_layers(op, from, data_buffers, true, rows, kv ? v_scales : k_scales);
+      if (m.has_error()) return m.error();
+      if (*m != *n) return invalid(op, "scale layers do not match the data layers");
+    }
   }
   Format format = Format::kS8;
   for (size_t b = 0; b < data_buffers; ++b) {  // every data buffer holds the cache's one dtype
@@ -116,8 +123,8 @@ ffi::Error describe_quant_prefix(ffi::Buffer<ffi::S32>& slots, ffi::Buffer<ffi::
     l.tokens = static_cast<int32_t>(d[2]);
     l.k_scales = l.v_scales = nullptr;
     if (per_token) {
-      const LayerSpan& ks = scales[i];
-      const LayerSpan& vs = scales[*n + i];
+      const LayerSpan& ks = k_scales[i];
+      const LayerSpan& vs = v_scales[i];
       for (const LayerSpan* x : {&ks, &vs})
         if (x->heads != c.heads / 2 || x->capacity != c.capacity || x->token_bytes != 4 ||
             x->row_stride != int64_t{x->heads} * c.capacity * 4)
