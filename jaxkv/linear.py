@@ -98,7 +98,7 @@ class LinearKVCache:
         shape = (num_layers, max_batch, 2, num_kv_heads, max_seq_len, head_dim)
         leaves = dict(buffer=(shape, dtype, 0), lengths=((max_batch,), jnp.int32, 0),
                       active_batch_size=((), jnp.int32, 0))
-        scaling = quantization.scaling_of(op, dtype, scaling, [head_dim])
+        scaling = quantization.scaling_of(op, dtype, scaling)
         leaves.update(quantization.scale_leaves(op, scaling, num_layers,
                                                 (num_layers, max_batch, num_kv_heads, max_seq_len),
                                                 k_scale, v_scale))

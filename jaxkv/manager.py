@@ -116,7 +116,7 @@ class KVCacheManager:
             shapes.append((max_batch, 2, c.num_kv_heads, seq, c.head_dim))
         leaves = dict(layers=[(shape, dtype, 0) for shape in shapes],
                       lengths=((max_batch,), jnp.int32, 0), active_batch_size=((), jnp.int32, 0))
-        scaling = quantization.scaling_of(op, dtype, scaling, [c.head_dim for c in configs])
+        scaling = quantization.scaling_of(op, dtype, scaling)
         leaves.update(quantization.scale_leaves(op, scaling, len(configs),
                                                 [(b, h, s) for b, _, h, s, _ in shapes],
                                                 k_scale, v_scale))

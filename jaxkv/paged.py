@@ -151,7 +151,7 @@ class PagedKVCache:
             k_pages=(shape, dtype, 0), v_pages=(shape, dtype, 0),
             page_table=((max_batch, max_pages_per_seq), jnp.int32, NO_PAGE),
             lengths=rows, ref_counts=((num_pages,), jnp.int32, 0), new_tokens=rows)
-        scaling = quantization.scaling_of(op, dtype, scaling, [head_dim])
+        scaling = quantization.scaling_of(op, dtype, scaling)
         # The scale pools: the pools without D, in either layout.
         leaves.update(quantization.scale_leaves(op, scaling, num_layers, shape[:4], k_scale,
                                                 v_scale))

@@ -24,20 +24,16 @@ SCALINGS = ("per_token_head", "per_tensor")
 INPUT_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
-MAX_HEAD_DIM = 256  # of an 8-bit cache: a quantizing kernel's warp holds a vector, 8 values a lane
+MAX_HEAD_DIM = 256  # of values quantized on the way in: a kernel's warp holds a vector, 8 a lane
 
 
-def scaling_of(op: str, dtype, scaling, head_dims) -> str | None:
-    """The scaling of a new cache of ``dtype``: ``scaling`` checked, or the default; an 8-bit
-    cache's ``head_dims`` (one per layer) at most ``MAX_HEAD_DIM``."""
+def scaling_of(op: str, dtype, scaling) -> str | None:
+    """The scaling of a new cache of ``dtype``: ``scaling`` checked, or the default."""
     if np.dtype(dtype) not in QUANTIZED_DTYPES:
         if scaling is not None:
             raise ValueError(f"{op}: scaling is for the 8-bit dtypes (float8_e4m3fn, float8_e5m2, "
                              f"int8); the cache's dtype is {np.dtype(dtype)}")
         return None
-    if max(head_dims) > MAX_HEAD_DIM:
-        raise ValueError(f"{op}: an 8-bit cache takes head_dim <= {MAX_HEAD_DIM} (its quantizing "
-                         f"kernels hold a vector in one warp), got {max(head_dims)}")
     scaling = "per_token_head" if scaling is None else scaling
     if scaling not in SCALINGS:
         raise ValueError(f"{op}: scaling must be one of {SCALINGS}, got {scaling!r}")
@@ -63,6 +59,14 @@ def tensor_scales(op: str, name: str, value, num_layers: int) -> jax.Array:
     return jnp.broadcast_to(value, (num_layers,))
 
 
+def check_head_dim(op: str, name: str, head_dim: int) -> None:
+    """Values quantized on their way into an 8-bit cache: at most ``MAX_HEAD_DIM`` a vector."""
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"{op}: {name} has head_dim {head_dim}; values quantized on the way into "
+                         f"an 8-bit cache take head_dim <= {MAX_HEAD_DIM} (a kernel's warp holds "
+                         "a vector)")
+
+
 def check_inputs(op: str, k, v) -> None:
     """K/V written into an 8-bit cache: float32, bfloat16 or float16, and finite (a non-finite
     vector is reported; it only ever spoils its own token's bytes and scale)."""
@@ -70,6 +74,7 @@ def check_inputs(op: str, k, v) -> None:
         if np.dtype(x.dtype) not in INPUT_DTYPES:
             raise TypeError(f"{op}: {name} has dtype {x.dtype}; an 8-bit cache takes float32, "
                             "bfloat16 or float16 values and quantizes them")
+        check_head_dim(op, name, x.shape[-1])
     check(jnp.all(jnp.isfinite(k)) & jnp.all(jnp.isfinite(v)),
           f"{op}: k or v holds a non-finite value (that token's data and scale are undefined)")
 

@@ -19,6 +19,7 @@ import numpy as np
 from . import _ffi
 from . import _validate as validate
 from . import ops
+from . import quantization
 from ._checks import check, elsewhere
 from .layout import LAYER, REPLICATED, SAVED
 from .sharding import FromOwner, Role, per_shard, row_ids
@@ -286,6 +287,7 @@ def _instantiate_quantizing(op, buffers, names, saved: SavedKV, batch_idx, scale
         if x.ndim != 4 or x.shape[0] != 2 or x.shape[1] != h or x.shape[3] != d or x.shape[2] > s:
             raise ValueError(f"{op}: saved.layers[{i}] must have shape (2, {h}, T <= {s}, {d}) "
                              f"to fit {name}, got {x.shape}")
+        quantization.check_head_dim(op, f"saved.layers[{i}]", d)
     slots = _slots(op, batch_idx, rows, allow_many=True)
     n = len(layers)
     if per_token:

@@ -361,13 +361,20 @@ def test_quantizing_instantiate_takes_as_many_layers_as_a_launch():
     assert_bytes_equal(out.v_scales[n - 1, 1, :, :3], want_s, "its scales")
 
 
-def test_an_8bit_cache_takes_head_dims_its_kernels_hold():
+def test_values_quantized_on_the_way_in_have_head_dims_a_warp_holds():
+    """An 8-bit cache of head_dim 512 holds bytes (raw appends, views), but float values to
+    quantize into it are refused at trace time, before anything is donated: the kernels hold a
+    vector in one warp (append and instantiate alike)."""
+    c = jaxkv.LinearKVCache.create(1, 2, 1, 4, 512, jnp.int8).reset(jnp.zeros((2,), jnp.int32))
+    k = values((2, 1, 1, 512))
     with pytest.raises(ValueError, match="head_dim <= 256"):
-        jaxkv.LinearKVCache.create(1, 2, 1, 4, 512, jnp.int8)
+        c.append(0, k, k)
     with pytest.raises(ValueError, match="head_dim <= 256"):
-        jaxkv.KVCacheManager.create([jaxkv.KVLayerConfig(1, 8), jaxkv.KVLayerConfig(1, 384)], 2,
-                                    4, jnp.float8_e5m2)
-    jaxkv.LinearKVCache.create(1, 2, 1, 4, 512, jnp.bfloat16)  # a float cache has no such bound
+        c.instantiate(jaxkv.SavedKV((values((2, 1, 3, 512)),), jnp.asarray(3, jnp.int32)), 0)
+    p = jaxkv.PagedKVCache.create(1, 4, 4, 1, 384, 2, 2, jnp.float8_e4m3fn)
+    p, _ = p.reserve(jnp.ones((2,), jnp.int32))
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        p.append(0, values((2, 1, 1, 384)), values((2, 1, 1, 384)))
 
 
 @pytest.mark.parametrize("kind", ["linear", "manager"])
