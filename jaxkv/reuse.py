@@ -266,9 +266,6 @@ def save_saved_kv(op, buffers, names, batch_idx, seq_len, scales=None) -> SavedK
                                                         else "per_tensor"))
 
 
-_FLOATS = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-
-
 def _instantiate_quantizing(op, buffers, names, saved: SavedKV, batch_idx, scales):
     """An unquantized ``saved`` into an 8-bit cache: the one FFI call ("jaxkv_quantize_prefix")
     quantizes each (slot, K/V head, token) vector on its way, bit for bit as the cache's
@@ -280,7 +277,7 @@ def _instantiate_quantizing(op, buffers, names, saved: SavedKV, batch_idx, scale
     if saved.num_layers != len(layers):
         raise ValueError(f"{op}: {saved.num_layers} saved layers for {len(layers)} cache layers")
     for i, ((name, shape, _), x) in enumerate(zip(layers, saved.layers)):
-        if np.dtype(x.dtype) not in _FLOATS:
+        if np.dtype(x.dtype) not in quantization.INPUT_DTYPES:
             raise TypeError(f"{op}: saved.layers[{i}] has dtype {x.dtype}; an 8-bit cache "
                             "takes a float32, bfloat16 or float16 prefix (quantized on the way)")
         _, _, h, s, d = shape
