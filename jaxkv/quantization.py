@@ -22,8 +22,6 @@ from ._checks import check
 QUANTIZED_DTYPES = tuple(np.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8))
 SCALINGS = ("per_token_head", "per_tensor")
 INPUT_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
-
-
 MAX_HEAD_DIM = 256  # of values quantized on the way in: a kernel's warp holds a vector, 8 a lane
 
 

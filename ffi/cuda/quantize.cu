@@ -18,7 +18,7 @@ namespace jaxkv {
 namespace {
 
 constexpr int kWarps = 8;
-constexpr int kMaxValuesPerLane = 8;  // head_dim <= 256 (quantization.MAX_HEAD_DIM, at create)
+constexpr int kMaxValuesPerLane = 8;  // head_dim <= 256 (quantization.check_head_dim, at trace time)
 
 // One vector by one warp, lane d holding values d, d + 32, ...: its scale (max |x| by shuffles,
 // written by lane 0) and its bytes. The whole warp calls it (every lane takes part in the shuffles).
