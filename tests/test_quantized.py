@@ -347,6 +347,56 @@ def test_quantizing_instantiate_reads_each_layer_its_own_shape(scaling):
                                    f"layer {i} scales")
 
 
+@pytest.mark.parametrize("d,src,dtype,scaling", [
+    (32, jnp.float32, jnp.float8_e4m3fn, "per_token_head"),
+    (128, jnp.bfloat16, jnp.int8, "per_token_head"),
+    (256, jnp.float16, jnp.float8_e5m2, "per_token_head"),
+    (64, jnp.bfloat16, jnp.float8_e5m2, "per_tensor"),
+    (128, jnp.float32, jnp.float8_e4m3fn, "per_tensor")])
+def test_an_instantiated_prefix_quantizes_bit_for_bit_at_every_head_dim(d, src, dtype, scaling):
+    """The instantiate's specialized kernel (on the GPU: every layer one head_dim of 32-256 and
+    one input format) over 3 layers and 2 of 4 rows, with hostile vectors among the tokens: zeros,
+    values so small or so large that the scale leaves [2^-64, 2^64] (the division path), and,
+    per tensor, values whose quotient overflows and saturates."""
+    n, b, h, t, cap = 3, 4, 2, 37, 48
+    k_s, v_s = np.asarray([0.05, 0.2, 1e-3], np.float32), np.asarray([0.3, 0.02, 0.1], np.float32)
+    kw = dict(k_scale=jnp.asarray(k_s), v_scale=jnp.asarray(v_s)) if scaling == "per_tensor" else {}
+    c = jaxkv.LinearKVCache.create(n, b, h, cap, d, dtype, scaling=scaling, **kw)
+    c = c.reset(jnp.full((b,), 5, jnp.int32))
+    c = dataclasses.replace(c, buffer=random_array(c.buffer.shape, c.buffer.dtype))
+    if scaling == "per_token_head":
+        c = dataclasses.replace(c, k_scales=jnp.abs(random_array(c.k_scales.shape, jnp.float32)),
+                                v_scales=jnp.abs(random_array(c.v_scales.shape, jnp.float32)))
+    big = 1e4 if src == jnp.float16 else 3e38  # float16 tops out at 65504
+    layers = []
+    for _ in range(n):
+        x = np.array(values((2, h, t, d), jnp.float32))
+        x[0, 0, 3] = 0.0
+        x[1, 1, 7] *= 1e-25 if src != jnp.float16 else 1.0
+        x[0, 1, 11] = big * np.sign(x[0, 1, 11])
+        layers.append(jnp.asarray(x).astype(src))
+    slots = jnp.asarray([2, 0], jnp.int32)
+    poison = np.array(c.buffer)
+    poison_s = [np.array(x) for x in (c.k_scales, c.v_scales)] if scaling == "per_token_head" \
+        else None
+    out = jax.jit(lambda c: c.instantiate(jaxkv.SavedKV(tuple(layers), jnp.asarray(t, jnp.int32)),
+                                          slots), donate_argnums=0)(c)
+    want_all = poison.copy()
+    want_s_all = [x.copy() for x in poison_s] if poison_s else None
+    for i, x in enumerate(layers):
+        for kv in (0, 1):
+            scale = None if scaling == "per_token_head" else float((k_s, v_s)[kv][i])
+            want, want_s = quantize_on_cpu(x[kv], dtype, scale)
+            for row in (2, 0):
+                want_all[i, row, kv, :, :t] = want
+                if want_s_all:
+                    want_s_all[kv][i, row, :, :t] = want_s
+    assert_bytes_equal(out.buffer, want_all, "bytes (other rows and positions past T untouched)")
+    if want_s_all:
+        for kv in (0, 1):
+            assert_bytes_equal((out.k_scales, out.v_scales)[kv], want_s_all[kv], f"scales {kv}")
+
+
 def test_quantizing_instantiate_takes_as_many_layers_as_a_launch():
     """130 layers of per-token scales: the data and both scale stacks, 390 buffers' worth of
     layers, in one call (the scales are described per kind, each within the 256 layers)."""

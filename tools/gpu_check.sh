@@ -119,7 +119,7 @@ if [ -z "${SKIP_SANITIZE:-}" ]; then
   # shellcheck disable=SC2086  # word splitting of the lists is intended
   sanitize memcheck "$OUT/memcheck.log" ${MEMCHECK:-test_compact.py test_linear.py \
     test_manager.py test_reuse.py test_paged_ops.py test_paged.py test_bad_input.py \
-    test_properties.py test_attention.py test_host_transfer.py} || sanitize_rc=1
+    test_properties.py test_attention.py test_host_transfer.py test_quantized.py} || sanitize_rc=1
   # shellcheck disable=SC2086
   sanitize racecheck "$OUT/racecheck.log" ${RACECHECK:-test_attention.py test_compact.py \
     test_linear.py test_manager.py} -k "${RACECHECK_SELECT:-compact or evict or attention or decode or prefill}" \

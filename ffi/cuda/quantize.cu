@@ -2,8 +2,9 @@
 // each (layer, row, K/V, head, token) vector is read once, its max |x| reduced by shuffles, its
 // scale written by one lane and its bytes by every lane: one pass over the input, no temporary.
 // For head_dim 32 to 256 (a power of two) the append kernel is compiled per input and cache format
-// (quantize_kernel_fixed, several vectors a warp); other sizes, inputs of 2^31 vectors or more and
-// the instantiate take the generic one-warp-a-vector kernel's body (quantize_vector_warp).
+// (quantize_kernel_fixed, several vectors a warp), and so is the instantiate's (quantize_prefix_fixed,
+// where every layer has one input format and head_dim); other sizes, appends of 2^31 vectors or
+// more and mixed prefixes take the generic one-warp-a-vector kernels (quantize_vector_warp).
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -57,9 +58,10 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_kernel(const QuantAppend
   }
 }
 
-// The quantizing instantiate (quantize_prefix.h): a warp a vector, every layer and slot in one
-// launch. A prefix is instantiated once per request, so this is the generic kernel's shape, not
-// the append's tuned one.
+// The quantizing instantiate (quantize_prefix.h), generic: a warp a vector, every layer and slot in
+// one launch, for the prefixes quantize_prefix_fixed does not take (layers of several head dims or
+// input formats, a head_dim outside 32-256's powers of two). It ran at 11% of copy bandwidth,
+// 6.5x the bf16 instantiate's time, on a 32-layer prefix (H100, 2026-11-27).
 __global__ void __launch_bounds__(kWarps * 32)
     quantize_prefix_kernel(const __grid_constant__ QuantPrefix p) {
   const int lane = threadIdx.x % 32;
@@ -119,12 +121,70 @@ __device__ __forceinline__ float quotient(float x, float s, float r) {
   return copysignf(__fmaf_rn(r, __fmaf_rn(q, -s, x), q), x);
 }
 
+// A lane's kPer values of one vector (kWords 16-byte words) to its share of the vector's scale and
+// bytes: the value pipeline of the specialized kernels, shared by the append and the instantiate.
+// Every lane calls it (the shuffles); `ok` false: a lane whose vector is not written.
+template <Format kIn, Format kOut, int kD, bool kWide>
+__device__ __forceinline__ void quantize_words(const uint4* words, const QuantTarget& t, bool ok,
+                                               bool per_token, int sub) {
+  using G = Geometry<kIn, kD, kWide>;
+  constexpr int kPer = G::kPer, kGroup = G::kGroup;
+  using Out = typename Word<G::kOutBytes>::type;
+  float x[kPer];
+  const uint32_t* u = reinterpret_cast<const uint32_t*>(words);
+#pragma unroll
+  for (int j = 0; j < kPer; j += 2) {
+    if (kIn == Format::kF32) {
+      x[j] = __uint_as_float(u[j]);
+      x[j + 1] = __uint_as_float(u[j + 1]);
+    } else if (kIn == Format::kBF16) {
+      x[j] = __uint_as_float(u[j / 2] << 16);
+      x[j + 1] = __uint_as_float(u[j / 2] & 0xffff0000u);
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(u + j / 2));
+      x[j] = f.x;
+      x[j + 1] = f.y;
+    }
+  }
+  float s = ok ? t.given : 0.f;
+  if (per_token) {  // the same for every lane
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) amax = fmaxf(amax, fabsf(x[j]));
+#pragma unroll
+    for (int off = kGroup / 2; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    s = amax / format_max(kOut);
+    if (ok && sub == 0) *t.scale = s;
+  }
+  if (!ok) return;
+  // The stored value x / s (quantize_value): by the reciprocal for every per-token scale of
+  // ordinary data, else (a scale given per tensor; a zero, huge, tiny or non-finite one) by the
+  // division itself.
+  if (per_token && s >= 0x1p-64f && s <= 0x1p64f) {
+    const float r = reciprocal(s);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) x[j] = quotient(x[j], s, r);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) x[j] = s > 0.f ? x[j] / s : 0.f;
+  }
+  uint32_t packed[kPer / 4];
+#pragma unroll
+  for (int j = 0; j < kPer; j += 2) {
+    const uint32_t pair = encode_pair(x[j], x[j + 1], kOut);
+    packed[j / 4] = j % 4 ? packed[j / 4] | (pair << 16) : pair;
+  }
+  Out out[G::kStores];
+  memcpy(out, packed, sizeof(out));
+#pragma unroll
+  for (int j = 0; j < G::kStores; ++j) reinterpret_cast<Out*>(t.dst)[sub * G::kStores + j] = out[j];
+}
+
 template <Format kIn, Format kOut, int kD, bool kWide>
 __global__ void __launch_bounds__(kWarps * 32)
     quantize_kernel_fixed(const QuantAppend p, const VectorDivs divs) {
   using G = Geometry<kIn, kD, kWide>;
-  constexpr int kPer = G::kPer, kGroup = G::kGroup, kWords = G::kWords, kPerWarp = 32 / kGroup;
-  using Out = typename Word<G::kOutBytes>::type;
+  constexpr int kGroup = G::kGroup, kWords = G::kWords, kPerWarp = 32 / kGroup;
   const int lane = threadIdx.x % 32, sub = lane % kGroup;
   const uint32_t vectors = static_cast<uint32_t>(p.vectors());
   const uint32_t warps = gridDim.x * kWarps;
@@ -152,92 +212,98 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (p.tokens != 1) load(in && at.t < row.count);  // ragged rows: the padding is not read
     QuantTarget t;
     const bool ok = in && quant_target(p, at, row, &t);
-    float x[kPer];
-    const uint32_t* u = reinterpret_cast<const uint32_t*>(words);
-#pragma unroll
-    for (int j = 0; j < kPer; j += 2) {
-      if (kIn == Format::kF32) {
-        x[j] = __uint_as_float(u[j]);
-        x[j + 1] = __uint_as_float(u[j + 1]);
-      } else if (kIn == Format::kBF16) {
-        x[j] = __uint_as_float(u[j / 2] << 16);
-        x[j + 1] = __uint_as_float(u[j / 2] & 0xffff0000u);
-      } else {
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(u + j / 2));
-        x[j] = f.x;
-        x[j + 1] = f.y;
-      }
-    }
-    float s = ok ? t.given : 0.f;
-    if (!p.tensor_k_scale) {  // per token and head (the same for every lane)
-      float amax = 0.f;
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) amax = fmaxf(amax, fabsf(x[j]));
-#pragma unroll
-      for (int off = kGroup / 2; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-      s = amax / format_max(kOut);
-      if (ok && sub == 0) *t.scale = s;
-    }
-    if (!ok) continue;
-    // The stored value x / s (quantize_value): by the reciprocal for every per-token scale of
-    // ordinary data, else (a scale given per tensor; a zero, huge, tiny or non-finite one) by the
-    // division itself.
-    if (!p.tensor_k_scale && s >= 0x1p-64f && s <= 0x1p64f) {
-      const float r = reciprocal(s);
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) x[j] = quotient(x[j], s, r);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) x[j] = s > 0.f ? x[j] / s : 0.f;
-    }
-    uint32_t packed[kPer / 4];
-#pragma unroll
-    for (int j = 0; j < kPer; j += 2) {
-      const uint32_t pair = encode_pair(x[j], x[j + 1], kOut);
-      packed[j / 4] = j % 4 ? packed[j / 4] | (pair << 16) : pair;
-    }
-    Out out[G::kStores];
-    memcpy(out, packed, sizeof(out));
-#pragma unroll
-    for (int j = 0; j < G::kStores; ++j) reinterpret_cast<Out*>(t.dst)[sub * G::kStores + j] = out[j];
+    quantize_words<kIn, kOut, kD, kWide>(words, t, ok, !p.tensor_k_scale, sub);
   }
 }
 
-template <Format kIn, Format kOut, int kD, bool kWide>
-void launch_geometry(cudaStream_t stream, const QuantAppend& p, const VectorDivs& d) {
-  const int64_t per_block = Geometry<kIn, kD, kWide>::kPerBlock;
-  const int64_t blocks = std::min<int64_t>((p.vectors() + per_block - 1) / per_block, 1 << 20);
-  quantize_kernel_fixed<kIn, kOut, kD, kWide>
-      <<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p, d);
-}
-
+// The instantiate's specialized kernel: the wide split (a prefix is thousands of vectors a layer),
+// every layer of one input format and head_dim. Consecutive vectors are consecutive tokens of one
+// head, contiguous in the prefix and in the cache row.
 template <Format kIn, Format kOut, int kD>
-void launch_kernel(cudaStream_t stream, const QuantAppend& p, const VectorDivs& d) {
-  if (p.vectors() >= kWideFrom)
-    launch_geometry<kIn, kOut, kD, true>(stream, p, d);
-  else
-    launch_geometry<kIn, kOut, kD, false>(stream, p, d);
+__global__ void __launch_bounds__(kWarps * 32)
+    quantize_prefix_fixed(const __grid_constant__ QuantPrefix p) {
+  using G = Geometry<kIn, kD, true>;
+  constexpr int kGroup = G::kGroup, kWords = G::kWords, kPerWarp = 32 / kGroup;
+  const int lane = threadIdx.x % 32, sub = lane % kGroup;
+  const int64_t total = p.first_vector[p.num_layers], warps = int64_t{gridDim.x} * kWarps;
+  for (int64_t w = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32; w * kPerWarp < total; w += warps) {
+    const int64_t i = w * kPerWarp + lane / kGroup;
+    QuantTarget t;
+    bool ok = false;
+    if (i < total) {
+      const int layer = layer_of_unit(p.first_vector, p.num_layers, i);
+      ok = quant_prefix_target(p, layer, i - p.first_vector[layer], &t);
+    }
+    uint4 words[kWords];
+    const uint4* src = ok ? reinterpret_cast<const uint4*>(t.src) + sub * kWords : nullptr;
+#pragma unroll
+    for (int j = 0; j < kWords; ++j) words[j] = ok ? load_word(src + j) : uint4{};
+    quantize_words<kIn, kOut, kD, true>(words, t, ok, p.given == nullptr, sub);
+  }
 }
 
-template <Format kIn, Format kOut>
-bool launch_fixed(cudaStream_t stream, const QuantAppend& p, const VectorDivs& d) {
-  switch (p.head_dim) {
-    case 32: launch_kernel<kIn, kOut, 32>(stream, p, d); return true;
-    case 64: launch_kernel<kIn, kOut, 64>(stream, p, d); return true;
-    case 128: launch_kernel<kIn, kOut, 128>(stream, p, d); return true;
-    case 256: launch_kernel<kIn, kOut, 256>(stream, p, d); return true;
+// Calls l.template go<kIn, kOut, kD>() for a specialized kernel's input format, cache format and
+// head_dim; false where head_dim has none (the generic kernel's case).
+template <Format kIn, Format kOut, class L>
+bool with_head_dim(int head_dim, const L& l) {
+  switch (head_dim) {
+    case 32: l.template go<kIn, kOut, 32>(); return true;
+    case 64: l.template go<kIn, kOut, 64>(); return true;
+    case 128: l.template go<kIn, kOut, 128>(); return true;
+    case 256: l.template go<kIn, kOut, 256>(); return true;
     default: return false;
   }
 }
 
-template <Format kIn>
-bool launch_in(cudaStream_t stream, const QuantAppend& p, const VectorDivs& d) {
-  switch (p.format) {
-    case Format::kE4M3: return launch_fixed<kIn, Format::kE4M3>(stream, p, d);
-    case Format::kE5M2: return launch_fixed<kIn, Format::kE5M2>(stream, p, d);
-    default: return launch_fixed<kIn, Format::kS8>(stream, p, d);
+template <Format kIn, class L>
+bool with_format(Format format, int head_dim, const L& l) {
+  switch (format) {
+    case Format::kE4M3: return with_head_dim<kIn, Format::kE4M3>(head_dim, l);
+    case Format::kE5M2: return with_head_dim<kIn, Format::kE5M2>(head_dim, l);
+    default: return with_head_dim<kIn, Format::kS8>(head_dim, l);
   }
 }
+
+template <class L>
+bool with_formats(Format input, Format format, int head_dim, const L& l) {
+  switch (input) {
+    case Format::kF32: return with_format<Format::kF32>(format, head_dim, l);
+    case Format::kBF16: return with_format<Format::kBF16>(format, head_dim, l);
+    default: return with_format<Format::kF16>(format, head_dim, l);
+  }
+}
+
+struct AppendLaunch {
+  cudaStream_t stream;
+  const QuantAppend& p;
+  const VectorDivs& d;
+  template <Format kIn, Format kOut, int kD, bool kWide>
+  void launch() const {
+    const int64_t per_block = Geometry<kIn, kD, kWide>::kPerBlock;
+    const int64_t blocks = std::min<int64_t>((p.vectors() + per_block - 1) / per_block, 1 << 20);
+    quantize_kernel_fixed<kIn, kOut, kD, kWide>
+        <<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p, d);
+  }
+  template <Format kIn, Format kOut, int kD>
+  void go() const {
+    if (p.vectors() >= kWideFrom)
+      launch<kIn, kOut, kD, true>();
+    else
+      launch<kIn, kOut, kD, false>();
+  }
+};
+
+struct PrefixLaunch {
+  cudaStream_t stream;
+  const QuantPrefix& p;
+  template <Format kIn, Format kOut, int kD>
+  void go() const {
+    const int64_t per_block = Geometry<kIn, kD, true>::kPerBlock;
+    const int64_t vectors = p.first_vector[p.num_layers];
+    const int64_t blocks = std::min<int64_t>((vectors + per_block - 1) / per_block, 1 << 20);
+    quantize_prefix_fixed<kIn, kOut, kD><<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p);
+  }
+};
 
 ffi::Error launch(cudaStream_t stream, const QuantAppend& p, const char* op) {
   if (p.head_dim > 32 * kMaxValuesPerLane) return invalid(op, "head_dim above 256");
@@ -247,13 +313,7 @@ ffi::Error launch(cudaStream_t stream, const QuantAppend& p, const char* op) {
   if (p.vectors() < (int64_t{1} << 31)) {
     const VectorDivs d{FastDiv(static_cast<uint32_t>(p.tokens)), FastDiv(static_cast<uint32_t>(p.heads)),
                        FastDiv(static_cast<uint32_t>(p.batch))};
-    bool done = false;
-    switch (p.input) {
-      case Format::kF32: done = launch_in<Format::kF32>(stream, p, d); break;
-      case Format::kBF16: done = launch_in<Format::kBF16>(stream, p, d); break;
-      default: done = launch_in<Format::kF16>(stream, p, d); break;
-    }
-    if (done) return cuda_status(op);
+    if (with_formats(p.input, p.format, p.head_dim, AppendLaunch{stream, p, d})) return cuda_status(op);
   }
   quantize_kernel<<<grid, kWarps * 32, 0, stream>>>(p);
   return cuda_status(op);
@@ -292,6 +352,13 @@ ffi::Error quantize_prefix_cuda(cudaStream_t stream, ffi::Buffer<ffi::S32> slots
   if (auto e = describe_quant_prefix(slots, given, args, rets, rows, &p); e.failure()) return e;
   const int64_t blocks = (p.first_vector[p.num_layers] + kWarps - 1) / kWarps;
   if (blocks == 0) return ffi::Error::Success();
+  bool uniform = true;  // every layer of one input format and head_dim: the specialized kernel
+  for (int l = 1; l < p.num_layers; ++l)
+    uniform = uniform && p.layers[l].input == p.layers[0].input &&
+              p.layers[l].cache.token_bytes == p.layers[0].cache.token_bytes;
+  if (uniform && with_formats(p.layers[0].input, p.layers[0].format,
+                              p.layers[0].cache.token_bytes, PrefixLaunch{stream, p}))
+    return cuda_status("quantize_prefix");
   quantize_prefix_kernel<<<static_cast<unsigned>(std::min<int64_t>(blocks, 1 << 20)), kWarps * 32, 0,
                            stream>>>(p);
   return cuda_status("quantize_prefix");

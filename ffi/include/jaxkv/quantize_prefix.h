@@ -36,10 +36,20 @@ static_assert(sizeof(QuantPrefix) <= 32764, "kernel parameters are limited to 32
 // goes; false for a slot outside [0, rows), which is skipped.
 JAXKV_HD bool quant_prefix_target(const QuantPrefix& p, int layer, int64_t i, QuantTarget* t) {
   const QuantPrefixLayer& l = p.layers[layer];
-  const int32_t tok = static_cast<int32_t>(i % l.tokens);
-  i /= l.tokens;
-  const int32_t hh = static_cast<int32_t>(i % l.cache.heads);  // K heads, then V heads
-  const int32_t slot = p.slots[i / l.cache.heads];
+  int32_t tok, hh, s;  // hh: K heads, then V heads
+  if (i <= INT32_MAX) {  // 32-bit divisions where the index fits (a 64-bit one is long on a GPU)
+    const uint32_t j = static_cast<uint32_t>(i), tokens = static_cast<uint32_t>(l.tokens);
+    const uint32_t q = j / tokens, heads = static_cast<uint32_t>(l.cache.heads);
+    tok = static_cast<int32_t>(j - q * tokens);
+    hh = static_cast<int32_t>(q % heads);
+    s = static_cast<int32_t>(q / heads);
+  } else {
+    tok = static_cast<int32_t>(i % l.tokens);
+    i /= l.tokens;
+    hh = static_cast<int32_t>(i % l.cache.heads);
+    s = static_cast<int32_t>(i / l.cache.heads);
+  }
+  const int32_t slot = p.slots[s];
   if (slot < 0 || slot >= p.rows) return false;
   const int32_t head_dim = l.cache.token_bytes, heads = l.cache.heads / 2;
   const bool is_v = hh >= heads;
