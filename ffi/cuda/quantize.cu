@@ -200,16 +200,18 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int j = 0; j < kWords; ++j) words[j] = live ? load_word(src + j) : uint4{};
     };
-    if (p.tokens == 1) {
-      load(in);  // a decode step: in flight beside the metadata
-    } else if (p.counts) {  // ragged rows: a warp whose vectors all lie past their rows' counts
-      const int32_t count = __ldg(p.counts + at.b);  // (a padded prefill's tail) does nothing
-      if (__all_sync(0xffffffffu, !in || at.t >= count)) continue;
-    }
+    if (p.tokens == 1) load(in);  // a decode step: in flight beside the metadata
+    // The row's metadata in one round trip: the page lookup waits on its length, the data's
+    // load on its count.
     const RowFacts row{__ldg(p.layer), __ldg(p.lengths + at.b),
                        p.counts ? __ldg(p.counts + at.b) : p.tokens,
                        p.active ? __ldg(p.active) : p.batch};
-    if (p.tokens != 1) load(in && at.t < row.count);  // ragged rows: the padding is not read
+    if (p.tokens != 1) {
+      // Ragged rows: a warp whose vectors all lie past their rows' counts (a padded prefill's
+      // tail) does nothing, and the padding is not read.
+      if (p.counts && __all_sync(0xffffffffu, !in || at.t >= row.count)) continue;
+      load(in && at.t < row.count);
+    }
     QuantTarget t;
     const bool ok = in && quant_target(p, at, row, &t);
     quantize_words<kIn, kOut, kD, kWide>(words, t, ok, !p.tensor_k_scale, sub);
