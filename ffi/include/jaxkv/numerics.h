@@ -138,7 +138,8 @@ JAXKV_HD uint8_t encode(float v, Format f) {
 // encode() of two values, lo in the low byte. On sm_89 and later the fp8 formats take one
 // cvt.rn.satfinite instruction per pair (round to nearest even, saturating: the same bits as
 // clipping first, since the clip bound is the format's largest finite value); a NaN keeps
-// encode()'s code and sign.
+// encode()'s code and sign. int8 takes one conversion a value (rint, then the clip: the same for
+// integer bounds) where encode() takes a clip, a rounding, a conversion and a NaN test.
 JAXKV_HD uint16_t encode_pair(float lo, float hi, Format f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   if ((f == Format::kE4M3 || f == Format::kE5M2) && lo == lo && hi == hi) {
@@ -148,6 +149,13 @@ JAXKV_HD uint16_t encode_pair(float lo, float hi, Format f) {
     else
       asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
     return r;
+  }
+#endif
+#if defined(__CUDA_ARCH__)
+  if (f == Format::kS8) {  // cvt.rni: nearest even, NaN to 0, saturating; then the clip to +-127
+    const int32_t a = min(max(__float2int_rn(lo), -127), 127);
+    const int32_t b = min(max(__float2int_rn(hi), -127), 127);
+    return static_cast<uint16_t>((a & 0xff) | ((b & 0xff) << 8));
   }
 #endif
   return static_cast<uint16_t>(encode(lo, f) | (encode(hi, f) << 8));
