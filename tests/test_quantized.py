@@ -141,39 +141,51 @@ def test_append_quantizes_bit_for_bit(kind, dtype, scaling):
 
 @pytest.mark.parametrize("kind", ["linear", "paged-NHD"])
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
-def test_a_large_append_quantizes_bit_for_bit(kind, dtype):
-    """40960 vectors, ragged: on the GPU enough for the kernel's wide split (4 lanes a 128-value
-    vector, from 32768 vectors on), which the small appends above never reach."""
+@pytest.mark.parametrize("in_dtype,scaling", [(jnp.bfloat16, "per_token_head"),
+                                              (jnp.float32, "per_token_head"),
+                                              (jnp.float16, "per_tensor")],
+                         ids=["bf16-per_token", "f32-per_token", "f16-per_tensor"])
+def test_a_large_append_quantizes_bit_for_bit(kind, dtype, in_dtype, scaling):
+    """40960 vectors, ragged: on the GPU enough for the kernel's split with K and V a lane (from
+    32768 vectors on), which the small appends above never reach; per tensor, K's and V's given
+    scales differ, so a V written with K's scale shows."""
     b, h, t, d, page, cap = 8, 8, 320, 128, 16, 384
     start = _rng.integers(0, cap - t + 1, b).astype(np.int32)
     n = _rng.integers(1, t + 1, b).astype(np.int32)
     n[0], n[1] = t, 0
+    per_tensor = scaling == "per_tensor"
+    given = (0.15, 0.35) if per_tensor else (None, None)
+    kw = dict(scaling=scaling, k_scale=given[0], v_scale=given[1]) if per_tensor else {}
     if kind == "linear":
-        c = jaxkv.LinearKVCache.create(1, b, h, cap, d, dtype).reset(jnp.asarray(start))
+        c = jaxkv.LinearKVCache.create(1, b, h, cap, d, dtype, **kw).reset(jnp.asarray(start))
     else:
-        c = jaxkv.PagedKVCache.create(1, b * cap // page, page, h, d, b, cap // page, dtype, "NHD")
+        c = jaxkv.PagedKVCache.create(1, b * cap // page, page, h, d, b, cap // page, dtype, "NHD",
+                                      **kw)
         c, served = c.reserve(jnp.asarray(start + t))
         assert bool(jnp.all(served))
         c = dataclasses.replace(c, lengths=jnp.asarray(start))
-    k, v = values((b, h, t, d), jnp.bfloat16), values((b, h, t, d), jnp.bfloat16)
+    k, v = values((b, h, t, d), in_dtype), values((b, h, t, d), in_dtype)
     out = jax.jit(lambda c: c.append(0, k, v, jnp.asarray(n)))(c)
     table = None if kind == "linear" else np.asarray(out.page_table)
     for kv, x in ((0, k), (1, v)):
-        want, want_s = quantize_on_cpu(x, dtype)
+        want, want_s = quantize_on_cpu(x, dtype, given[kv])
         data = np.asarray(out.buffer[0, :, kv]) if kind == "linear" else \
             np.asarray((out.k_pages, out.v_pages)[kv][0])  # [B, H, S, D] or [P, page, H, D]
-        scales = np.asarray((out.k_scales, out.v_scales)[kv][0])
+        scales = np.asarray((out.k_scales, out.v_scales)[kv])
+        if per_tensor:
+            assert_bytes_equal(scales, np.asarray((c.k_scales, c.v_scales)[kv]), "scales kept")
         for r in range(b):
             pos = np.arange(start[r], start[r] + n[r])
             if kind == "linear":
-                got, got_s = data[r][:, pos], scales[r][:, pos]
+                got, got_s = data[r][:, pos], scales[0, r][:, pos] if not per_tensor else None
             else:
                 pages, slots = table[r, pos // page], pos % page
                 got = data[pages, slots].transpose(1, 0, 2)
-                got_s = scales[pages, slots].T
+                got_s = None if per_tensor else scales[0][pages, slots].T
             assert_bytes_equal(np.ascontiguousarray(got), want[r, :, :n[r]], f"row {r} data {kv}")
-            assert_bytes_equal(np.ascontiguousarray(got_s), np.ascontiguousarray(
-                want_s[r, :, :n[r]]), f"row {r} scales {kv}")
+            if got_s is not None:
+                assert_bytes_equal(np.ascontiguousarray(got_s), np.ascontiguousarray(
+                    want_s[r, :, :n[r]]), f"row {r} scales {kv}")
 
 
 @pytest.mark.parametrize("kind", ["linear", "paged-NHD"])
@@ -587,8 +599,13 @@ def test_attention_over_long_rows_head_dims_and_groups(kind, dtype, scaling):
     start = jnp.maximum(n - t, 0)
     got = jaxkv.attention.prefill(qp, dataclasses.replace(c, lengths=start), 0, n - start)
     want = ref.prefill_attention(qp, kd, vd, start, n - start)
+    # The GPU prefill kernels round each V value times its scale (or each weight times it) and
+    # each weight to bf16 (2^-9 each): an output may be off by up to 2^-8 of the largest |V|
+    # (~30 here: up to 0.12), and at 2e-2 one output in 2560 failed in three of five GPU runs
+    # (0.0247 off; H100, 2026-11-27).
+    atol = max(2e-2, 2.0 ** -8 * float(jnp.max(jnp.abs(vd))))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                               atol=2e-2, rtol=2e-2)
+                               atol=atol, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)

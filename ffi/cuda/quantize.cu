@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cstring>
 
 #include "jaxkv/cuda_launch.h"
@@ -76,20 +77,19 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 // The specialized kernel, per input and cache format and head_dim: kGroup lanes a vector, each
-// reading kPer contiguous values in 16-byte loads (a 128-value bf16 vector: 8 lanes of 16 values,
-// four vectors a warp; kWide: 4 lanes of 32, eight vectors a warp), so that a lane's share of the
-// index arithmetic, the page lookup and the shuffles is spread over 16 or 32 values. The fp8
+// reading kPer contiguous values (kLaneBytes of input) in 16-byte loads (a 128-value bf16 vector
+// at 32 bytes a lane: 8 lanes of 16 values, four vectors a warp; at 64: 4 lanes of 32, eight
+// vectors a warp), so that a lane's share of the index arithmetic, the page lookup and the
+// shuffles is spread over its values. kPair: a lane takes the K and the V vector of one (token,
+// head): one index and page lookup for both, and two independent value chains. The fp8
 // conversions go two values an instruction, and x / s is one multiply and two FMAs a value
 // (quotient()). (One warp a vector, 4 values a lane, a division and a software conversion a value
 // spent 3-7x the bf16 append's time issuing instructions: H200, docs/quantization.md.) The values
 // and the row's metadata are loaded before the page lookup; with several tokens a row, only the
-// tokens within the row's count are read. kWide halves the per-value share of that setup where
-// there are enough vectors to fill the GPU at half the lanes (a prefill, all layers of a step); a
-// small decode step keeps the narrow split, whose chain of dependent work per lane is shorter.
-template <Format kIn, int kD, bool kWide>
+// tokens within the row's count are read.
+template <Format kIn, int kD, int kLaneBytes>
 struct Geometry {
   static constexpr int kInBytes = kIn == Format::kF32 ? 4 : 2;
-  static constexpr int kLaneBytes = kWide ? 64 : 32;                    // input bytes a lane
   static constexpr int kPer = kLaneBytes / kInBytes < kD ? kLaneBytes / kInBytes : kD;
   static constexpr int kGroup = kD / kPer;                              // lanes a vector
   static constexpr int kWords = kPer * kInBytes / 16;                   // 16-byte loads a lane
@@ -99,9 +99,13 @@ struct Geometry {
   static_assert(kD % kPer == 0 && kGroup <= 32 && kWords >= 1 && kPer % 4 == 0 && kPer <= 32,
                 "quantize geometry");
 };
-// Vectors from which the wide split is taken: 32768 vectors at 4 lanes fill the H200's 132
-// multiprocessors about half (131072 threads of their 270336).
-constexpr int64_t kWideFrom = 32768;
+// Input bytes a lane: the appends' and the instantiate's (perf notes items 21, 30, 33).
+constexpr int kAppendLaneBytes = 32, kPrefixLaneBytes = 64;
+// Vectors from which an append takes K and V a lane: below, a decode step's few thousand vectors
+// are latency-bound and one vector a lane keeps each lane's chain shorter (2.66 us against 2.98
+// for 256 rows x 8 heads, H100); above, sharing the setup wins (a 5000-token prefill 13.6 us
+// against 14.1, 32 layers of a decode step 0.64 us a layer against 0.67; perf notes item 33).
+constexpr int64_t kPairFrom = 32768;
 
 // x / s rounded to nearest even, from r, s's reciprocal refined as div.rn.f32 refines it (one
 // Newton step from the hardware's approximation): the quotient and one correction by the exact
@@ -121,84 +125,166 @@ __device__ __forceinline__ float quotient(float x, float s, float r) {
   return copysignf(__fmaf_rn(r, __fmaf_rn(q, -s, x), q), x);
 }
 
-// A lane's kPer values of one vector (kWords 16-byte words) to its share of the vector's scale and
-// bytes: the value pipeline of the specialized kernels, shared by the append and the instantiate.
-// Every lane calls it (the shuffles); `ok` false: a lane whose vector is not written.
-template <Format kIn, Format kOut, int kD, bool kWide>
-__device__ __forceinline__ void quantize_words(const uint4* words, const QuantTarget& t, bool ok,
-                                               bool per_token, int sub) {
-  using G = Geometry<kIn, kD, kWide>;
-  constexpr int kPer = G::kPer, kGroup = G::kGroup;
-  using Out = typename Word<G::kOutBytes>::type;
-  float x[kPer];
-  const uint32_t* u = reinterpret_cast<const uint32_t*>(words);
-#pragma unroll
-  for (int j = 0; j < kPer; j += 2) {
-    if (kIn == Format::kF32) {
-      x[j] = __uint_as_float(u[j]);
-      x[j + 1] = __uint_as_float(u[j + 1]);
-    } else if (kIn == Format::kBF16) {
-      x[j] = __uint_as_float(u[j / 2] << 16);
-      x[j + 1] = __uint_as_float(u[j / 2] & 0xffff0000u);
-    } else {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(u + j / 2));
-      x[j] = f.x;
-      x[j + 1] = f.y;
-    }
-  }
-  float s = ok ? t.given : 0.f;
-  if (per_token) {  // the same for every lane
-    float amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) amax = fmaxf(amax, fabsf(x[j]));
-#pragma unroll
-    for (int off = kGroup / 2; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    s = amax / format_max(kOut);
-    if (ok && sub == 0) *t.scale = s;
-  }
-  if (!ok) return;
-  // The stored value x / s (quantize_value): by the reciprocal for every per-token scale of
-  // ordinary data, else (a scale given per tensor; a zero, huge, tiny or non-finite one) by the
-  // division itself.
-  if (per_token && s >= 0x1p-64f && s <= 0x1p64f) {
-    const float r = reciprocal(s);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) x[j] = quotient(x[j], s, r);
+// max |x| over n values as a tree (a chain of n dependent maxima is the lane's longest path).
+template <int n>
+__device__ __forceinline__ float abs_max(const float* x) {
+  if constexpr (n == 1) {
+    return fabsf(x[0]);
   } else {
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) x[j] = s > 0.f ? x[j] / s : 0.f;
+    return fmaxf(abs_max<n / 2>(x), abs_max<n - n / 2>(x + n / 2));
   }
-  uint32_t packed[kPer / 4];
-#pragma unroll
-  for (int j = 0; j < kPer; j += 2) {
-    const uint32_t pair = encode_pair(x[j], x[j + 1], kOut);
-    packed[j / 4] = j % 4 ? packed[j / 4] | (pair << 16) : pair;
-  }
-  Out out[G::kStores];
-  memcpy(out, packed, sizeof(out));
-#pragma unroll
-  for (int j = 0; j < G::kStores; ++j) reinterpret_cast<Out*>(t.dst)[sub * G::kStores + j] = out[j];
 }
 
-template <Format kIn, Format kOut, int kD, bool kWide>
+// Value j of a lane's words, as float. Decoded where it is used (for the maximum, then for its
+// byte), so that the compiler need not hold kPer floats beside the words (wide: 56 registers, was
+// 71 with the floats held).
+template <Format kIn>
+__device__ __forceinline__ float word_value(const uint4* words, int j) {
+  const uint32_t* u = reinterpret_cast<const uint32_t*>(words);
+  const uint32_t w = kIn == Format::kF32 ? u[j] : u[j / 2];
+  if (kIn == Format::kF32) return __uint_as_float(w);
+  if (kIn == Format::kBF16) return __uint_as_float(j % 2 ? w & 0xffff0000u : w << 16);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+  return j % 2 ? f.y : f.x;
+}
+
+// int8 codes of two values known to lie within +-127.5 (a per-token scale's quotients): the
+// conversion rounds to nearest even (NaN to 0), and no clip is needed.
+__device__ __forceinline__ uint16_t encode_pair_s8_bounded(float lo, float hi) {
+  return static_cast<uint16_t>(__byte_perm(__float2int_rn(lo), __float2int_rn(hi), 0x0040));
+}
+
+// A lane's share of kVecs vectors' scales and bytes, before it is known where they go.
+template <int kPer, int kVecs>
+struct Encoded {
+  float s[kVecs];                   // the scales
+  uint32_t packed[kVecs][kPer / 4];  // the lane's bytes of each vector
+};
+
+// The value pipeline of the specialized kernels, shared by the append and the instantiate: a lane's
+// kPer values of kVecs vectors (kWords 16-byte words each) to its share of their scales (per
+// token: max |x| / QMAX over the kGroup lanes of a vector; else `given`) and bytes. Every lane
+// calls it (the shuffles); `ok` false: a lane whose vectors are not written (no bytes computed).
+template <Format kIn, Format kOut, int kD, int kLaneBytes, int kVecs>
+__device__ __forceinline__ Encoded<Geometry<kIn, kD, kLaneBytes>::kPer, kVecs> encode_words(
+    const uint4 (&words)[kVecs][Geometry<kIn, kD, kLaneBytes>::kWords], const float* given,
+    bool per_token, bool ok) {
+  using G = Geometry<kIn, kD, kLaneBytes>;
+  constexpr int kPer = G::kPer, kGroup = G::kGroup;
+  Encoded<kPer, kVecs> e;
+  if (per_token) {  // the same for every lane
+    float amax[kVecs];
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      float x[kPer];
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) x[j] = word_value<kIn>(words[v], j);
+      amax[v] = abs_max<kPer>(x);
+    }
+#pragma unroll
+    for (int off = kGroup / 2; off > 0; off >>= 1)
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v)
+        amax[v] = fmaxf(amax[v], __shfl_xor_sync(0xffffffffu, amax[v], off));
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) e.s[v] = amax[v] / format_max(kOut);
+  } else {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) e.s[v] = given[v];
+  }
+  if (!ok) return e;
+  // The bytes of x / s (quantize_value); `divide` gives x / s, kBounded: within +-QMAX.
+  auto encode_all = [&](auto divide, auto bounded) {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+#pragma unroll
+      for (int j = 0; j < kPer; j += 2) {
+        const float lo = divide(v, word_value<kIn>(words[v], j));
+        const float hi = divide(v, word_value<kIn>(words[v], j + 1));
+        const uint32_t pair = kOut == Format::kS8 && decltype(bounded)::value
+                                  ? encode_pair_s8_bounded(lo, hi)
+                                  : encode_pair(lo, hi, kOut);
+        e.packed[v][j / 4] = j % 4 ? e.packed[v][j / 4] | (pair << 16) : pair;
+      }
+    }
+  };
+  // x / s by the reciprocal for every per-token scale of ordinary data (|x| / s <= QMAX), else (a
+  // scale given per tensor; a zero, huge, tiny or non-finite one) by the division itself.
+  bool fast = per_token;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) fast = fast && e.s[v] >= 0x1p-64f && e.s[v] <= 0x1p64f;
+  if (fast) {
+    float r[kVecs];
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) r[v] = reciprocal(e.s[v]);
+    encode_all([&](int v, float x) { return quotient(x, e.s[v], r[v]); }, std::true_type{});
+  } else {
+    encode_all([&](int v, float x) { return e.s[v] > 0.f ? x / e.s[v] : 0.f; }, std::false_type{});
+  }
+  return e;
+}
+
+// The lane's share of encode_words' result into its vectors' places (`ok` false: nowhere).
+template <Format kIn, Format kOut, int kD, int kLaneBytes, int kVecs>
+__device__ __forceinline__ void store_encoded(const Encoded<Geometry<kIn, kD, kLaneBytes>::kPer, kVecs>& e,
+                                              const QuantTarget* t, bool ok, bool per_token, int sub) {
+  using G = Geometry<kIn, kD, kLaneBytes>;
+  using Out = typename Word<G::kOutBytes>::type;
+  if (!ok) return;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    if (per_token && sub == 0) store_word(t[v].scale, e.s[v]);
+    Out out[G::kStores];
+    memcpy(out, e.packed[v], sizeof(out));
+    Out* dst = reinterpret_cast<Out*>(t[v].dst) + sub * G::kStores;
+#pragma unroll
+    for (int j = 0; j < G::kStores; ++j) store_word(dst + j, out[j]);
+  }
+}
+
+// The (layer, row, head, token) of pair i (t fastest), K's coordinates.
+__device__ __forceinline__ VectorIndex pair_index(const VectorDivs& d, uint32_t i) {
+  VectorIndex v;
+  uint32_t q = d.tokens.div(i);
+  v.t = static_cast<int32_t>(i - q * d.tokens.d);
+  i = q;
+  q = d.heads.div(i);
+  v.h = static_cast<int32_t>(i - q * d.heads.d);
+  i = q;
+  q = d.batch.div(i);
+  v.b = static_cast<int32_t>(i - q * d.batch.d);
+  v.n = static_cast<int32_t>(q);
+  v.is_v = false;
+  return v;
+}
+
+template <Format kIn, Format kOut, int kD, bool kPair>
 __global__ void __launch_bounds__(kWarps * 32)
     quantize_kernel_fixed(const QuantAppend p, const VectorDivs divs) {
-  using G = Geometry<kIn, kD, kWide>;
+  using G = Geometry<kIn, kD, kAppendLaneBytes>;
   constexpr int kGroup = G::kGroup, kWords = G::kWords, kPerWarp = 32 / kGroup;
+  constexpr int kVecs = kPair ? 2 : 1;
   const int lane = threadIdx.x % 32, sub = lane % kGroup;
-  const uint32_t vectors = static_cast<uint32_t>(p.vectors());
+  const uint32_t units = static_cast<uint32_t>(kPair ? p.vectors() / 2 : p.vectors());
   const uint32_t warps = gridDim.x * kWarps;
   // Whole warps go round together (every lane takes part in the shuffles); a lane past the end,
   // or whose vector is not written, computes and writes nothing.
-  for (uint32_t w = blockIdx.x * kWarps + threadIdx.x / 32; w * kPerWarp < vectors; w += warps) {
+  for (uint32_t w = blockIdx.x * kWarps + threadIdx.x / 32; w * kPerWarp < units; w += warps) {
     const uint32_t i = w * kPerWarp + lane / kGroup;
-    const bool in = i < vectors;
-    const VectorIndex at = vector_index(divs, in ? i : vectors - 1);
+    const bool in = i < units;
+    const uint32_t at_i = in ? i : units - 1;
+    const VectorIndex at = kPair ? pair_index(divs, at_i) : vector_index(divs, at_i);
     const uint4* src = reinterpret_cast<const uint4*>(quant_source(p, at)) + sub * kWords;
-    uint4 words[kWords];
+    const ptrdiff_t v_off = kPair ? p.v - p.k : 0;  // V's source beside K's
+    uint4 words[kVecs][kWords];
     auto load = [&](bool live) {
 #pragma unroll
-      for (int j = 0; j < kWords; ++j) words[j] = live ? load_word(src + j) : uint4{};
+      for (int v = 0; v < kVecs; ++v)
+#pragma unroll
+        for (int j = 0; j < kWords; ++j)
+          words[v][j] = live ? load_word(reinterpret_cast<const uint4*>(
+                                             reinterpret_cast<const char*>(src + j) + v * v_off))
+                             : uint4{};
     };
     if (p.tokens == 1) load(in);  // a decode step: in flight beside the metadata
     // The row's metadata in one round trip: the page lookup waits on its length, the data's
@@ -212,19 +298,28 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (p.counts && __all_sync(0xffffffffu, !in || at.t >= row.count)) continue;
       load(in && at.t < row.count);
     }
-    QuantTarget t;
-    const bool ok = in && quant_target(p, at, row, &t);
-    quantize_words<kIn, kOut, kD, kWide>(words, t, ok, !p.tensor_k_scale, sub);
+    // Where the vectors go, then their scales and bytes. (Computing those while the page lookup
+    // is in flight cut a decode step's append by 0.1 us and slowed the fp8 prefill by 1.2 us:
+    // perf notes item 33.)
+    QuantTarget t[kVecs];
+    const bool ok = in && quant_target(p, at, row, &t[0]);
+    if (kPair && ok) t[kVecs - 1] = v_target(p, t[0], row.layer + at.n);
+    const bool per_token = !p.tensor_k_scale;
+    float given[kVecs];
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) given[v] = ok ? t[v].given : 0.f;
+    const auto e = encode_words<kIn, kOut, kD, kAppendLaneBytes, kVecs>(words, given, per_token, ok);
+    store_encoded<kIn, kOut, kD, kAppendLaneBytes, kVecs>(e, t, ok, per_token, sub);
   }
 }
 
-// The instantiate's specialized kernel: the wide split (a prefix is thousands of vectors a layer),
+// The instantiate's specialized kernel: 64 bytes a lane (a prefix is thousands of vectors a layer),
 // every layer of one input format and head_dim. Consecutive vectors are consecutive tokens of one
 // head, contiguous in the prefix and in the cache row.
 template <Format kIn, Format kOut, int kD>
 __global__ void __launch_bounds__(kWarps * 32)
     quantize_prefix_fixed(const __grid_constant__ QuantPrefix p) {
-  using G = Geometry<kIn, kD, true>;
+  using G = Geometry<kIn, kD, kPrefixLaneBytes>;
   constexpr int kGroup = G::kGroup, kWords = G::kWords, kPerWarp = 32 / kGroup;
   const int lane = threadIdx.x % 32, sub = lane % kGroup;
   const int64_t total = p.first_vector[p.num_layers], warps = int64_t{gridDim.x} * kWarps;
@@ -236,11 +331,14 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int layer = layer_of_unit(p.first_vector, p.num_layers, i);
       ok = quant_prefix_target(p, layer, i - p.first_vector[layer], &t);
     }
-    uint4 words[kWords];
+    uint4 words[1][kWords];
     const uint4* src = ok ? reinterpret_cast<const uint4*>(t.src) + sub * kWords : nullptr;
 #pragma unroll
-    for (int j = 0; j < kWords; ++j) words[j] = ok ? load_word(src + j) : uint4{};
-    quantize_words<kIn, kOut, kD, true>(words, t, ok, p.given == nullptr, sub);
+    for (int j = 0; j < kWords; ++j) words[0][j] = ok ? load_word(src + j) : uint4{};
+    const bool per_token = p.given == nullptr;
+    const float given = ok ? t.given : 0.f;
+    const auto e = encode_words<kIn, kOut, kD, kPrefixLaneBytes, 1>(words, &given, per_token, ok);
+    store_encoded<kIn, kOut, kD, kPrefixLaneBytes, 1>(e, &t, ok, per_token, sub);
   }
 }
 
@@ -279,16 +377,17 @@ struct AppendLaunch {
   cudaStream_t stream;
   const QuantAppend& p;
   const VectorDivs& d;
-  template <Format kIn, Format kOut, int kD, bool kWide>
+  template <Format kIn, Format kOut, int kD, bool kPair>
   void launch() const {
-    const int64_t per_block = Geometry<kIn, kD, kWide>::kPerBlock;
-    const int64_t blocks = std::min<int64_t>((p.vectors() + per_block - 1) / per_block, 1 << 20);
-    quantize_kernel_fixed<kIn, kOut, kD, kWide>
+    const int64_t per_block = Geometry<kIn, kD, kAppendLaneBytes>::kPerBlock;
+    const int64_t units = kPair ? p.vectors() / 2 : p.vectors();
+    const int64_t blocks = std::min<int64_t>((units + per_block - 1) / per_block, 1 << 20);
+    quantize_kernel_fixed<kIn, kOut, kD, kPair>
         <<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p, d);
   }
   template <Format kIn, Format kOut, int kD>
   void go() const {
-    if (p.vectors() >= kWideFrom)
+    if (p.vectors() >= kPairFrom)
       launch<kIn, kOut, kD, true>();
     else
       launch<kIn, kOut, kD, false>();
@@ -300,7 +399,7 @@ struct PrefixLaunch {
   const QuantPrefix& p;
   template <Format kIn, Format kOut, int kD>
   void go() const {
-    const int64_t per_block = Geometry<kIn, kD, true>::kPerBlock;
+    const int64_t per_block = Geometry<kIn, kD, kPrefixLaneBytes>::kPerBlock;
     const int64_t vectors = p.first_vector[p.num_layers];
     const int64_t blocks = std::min<int64_t>((vectors + per_block - 1) / per_block, 1 << 20);
     quantize_prefix_fixed<kIn, kOut, kD><<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p);

@@ -127,6 +127,19 @@ JAXKV_HD bool quant_target(const QuantAppend& p, const VectorIndex& at, const Ro
   return true;
 }
 
+// The V vector of the (layer, row, head, token) whose K vector goes to `k` (quant_target with
+// is_v false): the same offsets in V's source, data and scales.
+JAXKV_HD QuantTarget v_target(const QuantAppend& p, const QuantTarget& k, int64_t layer) {
+  QuantTarget t;
+  t.src = p.v + (k.src - p.k);
+  t.dst = p.cache.v + (k.dst - p.cache.k);
+  t.scale = k.scale ? reinterpret_cast<float*>(p.scales.v + (reinterpret_cast<char*>(k.scale) -
+                                                              p.scales.k))
+                    : nullptr;
+  t.given = p.tensor_v_scale ? p.tensor_v_scale[layer] : 0.f;
+  return t;
+}
+
 // The stored bits of value x under scale s (jaxkv.reference.quantize).
 JAXKV_HD uint8_t quantize_value(float x, float s, Format f) {
   return encode(s > 0.f ? x / s : 0.f, f);
