@@ -8,8 +8,8 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <type_traits>
 #include <cstring>
+#include <type_traits>
 
 #include "jaxkv/cuda_launch.h"
 #include "jaxkv/quantize.h"
@@ -242,22 +242,6 @@ __device__ __forceinline__ void store_encoded(const Encoded<Geometry<kIn, kD, kL
   }
 }
 
-// The (layer, row, head, token) of pair i (t fastest), K's coordinates.
-__device__ __forceinline__ VectorIndex pair_index(const VectorDivs& d, uint32_t i) {
-  VectorIndex v;
-  uint32_t q = d.tokens.div(i);
-  v.t = static_cast<int32_t>(i - q * d.tokens.d);
-  i = q;
-  q = d.heads.div(i);
-  v.h = static_cast<int32_t>(i - q * d.heads.d);
-  i = q;
-  q = d.batch.div(i);
-  v.b = static_cast<int32_t>(i - q * d.batch.d);
-  v.n = static_cast<int32_t>(q);
-  v.is_v = false;
-  return v;
-}
-
 template <Format kIn, Format kOut, int kD, bool kPair>
 __global__ void __launch_bounds__(kWarps * 32)
     quantize_kernel_fixed(const QuantAppend p, const VectorDivs divs) {
@@ -273,7 +257,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     const uint32_t i = w * kPerWarp + lane / kGroup;
     const bool in = i < units;
     const uint32_t at_i = in ? i : units - 1;
-    const VectorIndex at = kPair ? pair_index(divs, at_i) : vector_index(divs, at_i);
+    const VectorIndex at = vector_index<!kPair>(divs, at_i);
     const uint4* src = reinterpret_cast<const uint4*>(quant_source(p, at)) + sub * kWords;
     const ptrdiff_t v_off = kPair ? p.v - p.k : 0;  // V's source beside K's
     uint4 words[kVecs][kWords];

@@ -65,6 +65,8 @@ struct VectorDivs {  // FastDiv by tokens, heads and batch: vectors < 2^31 only
   FastDiv tokens, heads, batch;
 };
 
+// kWithKV false: i counts (n, b, h, t) with no K/V step (a lane's K and V together), is_v false.
+template <bool kWithKV = true>
 JAXKV_HD VectorIndex vector_index(const VectorDivs& d, uint32_t i) {
   VectorIndex v;
   uint32_t q = d.tokens.div(i);
@@ -73,8 +75,8 @@ JAXKV_HD VectorIndex vector_index(const VectorDivs& d, uint32_t i) {
   q = d.heads.div(i);
   v.h = static_cast<int32_t>(i - q * d.heads.d);
   i = q;
-  v.is_v = i & 1;
-  i >>= 1;
+  v.is_v = kWithKV && (i & 1);
+  if (kWithKV) i >>= 1;
   q = d.batch.div(i);
   v.b = static_cast<int32_t>(i - q * d.batch.d);
   v.n = static_cast<int32_t>(q);
