@@ -642,6 +642,34 @@ def test_prefill_over_many_key_tiles(dtype, head_dim, group, q_dtype, scaling):
 
 
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
+def test_prefill_with_v_scales_growing_along_the_row(dtype):
+    """V's per-token scales growing 2^12-fold along the keys, over five key tiles (on Hopper the
+    wgmma kernel holds O under a power of two above every V scale so far, and rescales O each
+    time it grows): attention over the dequantized values, to 2^-8 of the row's largest |V|."""
+    b, h, group, page, pages, t, d = 2, 2, 4, 16, 40, 32, 128
+    cap = page * pages
+    prefix = jnp.asarray([cap - t, 300], jnp.int32)
+    q_lengths = jnp.asarray([t, 17], jnp.int32)
+    growth = jnp.asarray(2.0 ** (12.0 * np.arange(cap) / cap), jnp.float32)[:, None]
+    k = values((b, h, cap, d), spread=1.0)
+    v = values((b, h, cap, d), spread=1.0) * growth
+    c = jaxkv.PagedKVCache.create(1, b * pages, page, h, d, b, pages, dtype, "NHD")
+    n = prefix + q_lengths
+    c, served = c.reserve(n)
+    assert bool(jnp.all(served))
+    c = c.append(0, k, v, n).commit(n)
+    kd, vd = dequantized_reference(k, v, dtype, "per_token_head")
+    q = values((b, t, h * group, d), jnp.bfloat16, spread=0.5)
+    got = jax.jit(jaxkv.attention.prefill)(q, dataclasses.replace(c, lengths=prefix), 0, q_lengths)
+    want = ref.prefill_attention(q, kd, vd, prefix, q_lengths)
+    for row, live in enumerate(np.asarray(q_lengths)):
+        largest = float(jnp.max(jnp.abs(vd[row, :, :int(n[row])])))
+        np.testing.assert_allclose(np.asarray(got[row, :live], np.float32),
+                                   np.asarray(want[row, :live], np.float32),
+                                   atol=2.0 ** -8 * largest, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
 def test_prefill_reads_every_value_of_the_format(dtype):
     """Every finite value of the format (subnormals, the largest, int8's -128) as K and V of a
     per-tensor cache at head_dim 128 (on Hopper the wgmma kernel, whose producer converts by
