@@ -600,9 +600,9 @@ def test_attention_over_long_rows_head_dims_and_groups(kind, dtype, scaling):
     got = jaxkv.attention.prefill(qp, dataclasses.replace(c, lengths=start), 0, n - start)
     want = ref.prefill_attention(qp, kd, vd, start, n - start)
     # The GPU prefill kernels round each V value times its scale (or each weight times it) and
-    # each weight to bf16 (2^-9 each): an output may be off by up to 2^-8 of the largest |V|
-    # (~30 here: up to 0.12), and at 2e-2 one output in 2560 failed in three of five GPU runs
-    # (0.0247 off; H100, 2026-11-27).
+    # each weight to bf16 (2^-9 each; the wgmma kernel to f16, 2^-11): an output may be off by
+    # up to 2^-8 of the largest |V| (~30 here: up to 0.12), and at 2e-2 one output in 2560 failed
+    # in three of five GPU runs (0.0247 off; H100, 2026-11-27).
     atol = max(2e-2, 2.0 ** -8 * float(jnp.max(jnp.abs(vd))))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                atol=atol, rtol=2e-2)

@@ -36,6 +36,12 @@ __device__ __forceinline__ void copy16(unsigned dst, const char* src, bool live)
 __device__ __forceinline__ void store16(unsigned dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
+// 16 bytes from shared address `a`.
+__device__ __forceinline__ uint4 load16(unsigned a) {
+  uint4 w;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "r"(a));
+  return w;
+}
 // The 8 16-bit floats at shared address `a` negated in place (their sign bits: exact).
 __device__ __forceinline__ void negate16(unsigned a) {
   uint4 w;
@@ -149,6 +155,15 @@ template <> struct Tc8<S8> {
     memcpy(&hi, &y, 4);
   }
 };
+
+// A pair of f16 in one register times a pair of f16 (one rounding each).
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, __half2 f) {
+  __half2 x;
+  memcpy(&x, &a, 4);
+  x = __hmul2(x, f);
+  memcpy(&a, &x, 4);
+  return a;
+}
 
 // A pair of f16 (exact values of an 8-bit format) as the same pair in bf16 (exact too: at most 8
 // significant bits, |x| <= 57344).

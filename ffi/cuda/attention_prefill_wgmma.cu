@@ -22,11 +22,20 @@ namespace {
 // issues O += P V of tile i (P from registers, V read MN-major) and S = Q K^T of tile i + 1
 // (m64n128k16, Q and K from shared memory); then the online softmax of tile i + 1 on the
 // accumulators. Masks (causal, keys without a page) only on the tiles that need them; token tiles
-// run longest first. The page lookups and masks are the mma.sync kernel's. An 8-bit cache: the
-// producer loads its bytes into registers and stores them converted (K exactly into q's dtype, V
-// into bf16 times its per-token scale, one rounding) into the same 16-bit tiles, so that the
-// consumers' code is the same but for K's per-token scales on the scores (float32) and P V in
-// bf16. JAXKV_NO_WGMMA=1 in the environment takes the mma.sync kernel instead (to compare).
+// run longest first. The page lookups and masks are the mma.sync kernel's.
+//
+// An 8-bit cache runs both MMAs in f16, in which every 8-bit value is exact, so that the producer
+// converts a pair of values by one instruction (docs/perf-notes.md, item 36). It copies the bytes
+// of tile i + 1 (cp.async, into one of two byte stages) while it converts tile i from the other
+// into one of two 16-bit stages: K as f16, V as f16 times its per-token scale over `vref` (the
+// scale rounded to f16, then the product: two roundings to 11 bits, where bf16 had one to 8;
+// vref a power of two above every V scale of the tiles so far, the same in the whole block: O is
+// rescaled, exactly, when it grows, and multiplied by it at the end). With two 16-bit stages a
+// consumer waits for tile i + 1 only after issuing P V of tile i, so that the conversion runs
+// beside that MMA. The consumers convert their own rows of Q to f16 times a power of two a row
+// (exact for a bf16 or f16 q but for values below 2^-28 of the row's largest), divided out of the
+// float32 scores with K's per-token scales. JAXKV_NO_WGMMA=1 in the environment takes the
+// mma.sync kernel instead (to compare).
 constexpr int kWgThreads = 384;  // the producer and two consumers
 constexpr int kWgD = 128;        // head_dim
 constexpr int kWgRows = 128;     // query rows a block
@@ -34,20 +43,29 @@ constexpr int kWgN = 128;        // keys a K/V tile
 using QTile = SwizzledTile<kWgRows>;
 using KVTile = SwizzledTile<kWgN>;
 
-// Bytes from the 1024-aligned base: Q, per stage K and V, per stage the key flags (a byte a key),
+// Bytes from the 1024-aligned base: Q, per stage K and V, an 8-bit cache's two stages of its bytes
+// (cp.async, converted from there), per stage the key flags (a byte a key),
 // an 8-bit cache's per stage K scales (float a key), per stage the last tile with a key without
-// a page, the mbarriers (full, then empty). 227 KiB at most (Hopper's opt-in limit).
+// a page, an 8-bit cache's per stage vref and the producer's two sets of 4 warp maxima, the
+// mbarriers (full, then empty). 227 KiB at most (Hopper's opt-in limit).
 template <bool k8>
 struct WgLayout {
-  static constexpr int kStages = 3;  // one tile read, two in flight
+  // 16-bit stages: one tile read, two in flight (an 8-bit cache: one; its bytes are in flight in
+  // the byte stages, and a consumer waits for tile i + 1 only once it has issued P V of tile i).
+  static constexpr int kStages = k8 ? 2 : 3;
   static constexpr unsigned kQ = kWgRows * kWgD * 2;
   static constexpr unsigned kTile = kWgN * kWgD * 2;
-  static constexpr unsigned kOk = kQ + 2 * kStages * kTile;
+  static constexpr unsigned kBytesTile = k8 ? 2 * kWgN * kWgD : 0;  // K and V bytes of a tile
+  static constexpr unsigned kRaw = kQ + 2 * kStages * kTile;
+  static constexpr unsigned kOk = kRaw + 2 * kBytesTile;
   static constexpr unsigned kKs = kOk + kStages * kWgN;
   static constexpr unsigned kMissing = kKs + (k8 ? sizeof(float) * kStages * kWgN : 0);
-  static constexpr unsigned kBars = (kMissing + sizeof(int) * kStages + 7) & ~7u;
+  static constexpr unsigned kVref = kMissing + sizeof(int) * kStages;
+  static constexpr unsigned kWarpMax = kVref + (k8 ? sizeof(float) * kStages : 0);
+  static constexpr unsigned kBars = (kWarpMax + (k8 ? sizeof(float) * 8 : 0) + 7) & ~7u;
   static constexpr size_t kBytes = kBars + 2 * 8 * kStages + 1024;  // + alignment slack
   __device__ static unsigned kv(unsigned base, int stage, int kind) { return base + kQ + (stage * 2 + kind) * kTile; }
+  __device__ static unsigned bytes(unsigned base, int stage) { return base + kRaw + stage * kBytesTile; }
   __device__ static unsigned full(unsigned base, int stage) { return base + kBars + 8 * stage; }
   __device__ static unsigned empty(unsigned base, int stage) { return base + kBars + 8 * (kStages + stage); }
 };
@@ -67,7 +85,7 @@ template <class T, class KT = T>
 __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const AttentionProblem p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool k8 = !std::is_same_v<KT, T>;
-  using PT = std::conditional_t<k8, __nv_bfloat16, T>;  // P and V in the P V MMA
+  using MT = std::conditional_t<k8, __half, T>;  // both MMAs' operands (Q, K; P, V)
   using L = WgLayout<k8>;
   constexpr int kConsumers = 256;
   // Registers a thread after setmaxnreg (the launch's 168 x 384 redistributed): an 8-bit cache's
@@ -79,12 +97,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   const unsigned base = (raw + 1023) & ~1023u;
   unsigned char* const ok_flags = smem + (base - raw) + L::kOk;
   float* const k_scales = reinterpret_cast<float*>(smem + (base - raw) + L::kKs);  // k8 only
+  float* const v_refs = reinterpret_cast<float*>(smem + (base - raw) + L::kVref);   // k8 only
   const bool token_scales = k8 && p.scales.k != nullptr;
   int* const missing_at = reinterpret_cast<int*>(smem + (base - raw) + L::kMissing);
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int st = 0; st < L::kStages; ++st) {
-      mbar_init(L::full(base, st), 2 * 128);  // the producer's threads, two arrivals each
+      mbar_init(L::full(base, st), k8 ? 128 : 2 * 128);  // the producer's threads, one or two arrivals each
       mbar_init(L::empty(base, st), kConsumers);
       missing_at[st] = 0;
     }
@@ -107,9 +126,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     return tile + (y / 4) * block + (off ^ ((2 * y % 8) << 4));
   };
   // Raw scores, scaled inside each exponent; a negative scale negates Q (exact), 0 becomes the
-  // smallest normal float (as the mma.sync kernel).
+  // smallest normal float (as the mma.sync kernel). An 8-bit cache's consumers load Q themselves.
   float qscale = p.scale * kLog2e * *p.k_scale;
-  if (warp < 4) {  // Q (tracked by tile 0's arrival): rows past the tile's tokens, T or the count are zeros
+  const float q_sign = qscale < 0.f ? -1.f : 1.f;
+  if (!k8 && warp < 4) {  // Q (tracked by tile 0's arrival): rows past the tile's tokens, T or the count are zeros
 #pragma unroll
     for (int pass = 0; pass < 2; ++pass) {
       const int r = r_half + 64 * pass;
@@ -129,11 +149,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       fence_async_shared();
     }
   }
-  if (qscale < 0.f) {
-    __syncthreads();  // Q negated before any consumer reads it
-    qscale = -qscale;
-  }
-  qscale = fmaxf(qscale, FLT_MIN);
+  if (!k8 && qscale < 0.f) __syncthreads();  // Q negated before any consumer reads it
+  qscale = fmaxf(fabsf(qscale), FLT_MIN);
 
   if (warp < 4) {  // the producer
     set_registers<false, kProducerRegs>();
@@ -147,47 +164,106 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       if (pos >= n_max) return -1;
       return table ? table[kv.column(pos)] : b;
     };
+    // Whether a page holds key `pass` of tile i (table entry `entry`), and its offsets in the pools
+    // and in the scales.
+    struct Key {
+      bool live;
+      int64_t off, scale_off;
+    };
+    auto key_at = [&](int i, int pass, int32_t entry) -> Key {
+      const int32_t pos = i * kWgN + r_half + 64 * pass;
+      const bool live = pos < n_max && kv.holds(entry);
+      const int64_t slot = live ? kv.slot(pos) : 0;
+      return {live, live ? head_base + entry * kv.page_stride + slot * kv.token_stride : 0,
+              live ? scale_base + entry * p.scales.page_stride + slot * p.scales.token_stride : 0};
+    };
+    // An 8-bit cache's producer runs two tiles ahead in the table and one in the data: tile i + 1's
+    // bytes are copied (cp.async) into a byte stage and its scales loaded into registers while
+    // tile i is converted from the other. Each thread converts the words it copied: its 16-byte
+    // words (pass, kind, y) of a stage, lane-interleaved (conflict-free), need no barrier.
+    auto load_scales = [&](int i, const int32_t* entries, float* k_scale, float* v_scale) {
+#pragma unroll
+      for (int pass = 0; pass < 2; ++pass) {
+        const Key key = key_at(i, pass, entries[pass]);
+        k_scale[pass] = key.live ? *reinterpret_cast<const float*>(p.scales.k + key.scale_off) : 0.f;
+        v_scale[pass] = key.live ? *reinterpret_cast<const float*>(p.scales.v + key.scale_off) : 0.f;
+      }
+    };
+    auto word_at = [&](int i, int pass, int kind, int y) {
+      return L::bytes(base, i % 2) + ((((pass * 2 + kind) * (kChunks / 4) + y) * 128) + threadIdx.x % 128) * 16u;
+    };
+    auto copy_bytes = [&](int i, const int32_t* entries) {  // tile i's, one commit group
+#pragma unroll
+      for (int pass = 0; pass < 2; ++pass) {
+        const Key key = key_at(i, pass, entries[pass]);
+#pragma unroll
+        for (int kind = 0; kind < 2; ++kind)
+#pragma unroll
+          for (int y = 0; y < kChunks / 4; ++y)
+            copy16(word_at(i, pass, kind, y), (kind == 0 ? kv.k : kv.v) + key.off + (key.live ? (c_copy + 2 * y) * 16 : 0), key.live);
+      }
+      copy_commit();
+    };
     int32_t page[2] = {tiles > 0 ? fetch(0, 0) : -1, tiles > 0 ? fetch(0, 1) : -1};
+    int32_t ahead[2] = {-1, -1};  // an 8-bit cache: tile i + 1's entries
+    float k_scale[2] = {}, v_scale[2] = {};  // tile i's keys' scales (scaled per token)
+    if constexpr (k8) {
+      ahead[0] = fetch(1, 0), ahead[1] = fetch(1, 1);
+      if (token_scales) load_scales(0, page, k_scale, v_scale);
+      if (tiles > 0) copy_bytes(0, page);
+    }
+    // An 8-bit cache scaled per token: vref and its reciprocal (exact), the same in every thread.
+    float vref = token_scales ? 0x1p-100f : 1.f, inv = token_scales ? 0x1p100f : 1.f;
     for (int i = 0; i < tiles; ++i) {
       const int st = i % L::kStages;
-      const int32_t ahead[2] = {fetch(i + 1, 0), fetch(i + 1, 1)};  // a tile ahead of their use
+      const int32_t next[2] = {fetch(i + (k8 ? 2 : 1), 0), fetch(i + (k8 ? 2 : 1), 1)};  // in flight
+      float k_scale_next[2] = {}, v_scale_next[2] = {};
+      if constexpr (k8) {
+        copy_bytes(i + 1, ahead);  // past the last tile: no key, zeros (a commit group all the same)
+        if (token_scales) load_scales(i + 1, ahead, k_scale_next, v_scale_next);
+      }
       if (i >= L::kStages) mbar_wait(L::empty(base, st), (i / L::kStages - 1) & 1);
+      float v_factor[2] = {1.f, 1.f};  // each key's V scale over vref
+      if (token_scales) {  // the tile's vref (all the producer's threads)
+        if (c_copy == 0) k_scales[st * kWgN + r_half] = k_scale[0], k_scales[st * kWgN + r_half + 64] = k_scale[1];
+        float top = fmaxf(v_scale[0], v_scale[1]);
+#pragma unroll
+        for (int x = 1; x < 32; x *= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, x));
+        // The warps' maxima, two sets by the tile's parity: a warp writing tile i + 2's has passed
+        // tile i + 1's barrier, so every warp has read tile i's.
+        float* const warp_max = reinterpret_cast<float*>(smem + (base - raw) + L::kWarpMax) + (i % 2) * 4;
+        if (lane == 0) warp_max[warp] = top;
+        named_sync(3, 128);
+        top = fminf(fmaxf(fmaxf(warp_max[0], warp_max[1]), fmaxf(warp_max[2], warp_max[3])), 0x1p126f);
+        if (top > vref) {  // 2^(exponent + 1): above top
+          const uint32_t up = (__float_as_uint(top) & 0x7f800000u) + 0x00800000u;
+          vref = __uint_as_float(up), inv = __uint_as_float(0x7f000000u - up);
+        }
+        if (threadIdx.x == 0) v_refs[st] = vref;
+        v_factor[0] = v_scale[0] * inv, v_factor[1] = v_scale[1] * inv;
+      }
+      if constexpr (k8) copy_wait<1>();  // this thread's bytes of tile i (tile i + 1's in flight)
 #pragma unroll
       for (int pass = 0; pass < 2; ++pass) {
         const int r = r_half + 64 * pass;
         const int32_t pos = i * kWgN + r;
-        const bool live = pos < n_max && kv.holds(page[pass]);
-        const int64_t off = live ? head_base + page[pass] * kv.page_stride + int64_t{kv.slot(pos)} * kv.token_stride : 0;
-        if constexpr (k8) {  // the key's bytes into registers, stored converted
-          uint4 w[2][kChunks / 4];  // K, V: this lane's 16-byte chunks c_copy + 2 y of the row's 8
-#pragma unroll
-          for (int kind = 0; kind < 2; ++kind)
-#pragma unroll
-            for (int y = 0; y < kChunks / 4; ++y)
-              w[kind][y] = live ? __ldg(reinterpret_cast<const uint4*>((kind == 0 ? kv.k : kv.v) + off) + c_copy + 2 * y)
-                                : make_uint4(0u, 0u, 0u, 0u);
-          float v_scale = 1.f;
-          if (token_scales) {
-            const int64_t so = live ? scale_base + page[pass] * p.scales.page_stride + int64_t{kv.slot(pos)} * p.scales.token_stride : 0;
-            v_scale = live ? *reinterpret_cast<const float*>(p.scales.v + so) : 0.f;
-            if (c_copy == 0) k_scales[st * kWgN + r] = live ? *reinterpret_cast<const float*>(p.scales.k + so) : 0.f;
-          }
+        const Key key = key_at(i, pass, page[pass]);
+        const bool live = key.live;
+        const int64_t off = key.off;
+        if constexpr (k8) {
+          const __half2 f = __float2half2_rn(v_factor[pass]);
 #pragma unroll
           for (int kind = 0; kind < 2; ++kind)
 #pragma unroll
             for (int y = 0; y < kChunks / 4; ++y) {
-              const uint32_t u[4] = {w[kind][y].x, w[kind][y].y, w[kind][y].z, w[kind][y].w};
+              const uint4 wy = load16(word_at(i, pass, kind, y));
+              const uint32_t u[4] = {wy.x, wy.y, wy.z, wy.w};
               uint32_t h[8];
 #pragma unroll
               for (int e = 0; e < 4; ++e) Tc8<KT>::to_h2(u[e], h[2 * e], h[2 * e + 1]);
+              if (kind == 1 && token_scales) {
 #pragma unroll
-              for (int j = 0; j < 8; ++j) {
-                if (kind == 1 && token_scales) {  // V times its scale, rounded once into bf16
-                  const float2 f = unpack2<__half>(h[j]);
-                  h[j] = pack2<__nv_bfloat16>(f.x * v_scale, f.y * v_scale);
-                } else if (kind == 1 || std::is_same_v<T, __nv_bfloat16>) {
-                  h[j] = half2_to_bf16x2(h[j]);
-                }
+                for (int j = 0; j < 8; ++j) h[j] = hmul2(h[j], f);
               }
               const int c = 2 * (c_copy + 2 * y);  // the first of its two 16-bit chunks
               store16(KVTile::chunk(L::kv(base, st, kind), r, c), h[0], h[1], h[2], h[3]);
@@ -208,10 +284,19 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
           if (pos < n_max && !live) atomicMax(missing_at + st, i + 1);
         }
       }
-      if constexpr (k8) fence_async_shared();  // its stores, before the tensor cores read them
-      mbar_arrive_copies(L::full(base, st));
+      if constexpr (k8) {
+        fence_async_shared();  // its stores, before the tensor cores read them
+      } else {
+        mbar_arrive_copies(L::full(base, st));
+      }
       mbar_arrive(L::full(base, st));
-      page[0] = ahead[0], page[1] = ahead[1];
+      if constexpr (k8) {
+        page[0] = ahead[0], page[1] = ahead[1], ahead[0] = next[0], ahead[1] = next[1];
+        k_scale[0] = k_scale_next[0], k_scale[1] = k_scale_next[1];
+        v_scale[0] = v_scale_next[0], v_scale[1] = v_scale_next[1];
+      } else {
+        page[0] = next[0], page[1] = next[1];
+      }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;
@@ -223,6 +308,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   int32_t n_row[2];
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) n_row[hf] = q_tile.keys(p, q_tile.row(p, row_w + 8 * hf));
+  float vcur = token_scales ? 0x1p-100f : 1.f;  // an 8-bit cache's vref of O so far
   // Writes O / l of this thread's rows (zeros for a row with no key; rows past the tile or T are
   // not written).
   auto write_out = [&](const float* o, const float* l) {
@@ -234,7 +320,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       const PrefillTile::Row q = q_tile.row(p, row_w + 8 * hf);
       if (!q.live) continue;
       const bool live = n_row[hf] > 0 && sum != 0.f;
-      const float norm = live ? *p.v_scale / sum : 0.f;
+      const float norm = live ? *p.v_scale * vcur / sum : 0.f;
       T* out = reinterpret_cast<T*>(p.out) + q_tile.q_index(p, q) + 2 * (lane % 4);
 #pragma unroll
       for (int dt = 0; dt < kWgD / 8; ++dt) {
@@ -248,6 +334,45 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     write_out(zeros, none);
     return;
   }
+  // An 8-bit cache: this thread's two rows of Q into the tile as f16 times q's sign and 2^e (the
+  // row's largest |q| in [2^14, 2^15)), a quarter of each row by each of its four lanes; qs: the
+  // scores' factor of each row (2^-e divided out).
+  float qs[2] = {qscale, qscale};
+  if constexpr (k8) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = row_w + 8 * hf;
+      const PrefillTile::Row q = q_tile.row(p, r);
+      const uint4* src = reinterpret_cast<const uint4*>(p.q + (q.live ? q_tile.q_index(p, q) * 2 : 0)) + 4 * (lane % 4);
+      float x[32];
+#pragma unroll
+      for (int y = 0; y < 4; ++y) {
+        const uint4 w = q.live ? __ldg(src + y) : make_uint4(0u, 0u, 0u, 0u);
+        const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = unpack2<T>(u[e]);
+          x[8 * y + 2 * e] = f.x, x[8 * y + 2 * e + 1] = f.y;
+        }
+      }
+      float amax = 0.f;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(x[j]));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      const int ex = amax > 0.f && isfinite(amax) ? max(-120, min(120, 14 - ilogbf(amax))) : 0;
+      const float mul = __int_as_float((ex + 127) << 23);  // 2^ex, exactly
+      qs[hf] = fmaxf(qscale / mul, FLT_MIN);
+      const float m = mul * q_sign;
+#pragma unroll
+      for (int y = 0; y < 4; ++y)
+        store16(QTile::chunk(base, r, 4 * (lane % 4) + y), pack2<__half>(x[8 * y] * m, x[8 * y + 1] * m),
+                pack2<__half>(x[8 * y + 2] * m, x[8 * y + 3] * m), pack2<__half>(x[8 * y + 4] * m, x[8 * y + 5] * m),
+                pack2<__half>(x[8 * y + 6] * m, x[8 * y + 7] * m));
+    }
+    fence_async_shared();       // the tile's stores, before the tensor cores read them
+    named_sync(4 + wg, 128);    // the warpgroup's 64 rows
+  }
 
   constexpr int kSt = kWgN / 8, kOt = kWgD / 8;  // 8-column fragments of S and of O
   float s[kSt * 4], o[kOt * 4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -256,8 +381,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   for (int j = 0; j < kOt * 4; ++j) o[j] = 0.f;
 #pragma unroll
   for (int j = 0; j < kSt * 4; ++j) s[j] = 0.f;
-  const Wgmma<T, 128> op;       // S = Q K^T
-  const Wgmma<PT, 128> op_pv;   // O += P V
+  const Wgmma<MT, 128> op;  // S = Q K^T and O += P V
   // Tile i has landed. (No proxy fence: the copies are cp.async, whose completion the barrier
   // tracks; a fence here compiled to MEMBAR.ALL.CTA on every tile.)
   auto wait_full = [&](int i) { mbar_wait(L::full(base, i % L::kStages), (i / L::kStages) & 1); };
@@ -308,19 +432,24 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const float top = mx[hf];
-      alpha[hf] = top == -INFINITY ? 1.f : fast_exp2((m[hf] - top) * qscale);
-      const float mb = top == -INFINITY ? 0.f : top * qscale;
+      alpha[hf] = top == -INFINITY ? 1.f : fast_exp2((m[hf] - top) * qs[hf]);
+      const float mb = top == -INFINITY ? 0.f : top * qs[hf];
       float sums[kSt];
 #pragma unroll
       for (int nt = 0; nt < kSt; ++nt) {
-        const float p0 = fast_exp2(fmaf(s[4 * nt + 2 * hf], qscale, -mb));
-        const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hf + 1], qscale, -mb));
+        const float p0 = fast_exp2(fmaf(s[4 * nt + 2 * hf], qs[hf], -mb));
+        const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hf + 1], qs[hf], -mb));
         sums[nt] = p0 + p1;
-        pa[nt / 2][(nt % 2) * 2 + hf] = pack2<PT>(p0, p1);
+        pa[nt / 2][(nt % 2) * 2 + hf] = pack2<MT>(p0, p1);
       }
       tree<kSt / 2>(sums, [](float a, float c) { return a + c; });
       m[hf] = top;
       l[hf] = l[hf] * alpha[hf] + sums[0];  // this lane's columns; the row's sum at the end
+    }
+    if (token_scales && v_refs[st] > vcur) {  // vref grew: O's old values rescaled (powers of two)
+      const float grow = vcur / v_refs[st];
+      alpha[0] *= grow, alpha[1] *= grow;  // l took alpha already
+      vcur = v_refs[st];
     }
 #pragma unroll
     for (int dt = 0; dt < kOt; ++dt)
@@ -346,12 +475,17 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   for (int i = 0; i < tiles; ++i) {
     const int st = i % L::kStages;
     const bool next = i + 1 < tiles;
-    if (next) wait_full(i + 1);
+    if (!k8 && next) wait_full(i + 1);
     named_sync(mine, kConsumers);
     wgmma_fence();
     const unsigned v_tile = L::kv(base, st, 1);
 #pragma unroll
-    for (int kk = 0; kk < kWgN / 16; ++kk) mma_rs<1>(op_pv, o, pa[kk], desc_mn_major<kWgN>(v_tile, kk), 1);
+    for (int kk = 0; kk < kWgN / 16; ++kk) mma_rs<1>(op, o, pa[kk], desc_mn_major<kWgN>(v_tile, kk), 1);
+    if constexpr (k8) {  // two stages: tile i + 1 is converted while P V(i) runs
+      wgmma_commit();
+      if (next) wait_full(i + 1);
+      wgmma_fence();
+    }
     issue_s(i + 1);
     wgmma_commit();
     if (wg == 0 || next) named_arrive(theirs, kConsumers);
