@@ -669,6 +669,32 @@ def test_prefill_with_v_scales_growing_along_the_row(dtype):
                                    atol=2.0 ** -8 * largest, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8], ids=["e4m3", "int8"])
+@pytest.mark.parametrize("scale", [-0.05, 0.0])
+def test_prefill_with_a_negative_or_zero_softmax_scale(dtype, scale):
+    """A negative softmax scale and scale 0 over an 8-bit cache at head_dim 128 (on Hopper the
+    wgmma kernel folds the scale's sign into its conversion of q to f16, and scale 0 weighs every
+    visible key the same)."""
+    b, h, group, page, pages, t, d = 2, 2, 4, 16, 12, 40, 128
+    cap = page * pages
+    prefix = jnp.asarray([cap - t, 50], jnp.int32)
+    q_lengths = jnp.asarray([t, 23], jnp.int32)
+    c = jaxkv.PagedKVCache.create(1, b * pages, page, h, d, b, pages, dtype, "NHD")
+    n = prefix + q_lengths
+    c, served = c.reserve(n)
+    assert bool(jnp.all(served))
+    k, v = values((b, h, cap, d), spread=1.0), values((b, h, cap, d), spread=1.0)
+    c = c.append(0, k, v, n).commit(n)
+    kd, vd = dequantized_reference(k, v, dtype, "per_token_head")
+    q = values((b, t, h * group, d), jnp.bfloat16, spread=0.5)
+    prefill = jax.jit(lambda q, c, n: jaxkv.attention.prefill(q, c, 0, n, scale=scale))
+    got = prefill(q, dataclasses.replace(c, lengths=prefix), q_lengths)
+    want = ref.prefill_attention(q, kd, vd, prefix, q_lengths, scale=scale)
+    for row, live in enumerate(np.asarray(q_lengths)):
+        np.testing.assert_allclose(np.asarray(got[row, :live], np.float32),
+                                   np.asarray(want[row, :live], np.float32), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
 def test_prefill_reads_every_value_of_the_format(dtype):
     """Every finite value of the format (subnormals, the largest, int8's -128) as K and V of a
