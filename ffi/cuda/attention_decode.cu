@@ -729,8 +729,7 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
   for (int d = 0; d < kD / 4; ++d) amax = fmaxf(amax, fabsf(qf[d]));
 #pragma unroll
   for (int x = 1; x < 32; x *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, x));
-  const int ex = amax > 0.f && isfinite(amax) ? max(-120, min(120, 14 - ilogbf(amax))) : 0;
-  const float qmul = __int_as_float((ex + 127) << 23);  // 2^ex, exactly
+  const float qmul = f16_headroom(amax);
   uint32_t qb[kKs][2];
 #pragma unroll
   for (int ks = 0; ks < kKs; ++ks) {
@@ -810,11 +809,10 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
     if (token_scales) {  // the warp's tokens: the same for every tq
 #pragma unroll
       for (int x = 4; x < 32; x *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, x));
-      if (vmax > vref) {  // 2^(exponent + 1): above vmax; O's old values rescaled (exactly)
-        const uint32_t next = (__float_as_uint(vmax) & 0x7f800000u) + 0x00800000u;
-        rescale = vref * __uint_as_float(0x7f000000u - next);  // vref / next: powers of two
-        vref = __uint_as_float(next);
-        inv = __uint_as_float(0x7f000000u - next);
+      if (vmax > vref) {  // O's old values rescaled by vref / up (exact: powers of two)
+        const Pow2 up = pow2_above(vmax);
+        rescale = vref * up.inverse;
+        vref = up.value, inv = up.inverse;
       }
     }
     float pr[4];

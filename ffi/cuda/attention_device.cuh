@@ -44,10 +44,8 @@ __device__ __forceinline__ uint4 load16(unsigned a) {
 }
 // The 8 16-bit floats at shared address `a` negated in place (their sign bits: exact).
 __device__ __forceinline__ void negate16(unsigned a) {
-  uint4 w;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "r"(a));
-  w.x ^= 0x80008000u, w.y ^= 0x80008000u, w.z ^= 0x80008000u, w.w ^= 0x80008000u;
-  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(a), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w));
+  const uint4 w = load16(a);
+  store16(a, w.x ^ 0x80008000u, w.y ^ 0x80008000u, w.z ^ 0x80008000u, w.w ^ 0x80008000u);
 }
 template <class W>
 __device__ __forceinline__ void copy_async(W* dst, const char* src, bool live) {
@@ -155,6 +153,24 @@ template <> struct Tc8<S8> {
     memcpy(&hi, &y, 4);
   }
 };
+
+// The power of two that puts a largest |value| `amax` into [2^14, 2^15), f16's top octave, so
+// that bf16 or f16 values times it keep every bit in f16 (but for those below 2^-28 of amax);
+// between 2^-120 and 2^120, and 1 for 0 or a non-finite amax.
+__device__ __forceinline__ float f16_headroom(float amax) {
+  const int ex = amax > 0.f && isfinite(amax) ? max(-120, min(120, 14 - ilogbf(amax))) : 0;
+  return __int_as_float((ex + 127) << 23);  // 2^ex, exactly
+}
+
+// A power of two above x (finite, >= 0, below 2^127) and its reciprocal, both exact: the
+// reference that the 8-bit kernels keep above every V scale read.
+struct Pow2 {
+  float value, inverse;
+};
+__device__ __forceinline__ Pow2 pow2_above(float x) {
+  const uint32_t bits = (__float_as_uint(x) & 0x7f800000u) + 0x00800000u;  // 2^(exponent + 1)
+  return {__uint_as_float(bits), __uint_as_float(0x7f000000u - bits)};
+}
 
 // A pair of f16 in one register times a pair of f16 (one rounding each).
 __device__ __forceinline__ uint32_t hmul2(uint32_t a, __half2 f) {

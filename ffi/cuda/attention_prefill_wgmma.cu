@@ -235,9 +235,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         if (lane == 0) warp_max[warp] = top;
         named_sync(3, 128);
         top = fminf(fmaxf(fmaxf(warp_max[0], warp_max[1]), fmaxf(warp_max[2], warp_max[3])), 0x1p126f);
-        if (top > vref) {  // 2^(exponent + 1): above top
-          const uint32_t up = (__float_as_uint(top) & 0x7f800000u) + 0x00800000u;
-          vref = __uint_as_float(up), inv = __uint_as_float(0x7f000000u - up);
+        if (top > vref) {
+          const Pow2 up = pow2_above(top);
+          vref = up.value, inv = up.inverse;
         }
         if (threadIdx.x == 0) v_refs[st] = vref;
         v_factor[0] = v_scale[0] * inv, v_factor[1] = v_scale[1] * inv;
@@ -360,8 +360,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(x[j]));
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      const int ex = amax > 0.f && isfinite(amax) ? max(-120, min(120, 14 - ilogbf(amax))) : 0;
-      const float mul = __int_as_float((ex + 127) << 23);  // 2^ex, exactly
+      const float mul = f16_headroom(amax);
       qs[hf] = fmaxf(qscale / mul, FLT_MIN);
       const float m = mul * q_sign;
 #pragma unroll
