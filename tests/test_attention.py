@@ -174,27 +174,30 @@ def test_prefill_matches_reference(kind, name):
 
 @pytest.mark.parametrize("kind", ["linear", "paged-NHD"])
 def test_long_rows_split_over_blocks(kind):
-    """Rows long enough that the GPU kernel splits them over blocks and combines the parts."""
-    dtype, head_dim, group = jnp.bfloat16, 128, 4
+    """Rows long enough that the GPU kernel splits them over blocks and merges the parts: all
+    splits live, some (777 keys), none (a row of length 0: zeros)."""
+    dtype, head_dim, group, rows = jnp.bfloat16, 128, 4, 3
     if kind == "linear":
         cap = 1500
-        cache = jaxkv.LinearKVCache(buffer=normal((1, 2, 2, HKV, cap, head_dim), dtype),
-                                    lengths=jnp.array([cap, 777], jnp.int32),
-                                    active_batch_size=jnp.asarray(2, jnp.int32))
+        cache = jaxkv.LinearKVCache(buffer=normal((1, rows, 2, HKV, cap, head_dim), dtype),
+                                    lengths=jnp.array([cap, 777, 0], jnp.int32),
+                                    active_batch_size=jnp.asarray(rows, jnp.int32))
         k, v = cache.buffer[0, :, 0], cache.buffer[0, :, 1]
     else:
         page, pages = 16, 94
         cap = page * pages
-        cache = jaxkv.PagedKVCache.create(1, 2 * pages, page, HKV, head_dim, 2, pages, dtype, "NHD")
-        table = jnp.asarray(_rng.permutation(2 * pages).reshape(2, pages), jnp.int32)
+        cache = jaxkv.PagedKVCache.create(1, rows * pages, page, HKV, head_dim, rows, pages, dtype,
+                                          "NHD")
+        table = jnp.asarray(_rng.permutation(rows * pages).reshape(rows, pages), jnp.int32)
         shape = cache.k_pages.shape
         cache = dataclasses.replace(cache, k_pages=normal(shape, dtype), v_pages=normal(shape, dtype),
-                                    page_table=table, lengths=jnp.array([cap, 777], jnp.int32))
+                                    page_table=table, lengths=jnp.array([cap, 777, 0], jnp.int32))
         kv = ref_gather(cache.k_pages, cache.v_pages, table, cache.lengths, 0, cap, "NHD")
         k, v = kv[:, 0], kv[:, 1]
-    assert jaxkv.attention._splits(2, jaxkv.attention._source("t", cache, 0), HKV * group) > 1
-    q = normal((2, HKV * group, head_dim), dtype)
+    assert jaxkv.attention._splits(rows, jaxkv.attention._source("t", cache, 0), HKV * group) > 1
+    q = normal((rows, HKV * group, head_dim), dtype)
     out = jax.jit(jaxkv.attention.decode)(q, cache, 0)
+    assert not np.asarray(out[2]).any()  # no key: zeros, written although no split is live
     assert_close(out, ref_decode(q, k, v, cache.lengths), "bf16")
 
 

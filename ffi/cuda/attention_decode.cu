@@ -416,12 +416,23 @@ struct TcCopy {
   }
 };
 
+// The rows of O^T that tc_finish merges in shared memory: a float of padding after every kD / 8
+// of them and rows kStride floats apart, so that a warp's stores of its fragments are free of
+// bank conflicts in both kernels' orders (lanes g one or kD / 8 + 1 floats apart, lanes tq two
+// rows, 24 banks, apart); unpadded they were 4-way (bf16) and 16-way (8-bit) conflicts.
+template <int kD>
+struct MergeRows {
+  static constexpr int kStride = kD + 8 + 4;
+  __device__ static int at(int d) { return d + d / (kD / 8); }
+};
+
 // The end of a keys-as-rows block, after its ring is drained. Lane (g, tq) holds the running
 // max and its own part of the sums of heads 2 tq, 2 tq + 1: the sums are added over the lanes g,
-// then slot `slot`'s O^T goes to shared memory (store(row): head 2 tq's row of kD floats at row,
-// head 2 tq + 1's at row + kD), with its max and sums (written by the slot's `writes_stats`
-// warp), and the slots are merged: for each of the nh heads, the output (one split) or the
-// workspace (several). Slots past a head's live keys hold max -inf.
+// then slot `slot`'s O^T goes to shared memory (store(row): head 2 tq's row at row, head
+// 2 tq + 1's at row + MergeRows<kD>::kStride, element d at MergeRows<kD>::at(d)), with its max
+// and sums (written by the slot's `writes_stats` warp), and the slots are merged: for each of the
+// nh heads, the output (one split) or the workspace (several). Slots past a head's live keys hold
+// max -inf.
 template <int kD, int kSlots, class OT, class Store>
 __device__ __forceinline__ void tc_finish(unsigned char* smem, int slot, bool writes_stats,
                                           float m0, float m1, float l0, float l1, Store store,
@@ -429,10 +440,11 @@ __device__ __forceinline__ void tc_finish(unsigned char* smem, int slot, bool wr
                                           int split, int splits, float* work) {
   const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
   over_keys(l0, l1, [](float a, float c) { return a + c; });
-  float* sm_acc = reinterpret_cast<float*>(smem);  // [kSlots][kTcN][kD]
-  float* sm_m = sm_acc + kSlots * kTcN * kD;       // [kSlots][kTcN]
+  using M = MergeRows<kD>;
+  float* sm_acc = reinterpret_cast<float*>(smem);  // [kSlots][kTcN][M::kStride]
+  float* sm_m = sm_acc + kSlots * kTcN * M::kStride;  // [kSlots][kTcN]
   float* sm_l = sm_m + kSlots * kTcN;
-  store(sm_acc + (slot * kTcN + 2 * tq) * kD);
+  store(sm_acc + (slot * kTcN + 2 * tq) * M::kStride);
   if (g == 0 && writes_stats) {
     sm_m[slot * kTcN + 2 * tq] = m0, sm_l[slot * kTcN + 2 * tq] = l0;
     sm_m[slot * kTcN + 2 * tq + 1] = m1, sm_l[slot * kTcN + 2 * tq + 1] = l1;
@@ -449,7 +461,7 @@ __device__ __forceinline__ void tc_finish(unsigned char* smem, int slot, bool wr
     for (int w = 0; w < kSlots; ++w) {
       const float mw = sm_m[w * kTcN + h];
       const float r = mw == -INFINITY ? 0.f : exp2f(mw - mx);
-      a += sm_acc[(w * kTcN + h) * kD + d] * r;
+      a += sm_acc[(w * kTcN + h) * M::kStride + M::at(d)] * r;
       sum += sm_l[w * kTcN + h] * r;
     }
     if (splits == 1) {
@@ -469,7 +481,7 @@ struct TcShape {
   static constexpr int kDW = kD / kSplitD;               // O's columns a warp accumulates
   template <class T>
   using Ring = TcRing<kD, T, kTokens>;
-  static constexpr size_t kMergeBytes = sizeof(float) * kSlices * kTcN * (kD + 2);
+  static constexpr size_t kMergeBytes = sizeof(float) * kSlices * kTcN * (MergeRows<kD>::kStride + 2);
   template <class T>
   static constexpr size_t bytes() {
     return Ring<T>::kRingBytes > kMergeBytes ? Ring<T>::kRingBytes : kMergeBytes;
@@ -594,10 +606,12 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
   // Each warp's half (kSplitD 2) or whole of its slice's O^T, rows d = dw + 16 mt + g (+ 8).
   tc_finish<kD, S::kSlices, T>(smem, warp / kSplitD, warp % kSplitD == 0, m0, m1, l0, l1,
                                [&](float* row) {
+    using M = MergeRows<kD>;
 #pragma unroll
     for (int mt = 0; mt < kDW / 16; ++mt) {
-      float* r = row + dw + 16 * mt + g;
-      r[0] = o[mt][0], r[kD] = o[mt][1], r[8] = o[mt][2], r[kD + 8] = o[mt][3];
+      const int d = dw + 16 * mt + g;
+      row[M::at(d)] = o[mt][0], row[M::kStride + M::at(d)] = o[mt][1];
+      row[M::at(d + 8)] = o[mt][2], row[M::kStride + M::at(d + 8)] = o[mt][3];
     }
   }, p, b, t, h0, nh, split, splits, work);
 }
@@ -644,7 +658,7 @@ struct TcRing8 {
   static constexpr size_t kLive = 2 * kTile * kStages;             // live flags [stages][tokens]
   static constexpr size_t kScales = kLive + sizeof(int) * kTcTokens * kStages;  // K, V scales
   static constexpr size_t kRingBytes = kScales + 2 * sizeof(float) * kTcTokens * kStages;
-  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kTcN * (kD + 2);
+  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kTcN * (MergeRows<kD>::kStride + 2);
   static constexpr size_t kBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
   static_assert(kD == 64 || kD == 128, "head dims 64, 128");
   // 16-byte slot of chunk c of token j. 128-byte lines are XOR-swizzled so that the fragment
@@ -863,11 +877,12 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
   // Each warp's O^T (times vref) in head_dim's own order: m-tile mt's rows are d = g kD / 8 + 2 mt
   // and d + 1.
   tc_finish<kD, kWarps, QT>(smem, warp, true, m0, m1, l0, l1, [&](float* row) {
+    using M = MergeRows<kD>;
 #pragma unroll
     for (int mt = 0; mt < kD / 16; ++mt) {
-      float* r = row + g * (kD / 8) + 2 * mt;
-      r[0] = o[mt][0] * vref, r[kD] = o[mt][1] * vref;
-      r[1] = o[mt][2] * vref, r[kD + 1] = o[mt][3] * vref;
+      float* r = row + M::at(g * (kD / 8) + 2 * mt);  // d and d + 1 share a padding group
+      r[0] = o[mt][0] * vref, r[M::kStride] = o[mt][1] * vref;
+      r[1] = o[mt][2] * vref, r[M::kStride + 1] = o[mt][3] * vref;
     }
   }, p, b, t, h0, nh, split, splits, work);
 }

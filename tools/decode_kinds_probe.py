@@ -1,0 +1,80 @@
+"""jaxkv's own decode kernels over every cache kind, kernel times, for comparing builds and grids.
+
+    python3 tools/decode_kinds_probe.py [--runs N] [--targets 1024,2048] [--dtypes bf16,int8]
+    ncu ... python3 tools/decode_kinds_probe.py --plain --dtypes bf16  # three calls a case, untimed
+
+The benchmark's decode case (B64 x 4096 tokens, 32 q / 8 KV heads, D128, page 16; a toy size off
+the GPU): bf16 paged NHD / HND and linear on jaxkv's kernel and paged on cuDNN's; fp8 e4m3 and int8
+per token and head, paged NHD / HND and linear. Each line: the split-KV grid
+(``jaxkv.attention._TARGET_BLOCKS`` and the splits it gives), kernel time of 20 steps in one
+``jit`` (the split-KV kernel and its combine), GB/s of the bytes read, and a hash of the output's
+bytes, so that two builds whose arithmetic should agree bit for bit can be checked to.
+"""
+import argparse
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxkv
+from jaxkv import attention
+from jaxkv._bench import cases as C
+from jaxkv._bench import timing as T
+
+ON_GPU = jax.default_backend() == "gpu"
+B, N, HQ, H, D, PAGE = (64, 4096, 32, 8, 128, 16) if ON_GPU else (2, 64, 8, 2, 128, 16)
+DTYPES = {"bf16": None, "float8_e4m3fn": jnp.float8_e4m3fn, "int8": jnp.int8}
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--runs", type=int, default=1)
+parser.add_argument("--targets", default=str(attention._TARGET_BLOCKS))
+parser.add_argument("--dtypes", default=",".join(DTYPES))
+parser.add_argument("--plain", action="store_true", help="calls only, for a profiler outside")
+args = parser.parse_args()
+targets = [int(x) for x in args.targets.split(",")]
+dtypes = args.dtypes.split(",")
+lengths = np.full(B, N)
+
+
+def caches():
+    pools = {lay: C._paged_pools(2, B, N // PAGE, PAGE, H, D, lengths, lay, 110) for lay in ("NHD", "HND")}
+    linear = jaxkv.LinearKVCache(buffer=C.rand((2, B, 2, H, N, D), C.BF16, 120),
+                                 lengths=C.i32(lengths), active_batch_size=jnp.asarray(B, jnp.int32))
+    for dtype in dtypes:
+        for name, cache in [("paged NHD", pools["NHD"]), ("paged HND", pools["HND"]), ("linear", linear)]:
+            yield name, dtype, C.quantized(cache, DTYPES[dtype])
+
+
+def read_bytes(cache) -> int:
+    per_value = (cache.buffer if isinstance(cache, jaxkv.LinearKVCache) else cache.k_pages).dtype.itemsize
+    scales = 0 if getattr(cache, "scaling", None) != "per_token_head" else 2 * B * N * H * 4
+    return 2 * B * N * H * D * per_value + scales
+
+
+q0 = C.rand((B, HQ, D), C.BF16, 112)
+for run in range(args.runs):
+    for name, dtype, cache in caches():
+        impls = [("jaxkv", t) for t in targets]
+        if ON_GPU and dtype == "bf16" and name.startswith("paged"):
+            impls.append(("cudnn", None))
+        for impl, target in impls:
+            attention._TARGET_BLOCKS = target or attention._TARGET_BLOCKS
+            splits = attention._splits(B, attention._source("probe", cache, 0), HQ) if target else "-"
+            f = jax.jit(lambda q, c: attention.decode(q, c, 0, implementation=impl))
+            out = f(q0, cache)
+            if args.plain:
+                jax.block_until_ready([f(q0, cache) for _ in range(2)])
+                print(name, dtype, impl, "done", flush=True)
+                continue
+            digest = hashlib.sha1(np.asarray(out).tobytes()).hexdigest()[:10]
+
+            def step(i, q, c, impl=impl):
+                return attention.decode(q, c, i % 2, implementation=impl).astype(q.dtype)
+
+            _, sec, launches, _ = T.kernel_seconds(step, q0 + 0, cache, n=20)
+            sec = sec or float("nan")  # no profiler's kernel times off the GPU
+            print(f"run {run} {name:9s} {dtype:13s} {impl:5s} target {target or '-':>5} splits "
+                  f"{splits:>2} {sec * 1e6:7.1f} us {read_bytes(cache) / sec / 1e9:6.0f} GB/s  "
+                  f"out {digest} ({launches} launches)", flush=True)
+        attention._TARGET_BLOCKS = targets[0]
