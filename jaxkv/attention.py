@@ -57,9 +57,12 @@ QUERY_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float1
 EIGHT_BIT_DTYPES = quantization.QUANTIZED_DTYPES  # fp8 e4m3fn, e5m2, int8
 
 _DENSE, _PAGED_HND, _PAGED_NHD = 0, 1, 2  # ffi/include/jaxkv/attention.h: KVLayout
-# The GPU kernel splits each row's keys over blocks until the grid has about this many blocks
-# (enough waves to fill an H200's 132 multiprocessors), with at least this many keys per block.
-_TARGET_BLOCKS = 2048
+# The GPU kernels split each row's keys over blocks until the grid has about this many blocks,
+# with at least _MIN_KEYS_PER_SPLIT keys a block. By the kernel that serves the call, measured on
+# the H200 (docs/perf-notes.md item 37): the tensor-core kernels over 16-bit caches (3 blocks a
+# multiprocessor) and over 8-bit ones (4 a multiprocessor, where one wave lets an NHD page's heads
+# be read together); the CUDA-core kernel (float32, other head dims) as first tuned.
+_TARGET_BLOCKS = {"tensor cores": 1024, "tensor cores, 8-bit": 512, "CUDA cores": 2048}
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_HEADS_PER_BLOCK = 8  # q heads one GPU block keeps in registers
 
@@ -190,12 +193,22 @@ def _scales(op: str, src: _Source, k_scale, v_scale, scale):
             _softmax_scale(op, scale, src.head_dim))
 
 
+def _gpu_kernel(src: _Source) -> str:
+    """Which split-KV kernel serves src on the GPU (ffi/cuda/attention_decode.cu's dispatch)."""
+    dtype = np.dtype(src.k.dtype)
+    if dtype in EIGHT_BIT_DTYPES:
+        return "tensor cores, 8-bit" if src.head_dim in (64, 128) else "CUDA cores"
+    if dtype != np.dtype(jnp.float32) and src.head_dim in (64, 128, 256):
+        return "tensor cores"
+    return "CUDA cores"
+
+
 def _splits(rows: int, src: _Source, q_heads: int) -> int:
     """Blocks each (query, KV head) pair's keys are split over on the GPU (1: no combine)."""
     per_block = math.ceil(q_heads // src.num_kv_heads / _MAX_HEADS_PER_BLOCK)
     pairs = rows * src.num_kv_heads * per_block
     by_keys = max(1, src.capacity // _MIN_KEYS_PER_SPLIT)
-    return max(1, min(by_keys, -(-_TARGET_BLOCKS // pairs)))
+    return max(1, min(by_keys, -(-_TARGET_BLOCKS[_gpu_kernel(src)] // pairs)))
 
 
 def _call(target, q4, src: _Source, starts, counts, k_scale, v_scale, scale, splits):

@@ -4,9 +4,9 @@
     ncu ... python3 tools/decode_kinds_probe.py --plain --dtypes bf16  # three calls a case, untimed
 
 The benchmark's decode case (B64 x 4096 tokens, 32 q / 8 KV heads, D128, page 16; a toy size off
-the GPU): bf16 paged NHD / HND and linear on jaxkv's kernel and paged on cuDNN's; fp8 e4m3 and int8
+the GPU; ``--shape`` for others): bf16 paged NHD / HND and linear on jaxkv's kernel and paged on cuDNN's; fp8 e4m3 and int8
 per token and head, paged NHD / HND and linear. Each line: the split-KV grid
-(``jaxkv.attention._TARGET_BLOCKS`` and the splits it gives), kernel time of 20 steps in one
+(the blocks it aims at, ``jaxkv.attention._TARGET_BLOCKS``, and the splits that gives), kernel time of 20 steps in one
 ``jit`` (the split-KV kernel and its combine), GB/s of the bytes read, and a hash of the output's
 bytes, so that two builds whose arithmetic should agree bit for bit can be checked to.
 """
@@ -23,16 +23,20 @@ from jaxkv._bench import cases as C
 from jaxkv._bench import timing as T
 
 ON_GPU = jax.default_backend() == "gpu"
-B, N, HQ, H, D, PAGE = (64, 4096, 32, 8, 128, 16) if ON_GPU else (2, 64, 8, 2, 128, 16)
 DTYPES = {"bf16": None, "float8_e4m3fn": jnp.float8_e4m3fn, "int8": jnp.int8}
 
 parser = argparse.ArgumentParser()
+parser.add_argument("--shape", default="64,4096,32,8,128" if ON_GPU else "2,64,8,2,128",
+                    help="rows, tokens a row, q heads, KV heads, head_dim")
 parser.add_argument("--runs", type=int, default=1)
-parser.add_argument("--targets", default=str(attention._TARGET_BLOCKS))
+parser.add_argument("--targets", default="0", help="blocks the grid aims at (0: the default)")
 parser.add_argument("--dtypes", default=",".join(DTYPES))
 parser.add_argument("--plain", action="store_true", help="calls only, for a profiler outside")
 args = parser.parse_args()
+B, N, HQ, H, D = (int(x) for x in args.shape.split(","))
+PAGE = 16
 targets = [int(x) for x in args.targets.split(",")]
+DEFAULT_TARGETS = dict(attention._TARGET_BLOCKS)
 dtypes = args.dtypes.split(",")
 lengths = np.full(B, N)
 
@@ -55,11 +59,12 @@ def read_bytes(cache) -> int:
 q0 = C.rand((B, HQ, D), C.BF16, 112)
 for run in range(args.runs):
     for name, dtype, cache in caches():
-        impls = [("jaxkv", t) for t in targets]
+        impls = [("jaxkv", t or "default") for t in targets]
         if ON_GPU and dtype == "bf16" and name.startswith("paged"):
             impls.append(("cudnn", None))
         for impl, target in impls:
-            attention._TARGET_BLOCKS = target or attention._TARGET_BLOCKS
+            attention._TARGET_BLOCKS = (dict.fromkeys(DEFAULT_TARGETS, target) if isinstance(target, int)
+                                        else DEFAULT_TARGETS)
             splits = attention._splits(B, attention._source("probe", cache, 0), HQ) if target else "-"
             f = jax.jit(lambda q, c: attention.decode(q, c, 0, implementation=impl))
             out = f(q0, cache)
@@ -74,7 +79,7 @@ for run in range(args.runs):
 
             _, sec, launches, _ = T.kernel_seconds(step, q0 + 0, cache, n=20)
             sec = sec or float("nan")  # no profiler's kernel times off the GPU
-            print(f"run {run} {name:9s} {dtype:13s} {impl:5s} target {target or '-':>5} splits "
+            print(f"run {run} B{B} N{N} {HQ}/{H} D{D} {name:9s} {dtype:13s} {impl:5s} target {target or '-':>7} splits "
                   f"{splits:>2} {sec * 1e6:7.1f} us {read_bytes(cache) / sec / 1e9:6.0f} GB/s  "
                   f"out {digest} ({launches} launches)", flush=True)
-        attention._TARGET_BLOCKS = targets[0]
+        attention._TARGET_BLOCKS = DEFAULT_TARGETS

@@ -26,8 +26,8 @@ ffi::Error attention_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
     if (wd[0] != p->batch || wd[1] != p->tokens || wd[2] != p->q_heads || wd[4] != p->head_dim + 2)
       return invalid("attention", "workspace must be [B, T, Hq, splits, D + 2]");
   }
-  if (splits < 1 || splits > 65535 || int64_t{p->batch} * p->tokens > 0x7fffffff ||
-      int64_t{p->kv.heads} * ((p->group + kMaxHeads - 1) / kMaxHeads) > 65535)
+  // The split-KV grid's x: rows x KV heads x head blocks, at most rows x q heads.
+  if (splits < 1 || splits > 65535 || int64_t{p->batch} * p->tokens * p->q_heads > 0x7fffffff)
     return invalid("attention", "too many query rows, heads or splits for one launch");
   float* w = work->typed_data();
   if (kPrefill) {

@@ -132,22 +132,31 @@ __device__ __forceinline__ int heads_of(const AttentionProblem& p, int y, int* f
   return min(kHeads, p.group - hb * kHeads);
 }
 
-// A split-KV block's share of the grid: query row (b, t) of block x, q heads [h0, h0 + nh) of KV
-// head kvh (block y, at most kHeads of the GQA group), and the keys [k0, k1) of split z below the
-// row's live length.
+// A split-KV block's share of the grid (split_grid): query row (b, t) and q heads [h0, h0 + nh)
+// of KV head kvh (at most kHeads of the GQA group) from block x, the keys [k0, k1) of split z
+// below the row's live length.
 struct SplitBlock {
   int b, t, h0, nh, kvh, split, splits;
   int32_t k0, k1;
 };
 
+// The split-KV grid of head_blocks blocks a KV head: x the (row, KV head, head block) triples,
+// heads fastest, z the splits. The blocks of one row's heads start together: in an NHD page the
+// heads of a token lie side by side (and so do their scales), read at about the same time.
+inline dim3 split_grid(const AttentionProblem& p, int head_blocks, int splits) {
+  return dim3(static_cast<unsigned>(int64_t{p.batch} * p.tokens * p.kv.heads * head_blocks), 1,
+              static_cast<unsigned>(splits));
+}
+
 template <int kHeads>
 __device__ __forceinline__ SplitBlock split_block(const AttentionProblem& p, int32_t keys_per_split) {
   SplitBlock s;
-  const int row = blockIdx.x;
+  const int per_row = p.kv.heads * ((p.group + kHeads - 1) / kHeads);
+  const int row = blockIdx.x / per_row;
   s.split = blockIdx.z;
   s.splits = gridDim.z;
   s.b = row / p.tokens, s.t = row % p.tokens;
-  s.nh = heads_of<kHeads>(p, blockIdx.y, &s.h0);
+  s.nh = heads_of<kHeads>(p, blockIdx.x % per_row, &s.h0);
   s.kvh = s.h0 / p.group;
   const int32_t n = p.layer_ok() ? p.keys(s.b, s.t) : 0;
   s.k0 = s.split * keys_per_split;
@@ -922,8 +931,7 @@ ffi::Error launch_d(cudaStream_t stream, const AttentionProblem& p, int splits, 
   const int32_t per_split = (p.kv.capacity + splits - 1) / splits;
   const int heads = block_heads(p.group);
   const int head_blocks = (p.group + heads - 1) / heads;
-  const dim3 grid(static_cast<unsigned>(int64_t{p.batch} * p.tokens),
-                  static_cast<unsigned>(p.kv.heads * head_blocks), static_cast<unsigned>(splits));
+  const dim3 grid = split_grid(p, head_blocks, splits);
   if (heads == 1)
     launch_split<kD, 1, QT, KT>(stream, grid, p, per_split, work);
   else if (heads == 4)
@@ -942,10 +950,7 @@ ffi::Error launch_d(cudaStream_t stream, const AttentionProblem& p, int splits, 
 template <class T>
 bool try_split_tc(cudaStream_t stream, const AttentionProblem& p, int splits, float* work, ffi::Error* status) {
   const int32_t per_split = (p.kv.capacity + splits - 1) / splits;
-  const int head_blocks = (p.group + kTcN - 1) / kTcN;
-  if (int64_t{p.kv.heads} * head_blocks > 65535) return false;
-  const dim3 grid(static_cast<unsigned>(int64_t{p.batch} * p.tokens),
-                  static_cast<unsigned>(p.kv.heads * head_blocks), static_cast<unsigned>(splits));
+  const dim3 grid = split_grid(p, (p.group + kTcN - 1) / kTcN, splits);
   auto launch = [&](auto kernel, size_t bytes) {
     allow_shared_memory(kernel, bytes);
     kernel<<<grid, kThreads, bytes, stream>>>(p, per_split, work);
@@ -967,10 +972,7 @@ template <class QT, class KT>
 bool try_split_tc8(cudaStream_t stream, const AttentionProblem& p, int splits, float* work, ffi::Error* status) {
   if (p.head_dim != 64 && p.head_dim != 128) return false;
   const int32_t per_split = (p.kv.capacity + splits - 1) / splits;
-  const int head_blocks = (p.group + kTcN - 1) / kTcN;
-  if (int64_t{p.kv.heads} * head_blocks > 65535) return false;
-  const dim3 grid(static_cast<unsigned>(int64_t{p.batch} * p.tokens),
-                  static_cast<unsigned>(p.kv.heads * head_blocks), static_cast<unsigned>(splits));
+  const dim3 grid = split_grid(p, (p.group + kTcN - 1) / kTcN, splits);
   auto launch = [&](auto kernel, size_t bytes) {
     allow_shared_memory(kernel, bytes);
     kernel<<<grid, kThreads, bytes, stream>>>(p, per_split, work);
