@@ -4,11 +4,12 @@
     ncu ... python3 tools/decode_kinds_probe.py --plain --dtypes bf16  # three calls a case, untimed
 
 The benchmark's decode case (B64 x 4096 tokens, 32 q / 8 KV heads, D128, page 16; a toy size off
-the GPU; ``--shape`` for others): bf16 paged NHD / HND and linear on jaxkv's kernel and paged on cuDNN's; fp8 e4m3 and int8
-per token and head, paged NHD / HND and linear. Each line: the split-KV grid
-(the blocks it aims at, ``jaxkv.attention._TARGET_BLOCKS``, and the splits that gives), kernel time of 20 steps in one
-``jit`` (the split-KV kernel and its combine), GB/s of the bytes read, and a hash of the output's
-bytes, so that two builds whose arithmetic should agree bit for bit can be checked to.
+the GPU; ``--shape`` for others): bf16 paged NHD / HND and linear on jaxkv's kernel and paged on
+cuDNN's; fp8 e4m3 and int8 per token and head, paged NHD / HND and linear. Each line: the split-KV
+grid (the blocks it aims at, ``jaxkv.attention._TARGET_BLOCKS``, and the splits that gives),
+kernel time of 20 steps in one ``jit`` (the split-KV kernel and its combine), GB/s of the bytes
+read, and a hash of the output's bytes, so that two builds whose arithmetic should agree bit for
+bit can be checked to.
 """
 import argparse
 import hashlib
@@ -42,16 +43,20 @@ lengths = np.full(B, N)
 
 
 def caches():
-    pools = {lay: C._paged_pools(2, B, N // PAGE, PAGE, H, D, lengths, lay, 110) for lay in ("NHD", "HND")}
+    pools = {lay: C._paged_pools(2, B, N // PAGE, PAGE, H, D, lengths, lay, 110)
+             for lay in ("NHD", "HND")}
     linear = jaxkv.LinearKVCache(buffer=C.rand((2, B, 2, H, N, D), C.BF16, 120),
-                                 lengths=C.i32(lengths), active_batch_size=jnp.asarray(B, jnp.int32))
+                                 lengths=C.i32(lengths),
+                                 active_batch_size=jnp.asarray(B, jnp.int32))
     for dtype in dtypes:
-        for name, cache in [("paged NHD", pools["NHD"]), ("paged HND", pools["HND"]), ("linear", linear)]:
+        for name, cache in [("paged NHD", pools["NHD"]), ("paged HND", pools["HND"]),
+                            ("linear", linear)]:
             yield name, dtype, C.quantized(cache, DTYPES[dtype])
 
 
 def read_bytes(cache) -> int:
-    per_value = (cache.buffer if isinstance(cache, jaxkv.LinearKVCache) else cache.k_pages).dtype.itemsize
+    data = cache.buffer if isinstance(cache, jaxkv.LinearKVCache) else cache.k_pages
+    per_value = data.dtype.itemsize
     scales = 0 if getattr(cache, "scaling", None) != "per_token_head" else 2 * B * N * H * 4
     return 2 * B * N * H * D * per_value + scales
 
@@ -59,13 +64,15 @@ def read_bytes(cache) -> int:
 q0 = C.rand((B, HQ, D), C.BF16, 112)
 for run in range(args.runs):
     for name, dtype, cache in caches():
-        impls = [("jaxkv", t or "default") for t in targets]
+        impls = [("jaxkv", t) for t in targets]
         if ON_GPU and dtype == "bf16" and name.startswith("paged"):
             impls.append(("cudnn", None))
-        for impl, target in impls:
-            attention._TARGET_BLOCKS = (dict.fromkeys(DEFAULT_TARGETS, target) if isinstance(target, int)
+        for impl, target in impls:  # target None: cuDNN's call; 0: the default grid
+            attention._TARGET_BLOCKS = (dict.fromkeys(DEFAULT_TARGETS, target) if target
                                         else DEFAULT_TARGETS)
-            splits = attention._splits(B, attention._source("probe", cache, 0), HQ) if target else "-"
+            src = attention._source("probe", cache, 0)
+            splits = attention._splits(B, src, HQ) if impl == "jaxkv" else "-"
+            label = "-" if target is None else target or "default"
             f = jax.jit(lambda q, c: attention.decode(q, c, 0, implementation=impl))
             out = f(q0, cache)
             if args.plain:
@@ -79,7 +86,7 @@ for run in range(args.runs):
 
             _, sec, launches, _ = T.kernel_seconds(step, q0 + 0, cache, n=20)
             sec = sec or float("nan")  # no profiler's kernel times off the GPU
-            print(f"run {run} B{B} N{N} {HQ}/{H} D{D} {name:9s} {dtype:13s} {impl:5s} target {target or '-':>7} splits "
-                  f"{splits:>2} {sec * 1e6:7.1f} us {read_bytes(cache) / sec / 1e9:6.0f} GB/s  "
+            print(f"run {run} B{B} N{N} {HQ}/{H} D{D} {name:9s} {dtype:13s} {impl:5s} "
+                  f"target {label:>7} splits {splits:>2} {sec * 1e6:7.1f} us "
+                  f"{read_bytes(cache) / sec / 1e9:6.0f} GB/s  "
                   f"out {digest} ({launches} launches)", flush=True)
-        attention._TARGET_BLOCKS = DEFAULT_TARGETS
