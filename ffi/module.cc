@@ -25,4 +25,11 @@ NB_MODULE(_jaxkv, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+  // Whether Hopper's own kernels (sm_90a: the wgmma prefill) were built: jaxkv/attention.py
+  // picks the default prefill by it.
+#ifdef JAXKV_SM90A
+  m.attr("with_sm90a") = true;
+#else
+  m.attr("with_sm90a") = false;
+#endif
 }

@@ -12,8 +12,10 @@ a traced layer index free:
   becomes a row of its own with the head's ``group`` query heads, table entries
   ``(layer * H + head) * P + page``.
 
-It is faster than jaxkv's own kernel or equal at every size measured (tools/cudnn_paged_probe.py;
-the figures are in docs/perf-notes.md and docs/benchmarks.md). No fp8 cache; everything else stays on jaxkv's kernel, which is also the
+``jaxkv.attention`` calls it by default only where it was measured faster than jaxkv's kernels
+(``_jaxkv_is_faster`` there; tools/default_probe.py, docs/perf-notes.md item 38): head_dim 64,
+decode's smallest grids on Hopper, and GPUs other than Hopper, where jaxkv's kernels were not
+measured against it. No 8-bit cache; everything else is jaxkv's kernels', which are also the
 fallback wherever this module's private binding is missing or changed (``unusable`` says why).
 """
 

@@ -24,6 +24,7 @@ except ImportError as e:  # most often: the source checkout shadows the installe
     ) from e
 
 WITH_CUDA: bool = bool(_jaxkv.with_cuda)
+WITH_SM90A: bool = bool(_jaxkv.with_sm90a)  # Hopper's kernels (the wgmma prefill) built
 
 
 def _runtime_ffi_api_minor() -> int | None:

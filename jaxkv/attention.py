@@ -25,14 +25,17 @@ addressing view (``ffi/include/jaxkv/attention.h``): on the GPU, decode is split
 on tensor cores (FlashAttention-2's forward) for bfloat16 / float16 caches and 8-bit ones (each
 K/V tile converted exactly to 16 bits in shared memory) with head_dim 64, 128 or 256 and GQA
 groups up to its row tile, else the decode kernel with one query row per new token.
-The one exception is measured faster: a ``PagedKVCache`` in bfloat16 / float16 (either layout,
-power-of-two pages) on a GPU goes to cuDNN's paged flash attention, reading the whole pool in
-place through jax's private binding (``jaxkv/_cudnn.py``, ``implementation=`` chooses explicitly).
+On Hopper at head_dim 128 (prefill there on warpgroup MMA) these kernels are the default for
+every cache; elsewhere a ``PagedKVCache`` in bfloat16 / float16 (either layout, power-of-two pages)
+on a GPU goes to cuDNN's paged flash attention, where it was measured faster, reading the whole
+pool in place through jax's private binding (``jaxkv/_cudnn.py``; ``_jaxkv_is_faster`` has the
+rule, ``implementation=`` chooses explicitly).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -57,12 +60,17 @@ QUERY_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float1
 EIGHT_BIT_DTYPES = quantization.QUANTIZED_DTYPES  # fp8 e4m3fn, e5m2, int8
 
 _DENSE, _PAGED_HND, _PAGED_NHD = 0, 1, 2  # ffi/include/jaxkv/attention.h: KVLayout
-# The GPU kernels split each row's keys over blocks until the grid has about this many blocks,
-# with at least _MIN_KEYS_PER_SPLIT keys a block. By the kernel that serves the call, measured on
-# the H200 (docs/perf-notes.md item 37): the tensor-core kernels over 16-bit caches (3 blocks a
-# multiprocessor) and over 8-bit ones (4 a multiprocessor, where one wave lets an NHD page's heads
-# be read together); the CUDA-core kernel (float32, other head dims) as first tuned.
+# The GPU kernels split each row's keys over blocks, at least _MIN_KEYS_PER_SPLIT keys a block
+# (each split costs a pipeline start and the combine's reads). The 16-bit tensor-core kernel: where
+# a block per (query, KV head) pair fits the GPU in one wave (at most _RESIDENT_PER_SM blocks a
+# multiprocessor), it splits only as far as _FILL_PER_SM blocks a multiprocessor, one wave with no
+# tail; past that, and for the other kernels, the grid aims at _TARGET_BLOCKS (several waves,
+# whose tail is then short), by the kernel that serves the call: over 8-bit caches 4 blocks a
+# multiprocessor, where one wave lets an NHD page's heads be read together; the CUDA-core kernel
+# (float32, other head dims) as first tuned. Measured on the H200: docs/perf-notes.md items 37-38.
 _TARGET_BLOCKS = {"tensor cores": 1024, "tensor cores, 8-bit": 512, "CUDA cores": 2048}
+_RESIDENT_PER_SM = {"tensor cores": 3}  # ncu at head_dim 128; the rule measured at 64-256
+_FILL_PER_SM = 2
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_HEADS_PER_BLOCK = 8  # q heads one GPU block keeps in registers
 
@@ -208,7 +216,18 @@ def _splits(rows: int, src: _Source, q_heads: int) -> int:
     per_block = math.ceil(q_heads // src.num_kv_heads / _MAX_HEADS_PER_BLOCK)
     pairs = rows * src.num_kv_heads * per_block
     by_keys = max(1, src.capacity // _MIN_KEYS_PER_SPLIT)
-    return max(1, min(by_keys, -(-_TARGET_BLOCKS[_gpu_kernel(src)] // pairs)))
+    kernel = _gpu_kernel(src)
+    sms = _multiprocessors()
+    if pairs <= _RESIDENT_PER_SM.get(kernel, 0) * sms:
+        return max(1, min(by_keys, _FILL_PER_SM * sms // pairs))
+    return max(1, min(by_keys, -(-_TARGET_BLOCKS[kernel] // pairs)))
+
+
+@functools.cache
+def _multiprocessors() -> int:
+    """The GPU's multiprocessors (132 on an H100 / H200, also assumed off a GPU, where the split
+    count only shapes the CPU handler's unused workspace)."""
+    return int(getattr(jax.devices()[0], "core_count", None) or 132)
 
 
 def _call(target, q4, src: _Source, starts, counts, k_scale, v_scale, scale, splits):
@@ -229,7 +248,7 @@ def _call(target, q4, src: _Source, starts, counts, k_scale, v_scale, scale, spl
 IMPLEMENTATIONS = (None, "jaxkv", "cudnn")
 
 
-def _implementation(op: str, implementation, cache, q, k_scale, v_scale) -> str:
+def _implementation(op: str, implementation, cache, q, k_scale, v_scale, src: _Source) -> str:
     """Which kernel serves a call: ``implementation``, or the faster one that can."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, got "
@@ -239,7 +258,34 @@ def _implementation(op: str, implementation, cache, q, k_scale, v_scale) -> str:
     why = _cudnn.unusable(cache, q.dtype, k_scale is not None or v_scale is not None)
     if implementation == "cudnn" and why is not None:
         raise ValueError(f"{op}: implementation='cudnn' cannot serve this call: {why}")
+    if implementation is None and _jaxkv_is_faster(op, src, q):
+        return "jaxkv"
     return "jaxkv" if why else "cudnn"
+
+
+# Decode grids of at most this many (row, KV head) pairs (4 rows of 8 KV heads) go to cuDNN where
+# it can serve them: its kernel measured 1-5 us ahead there (docs/perf-notes.md item 38).
+_CUDNN_DECODE_MAX_PAIRS = 32
+
+
+def _jaxkv_is_faster(op: str, src: _Source, q) -> bool:
+    """Where cuDNN could serve a call but jaxkv's kernel is the default: on Hopper at head_dim
+    128, for decode (and one-token prefill, the same split-KV kernel) past the smallest grids,
+    and for prefill where the wgmma kernel is built (GQA groups of at most its 128 rows;
+    ffi/cuda/attention_prefill_wgmma.cu). Measured on the H200 (docs/perf-notes.md item 38):
+    as fast or faster than the cuDNN path by a call's wall time, which also counts the XLA ops
+    around cuDNN's (its page-table views, the merge of its two prefill calls)."""
+    if _compute_capability() != "9.0" or src.head_dim != 128:
+        return False
+    if op == "attention.decode" or q.shape[1] == 1:
+        return q.shape[0] * src.num_kv_heads > _CUDNN_DECODE_MAX_PAIRS
+    return _ffi.WITH_SM90A and q.shape[-2] // src.num_kv_heads <= 128
+
+
+@functools.cache
+def _compute_capability() -> str | None:
+    """The first device's compute capability ("9.0"), None off a CUDA GPU."""
+    return getattr(jax.devices()[0], "compute_capability", None)
 
 
 # On a sharded cache each device attends with its rows and KV heads, and the q heads that read
@@ -271,8 +317,10 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     - ``implementation``: ``None`` (default: the fastest that can serve the call), ``"jaxkv"``
       (jaxkv's own kernel, every cache kind) or ``"cudnn"`` (cuDNN's paged flash attention through
       jax's private binding: on a GPU, for a ``PagedKVCache`` (HND or NHD) in bfloat16 or
-      float16, head_dim 64 or 128; faster there, see ``docs/benchmarks.md``; a clear error where
-      it cannot serve the call). A sharded cache defaults to jaxkv's kernel in every shard.
+      float16, head_dim 64 or 128; a clear error where it cannot serve the call). The default
+      is cuDNN's only where it was measured faster: head_dim 64, the smallest decode grids on
+      Hopper (at most 32 rows x KV heads), and GPUs other than Hopper (``docs/perf-notes.md``
+      item 38). A sharded cache defaults to jaxkv's kernel in every shard.
 
     **Returns:** ``[max_batch, num_q_heads, head_dim]`` in ``q``'s dtype; rows of length 0 give
     zeros. Lengths past the capacity (or, paged, past the pages a row holds) are reported through
@@ -292,7 +340,7 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     validate.array(op, "kv_lengths", kv_lengths)
     validate.int32(op, "kv_lengths", kv_lengths)
     validate.shape(op, "kv_lengths", kv_lengths, (src.max_batch,), "[max_batch]")
-    use = _implementation(op, implementation, cache, q, k_scale, v_scale)
+    use = _implementation(op, implementation, cache, q, k_scale, v_scale, src)
     k_scale, v_scale, scale = _scales(op, src, k_scale, v_scale, scale)
     check((src.layer >= 0) & (src.layer < src.num_layers), f"{op}: layer_idx out of range")
     check(jnp.all((kv_lengths >= 0) & (kv_lengths <= src.readable)),
@@ -328,7 +376,7 @@ def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale
     validate.array(op, "q_lengths", q_lengths)
     validate.int32(op, "q_lengths", q_lengths)
     validate.shape(op, "q_lengths", q_lengths, (src.max_batch,), "[max_batch]")
-    use = _implementation(op, implementation, cache, q, k_scale, v_scale)
+    use = _implementation(op, implementation, cache, q, k_scale, v_scale, src)
     k_scale, v_scale, scale = _scales(op, src, k_scale, v_scale, scale)
     lengths = cache.lengths
     check((src.layer >= 0) & (src.layer < src.num_layers), f"{op}: layer_idx out of range")
@@ -338,5 +386,7 @@ def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale
           f"{op}: lengths + q_lengths past the capacity (paged: past the pages a row holds)")
     if use == "cudnn":
         return _cudnn.prefill(q, cache, src.layer, q_lengths, scale)
-    return _call("jaxkv_attention_prefill", q, src, lengths, q_lengths, k_scale, v_scale, scale,
+    # One new token a row is a decode step: the split-KV kernel, not the prefill's 128-row tiles.
+    target = "jaxkv_attention_decode" if q.shape[1] == 1 else "jaxkv_attention_prefill"
+    return _call(target, q, src, lengths, q_lengths, k_scale, v_scale, scale,
                  _splits(src.max_batch * q.shape[1], src, q_heads))

@@ -129,7 +129,7 @@ def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) 
             progress.label(f"{case.op} {case.name}: XLA {name}")
             try:
                 carry, row["xla"][name], _ = measure(step, carry, consts, case, reps)
-                if on_gpu and name == C.OWN_KERNEL:  # beside cuDNN: its device time too
+                if on_gpu and name in (C.OWN_KERNEL, C.CUDNN):  # its device time too
                     carry, t, _, _ = T.kernel_seconds(step, carry, consts,
                                                       case.per_step // case.per_launch)
                     row["xla"][name]["kernel_time_s"] = None if t is None else t / case.per_launch

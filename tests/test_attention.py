@@ -408,6 +408,64 @@ def test_donated_decode_step_slices_and_copies_nothing(which, implementation):
     assert slices_and_copies_of(control, pool)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_default_is_jaxkvs_kernel_on_hopper_at_head_dim_128(head_dim, monkeypatch):
+    """The default for a paged bf16 pool: on Hopper at head_dim 128 jaxkv's kernels (decode past
+    the smallest grids, and prefill where the wgmma kernel is built), as fast as the cuDNN path or
+    faster by a call's wall time; elsewhere cuDNN where it can serve the call."""
+    A = jaxkv.attention
+    nhd = make_case("paged-NHD", jnp.bfloat16, head_dim, 16, [3, 0, 48, 9]).cache
+    src = A._source("t", nhd, 0)
+    q = normal((B, 4, 2 * HKV, head_dim), jnp.bfloat16)
+
+    def pick(op, q, implementation=None):
+        return A._implementation(op, implementation, nhd, q, None, None, src)
+
+    monkeypatch.setattr(A._cudnn, "unusable", lambda *args: None)  # as on a GPU with jax 0.11
+    monkeypatch.setattr(A._ffi, "WITH_SM90A", True)
+    monkeypatch.setattr(A, "_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(A, "_CUDNN_DECODE_MAX_PAIRS", B * HKV - 1)  # this grid is past it
+    own = "jaxkv" if head_dim == 128 else "cudnn"
+    assert pick("attention.prefill", q) == own
+    assert pick("attention.prefill", q[:, :1]) == own
+    assert pick("attention.decode", q[:, 0]) == own
+    for op, x in (("attention.prefill", q), ("attention.decode", q[:, 0])):
+        assert pick(op, x, "cudnn") == "cudnn"  # asked for: served
+    monkeypatch.setattr(A, "_CUDNN_DECODE_MAX_PAIRS", B * HKV)  # a decode grid this small: cuDNN
+    assert [pick("attention.prefill", q), pick("attention.prefill", q[:, :1]),
+            pick("attention.decode", q[:, 0])] == [own, "cudnn", "cudnn"]
+    monkeypatch.setattr(A, "_CUDNN_DECODE_MAX_PAIRS", 0)
+    monkeypatch.setattr(A._ffi, "WITH_SM90A", False)  # no wgmma kernel: decode steps only
+    assert [pick("attention.prefill", q), pick("attention.prefill", q[:, :1])] == ["cudnn", own]
+    for capability in ("8.0", "10.0", None):
+        monkeypatch.setattr(A._ffi, "WITH_SM90A", True)
+        monkeypatch.setattr(A, "_compute_capability", lambda c=capability: c)
+        assert pick("attention.prefill", q) == pick("attention.decode", q[:, 0]) == "cudnn"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("new_tokens", [1, 4])
+def test_default_compiles_to_the_kernel_picked(head_dim, new_tokens, monkeypatch):
+    """On this GPU a default call's HLO holds the kernel the rule above picks, only it; one new
+    token a row is a decode step (the split-KV kernel), more take the prefill's."""
+    A = jaxkv.attention
+    monkeypatch.setattr(A, "_CUDNN_DECODE_MAX_PAIRS", 0)  # this test's grid is a small one
+    nhd = make_case("paged-NHD", jnp.bfloat16, head_dim, 16, [3, 0, 48, 9]).cache
+    q = normal((B, new_tokens, 2 * HKV, head_dim), jnp.bfloat16)
+    new = jnp.array([1, 0, 1, 1], jnp.int32) * new_tokens
+    src = A._source("t", nhd, 0)
+    for op, x, call in (("attention.prefill", q, lambda c, q: A.prefill(q, c, 0, new)),
+                        ("attention.decode", q[:, 0], lambda c, q: A.decode(q, c, 0))):
+        own = A._implementation(op, None, nhd, x, None, None, src)
+        hlo = jax.jit(call).lower(nhd, x).compile().as_text()
+        target = "prefill" if op == "attention.prefill" and new_tokens > 1 else "decode"
+        assert (f"jaxkv_attention_{target}" in hlo) == (own == "jaxkv"), op
+        assert bool(_CUDNN.search(hlo)) == (own == "cudnn"), op
+        hopper = head_dim == 128 and A._compute_capability() == "9.0"
+        assert own == ("jaxkv" if hopper else "cudnn"), op
+
+
 def test_checkify_reports_bad_layer_and_lengths():
     case = make_case("paged-HND", jnp.float32, 64, 16, [3, 0, 48, 9])
     q = normal((B, 2 * HKV, 64), jnp.float32)

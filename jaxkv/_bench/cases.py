@@ -691,14 +691,21 @@ def _scale_bytes(dtype, scaling="per_token_head") -> tuple[int, int]:
     return 1, 4 if scaling == "per_token_head" else 0
 
 
-OWN_KERNEL = "jaxkv kernel"
+OWN_KERNEL, CUDNN = "jaxkv kernel", "cuDNN"  # the paged default's other kernel, as a row
 
 
-def _own_kernel(layout, fn) -> dict:
-    """jaxkv's own attention kernel as an extra row where the default call goes to cuDNN (bf16
-    paged pools on a GPU, either layout: jaxkv/_cudnn.py); the harness also reads its device time
-    from the profiler."""
-    return {OWN_KERNEL: fn} if jax.default_backend() == "gpu" else {}
+def _beside_default(op: str, cache, q, attend) -> dict:
+    """The other kernel of a paged bf16 call as an extra row (GPU only): jaxkv's own where the
+    default goes to cuDNN (jaxkv/_cudnn.py), cuDNN's where it goes to jaxkv's (Hopper at head_dim
+    128); the harness also reads its device time from the profiler. ``attend(i, q, c,
+    implementation)``: the op."""
+    A = jaxkv.attention
+    if jax.default_backend() != "gpu" or A._cudnn.unusable(cache, q.dtype, False):
+        return {}
+    default = A._implementation(op, None, cache, q, None, None, A._source(op, cache, 0))
+    if default == "cudnn":
+        return {OWN_KERNEL: lambda i, q, c: attend(i, q, c, "jaxkv")}
+    return {CUDNN: lambda i, q, c: attend(i, q, c, "cudnn")}
 
 
 def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None, dtype=None,
@@ -723,11 +730,11 @@ def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None, dty
             k, v = c.gather(i % 2, N, split=True, dtype=None if dtype is None else BF16)
             return _dense_attention(q[:, None], k, v, c.lengths - 1)[:, 0]
 
-        def own(i, q, c):
-            return jaxkv.attention.decode(q, c, i % 2, implementation="jaxkv")
+        def attend(i, q, c, implementation):
+            return jaxkv.attention.decode(q, c, i % 2, implementation=implementation)
 
-        own_row = _own_kernel(layout, own) if dtype is None else {}
-        return q, cache, kernel, {"gather+dense": gather_dense, **own_row}
+        other = _beside_default("attention.decode", cache, q, attend) if dtype is None else {}
+        return q, cache, kernel, {"gather+dense": gather_dense, **other}
 
     elem, scale = _scale_bytes(dtype, scaling)
     token = 2 * H * (D * elem + scale)
@@ -803,11 +810,11 @@ def attention_prefill_paged(B, prefix, T, Hq, H, D, page, iters, target=None,
                 i % 2, prefix + T, split=True, dtype=None if dtype is None else BF16)
             return _dense_attention(q, k, v, c.lengths)
 
-        def own(i, q, c):
-            return jaxkv.attention.prefill(q, c, i % 2, new, implementation="jaxkv")
+        def attend(i, q, c, implementation):
+            return jaxkv.attention.prefill(q, c, i % 2, new, implementation=implementation)
 
-        own_row = _own_kernel("NHD", own) if dtype is None else {}
-        return q, cache, kernel, {"gather+dense": gather_dense, **own_row}
+        other = _beside_default("attention.prefill", cache, q, attend) if dtype is None else {}
+        return q, cache, kernel, {"gather+dense": gather_dense, **other}
 
     label = _cache_label(dtype)
     elem, scale = _scale_bytes(dtype)

@@ -222,7 +222,9 @@ def markdown(report: dict, plot_name: str | None) -> str:
            "loop's own per-iteration cost. GB/s and % copy: minimum bytes (read + written) over "
            "the kernel time (the loop time where there is none), and that over the copy "
            "bandwidth above; the targets are checked on these. XLA: the fastest XLA-native "
-           "formulation, same loop, same donation; speed-up: its loop time over jaxkv's. mem: "
+           "formulation, same loop, same donation (for paged 16-bit attention on a GPU, also "
+           "the kernel jaxkv's default did not pick: cuDNN's, or jaxkv's own as \"jaxkv "
+           "kernel\"); speed-up: its loop time over jaxkv's. mem: "
            "device memory one op allocates beyond its inputs and required outputs, as a share "
            "of the cache."]
     cols = columns(report)
