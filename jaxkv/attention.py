@@ -64,12 +64,14 @@ _DENSE, _PAGED_HND, _PAGED_NHD = 0, 1, 2  # ffi/include/jaxkv/attention.h: KVLay
 # (each split costs a pipeline start and the combine's reads). The 16-bit tensor-core kernel: where
 # a block per (query, KV head) pair fits the GPU in one wave (at most _RESIDENT_PER_SM blocks a
 # multiprocessor), it splits only as far as _FILL_PER_SM blocks a multiprocessor, one wave with no
-# tail; past that, and for the other kernels, the grid aims at _TARGET_BLOCKS (several waves,
-# whose tail is then short), by the kernel that serves the call: over 8-bit caches 4 blocks a
-# multiprocessor, where one wave lets an NHD page's heads be read together; the CUDA-core kernel
-# (float32, other head dims) as first tuned. Measured on the H200: docs/perf-notes.md items 37-38.
-_TARGET_BLOCKS = {"tensor cores": 1024, "tensor cores, 8-bit": 512, "CUDA cores": 2048}
-_RESIDENT_PER_SM = {"tensor cores": 3}  # ncu at head_dim 128; the rule measured at 64-256
+# tail; past that it does not split (where that takes two waves either way the kernel keeps a
+# deeper ring at 2 blocks a multiprocessor: ffi/cuda/attention_decode.cu's TcDeep). The other
+# kernels' grids aim at _TARGET_BLOCKS (several waves, whose tail is then short): over 8-bit
+# caches 4 blocks a multiprocessor, where one wave lets an NHD page's heads be read together; the
+# CUDA-core kernel (float32, other head dims) as first tuned. Measured on the H200 and the H100:
+# docs/perf-notes.md items 37-39.
+_TARGET_BLOCKS = {"tensor cores, 8-bit": 512, "CUDA cores": 2048}
+_RESIDENT_PER_SM = {"tensor cores": 3}  # TcShallow's blocks; the rule measured at 64-256
 _FILL_PER_SM = 2
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_HEADS_PER_BLOCK = 8  # q heads one GPU block keeps in registers
@@ -218,8 +220,9 @@ def _splits(rows: int, src: _Source, q_heads: int) -> int:
     by_keys = max(1, src.capacity // _MIN_KEYS_PER_SPLIT)
     kernel = _gpu_kernel(src)
     sms = _multiprocessors()
-    if pairs <= _RESIDENT_PER_SM.get(kernel, 0) * sms:
-        return max(1, min(by_keys, _FILL_PER_SM * sms // pairs))
+    if kernel in _RESIDENT_PER_SM:
+        fits = pairs <= _RESIDENT_PER_SM[kernel] * sms
+        return max(1, min(by_keys, _FILL_PER_SM * sms // pairs)) if fits else 1
     return max(1, min(by_keys, -(-_TARGET_BLOCKS[kernel] // pairs)))
 
 

@@ -201,6 +201,34 @@ def test_long_rows_split_over_blocks(kind):
     assert_close(out, ref_decode(q, k, v, cache.lengths), "bf16")
 
 
+@pytest.mark.parametrize("name", ["bf16", "f16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_decode_grid_past_one_wave(layout, head_dim, name):
+    """More (row, KV head) pairs than one wave of the GPU's tensor-core decode holds at 3 blocks
+    a multiprocessor, fewer than two at 2: a block a pair and the kernel's deeper ring
+    (ffi/cuda/attention_decode.cu's TcDeep), over ragged rows of shuffled pages."""
+    dtype, group, page, pages = DTYPES[name], 8, 16, 6
+    rows = 3 * jaxkv.attention._multiprocessors() // HKV + 5
+    cap = page * pages
+    cache = jaxkv.PagedKVCache.create(1, rows * pages, page, HKV, head_dim, rows, pages, dtype,
+                                      layout)
+    lengths = _rng.integers(0, cap + 1, rows).astype(np.int32)
+    lengths[:2] = 0, cap
+    table = jnp.asarray(_rng.permutation(rows * pages).reshape(rows, pages), jnp.int32)
+    shape = cache.k_pages.shape
+    cache = dataclasses.replace(cache, k_pages=normal(shape, dtype), v_pages=normal(shape, dtype),
+                                page_table=table, lengths=jnp.asarray(lengths))
+    src = jaxkv.attention._source("t", cache, 0)
+    assert jaxkv.attention._splits(rows, src, HKV * group) == 1
+    kv = ref_gather(cache.k_pages, cache.v_pages, table, cache.lengths, 0, cap, layout)
+    q = normal((rows, HKV * group, head_dim), dtype)
+    out = jax.jit(jaxkv.attention.decode, static_argnames="implementation")(
+        q, cache, 0, implementation="jaxkv")
+    assert not np.asarray(out[0]).any()
+    assert_close(out, ref_decode(q, kv[:, 0], kv[:, 1], cache.lengths), name)
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_prefill_chunk_spans_several_query_and_key_tiles(layout):
     """40 new tokens x 4 heads per KV head: several query tiles of the GPU's tensor-core prefill

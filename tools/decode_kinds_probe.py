@@ -40,6 +40,7 @@ B, N, HQ, H, D = (int(x) for x in args.shape.split(","))
 PAGE = 16
 targets = [int(x) for x in args.targets.split(",")]
 DEFAULT_TARGETS = dict(attention._TARGET_BLOCKS)
+KERNELS = ("tensor cores", "tensor cores, 8-bit", "CUDA cores")  # attention._gpu_kernel's names
 DEFAULT_RESIDENT = dict(attention._RESIDENT_PER_SM)
 min_keys = [int(x) or attention._MIN_KEYS_PER_SPLIT for x in args.min_keys.split(",")]
 dtypes = args.dtypes.split(",")
@@ -80,7 +81,7 @@ for run in range(args.runs):
         if ON_GPU and dtype in ("bf16", "f16") and name.startswith("paged"):
             impls.append(("cudnn", None, min_keys[0]))
         for impl, target, keys in impls:  # target None: cuDNN's call; 0: the default grid
-            attention._TARGET_BLOCKS = (dict.fromkeys(DEFAULT_TARGETS, target) if target
+            attention._TARGET_BLOCKS = (dict.fromkeys(KERNELS, target) if target
                                         else DEFAULT_TARGETS)
             attention._RESIDENT_PER_SM = {} if target else DEFAULT_RESIDENT  # a target alone
             attention._MIN_KEYS_PER_SPLIT = keys

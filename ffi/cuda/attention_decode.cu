@@ -340,30 +340,38 @@ __global__ void __launch_bounds__(kThreads)
 // 8 or fewer heads fills the MMA (with the heads as the 16 rows it filled a quarter of them at a
 // group of 4), so the MMAs and O's registers are half those of the heads-as-rows kernel
 // (docs/perf-notes.md item 20). A stage is 16 tokens for each slice of kSplitD warps, streamed with
-// cp.async into a ring of kTcStages tiles (rows of D elements, 16-byte chunks XOR-swizzled by row
+// cp.async into a ring of kStages tiles (rows of D elements, 16-byte chunks XOR-swizzled by row
 // so that ldmatrix is conflict-free); kTcLanes threads copy a token and the warps read each
 // other's tokens, so the ring needs a block barrier per stage. At head_dim 256 two warps share a
 // slice (kSplitD 2): both score its 16 tokens, each accumulates half of O, so a warp holds at
 // most 32 of O's floats and a stage is 32 tokens (32 KiB: three blocks per multiprocessor).
 constexpr int kTcN = 8;
-// Two stages (one in flight while one is read) and three blocks per multiprocessor: measured on
-// the H200 for the heads-as-rows kernel against 3 stages x 2 blocks (326 vs 310 us on the paged
-// case), 3 x 3 (327), 4 x 2 (577: one block per SM), and against 2x / 4x more splits (330 / 399
-// us: shorter pipelines per block).
-constexpr int kTcStages = 2;
-constexpr int kTcMinBlocks = 3;
+// The ring's depth and the blocks a multiprocessor keeps, by the grid (try_split_tc). Two stages
+// (one in flight while one is read) at three blocks a multiprocessor, measured on the H200 for the
+// heads-as-rows kernel against 3 stages x 2 blocks (326 vs 310 us on the paged case), 3 x 3
+// (327), 4 x 2 (577: one block per SM), and against 2x / 4x more splits (330 / 399 us: shorter
+// pipelines per block). But where the grid takes two waves at either occupancy (more than 3
+// blocks a multiprocessor, at most 4), three stages at two blocks, cuDNN's occupancy: each block's
+// pipeline deeper at no cost in waves (B56 / B64 rows of 8 KV heads at D128, D256 B128 of 4:
+// 2-3% faster; past 4 blocks a multiprocessor 0-2% slower: docs/perf-notes.md item 39).
+template <int kStages_, int kMinBlocks_>
+struct TcDepth {
+  static constexpr int kStages = kStages_, kMinBlocks = kMinBlocks_;
+};
+using TcShallow = TcDepth<2, 3>;
+using TcDeep = TcDepth<3, 2>;
 // Threads that copy one token's K and V (kTcLanes 16-byte chunks a copy instruction), measured on
 // the H200 (docs/perf-notes.md item 17): 8 against 16, 4 and 2.
 constexpr int kTcLanes = 8;
 // The 8-bit kernel below: 64-token stages, 16 tokens a warp.
 constexpr int kTcTokens = 64;
 
-template <int kD, class T, int kTokens>
+template <int kD, class T, int kTokens, int kStages>
 struct TcRing {
   static constexpr int kChunks = kD * 2 / 16;                      // 16-byte chunks per token
   static constexpr size_t kTile = size_t{kTokens} * kD * 2;        // bytes of K (or V) per stage
-  static constexpr size_t kLive = 2 * kTile * kTcStages;           // byte offset of the live flags
-  static constexpr size_t kRingBytes = kLive + sizeof(int) * kTokens * kTcStages;
+  static constexpr size_t kLive = 2 * kTile * kStages;           // byte offset of the live flags
+  static constexpr size_t kRingBytes = kLive + sizeof(int) * kTokens * kStages;
   static_assert(kChunks % 8 == 0, "swizzle");
   // Chunk c of token j of K (kind 0) or V (kind 1) in stage `stage`.
   __device__ static unsigned char* chunk(unsigned char* smem, int stage, int kind, int j, int c) {
@@ -483,13 +491,13 @@ __device__ __forceinline__ void tc_finish(unsigned char* smem, int slot, bool wr
   }
 }
 
-template <int kD, int kSplitD>
+template <int kD, int kSplitD, int kStages>
 struct TcShape {
   static constexpr int kTokens = 16 * kWarps / kSplitD;  // a stage: 16 tokens a slice of warps
   static constexpr int kSlices = kWarps / kSplitD;
   static constexpr int kDW = kD / kSplitD;               // O's columns a warp accumulates
   template <class T>
-  using Ring = TcRing<kD, T, kTokens>;
+  using Ring = TcRing<kD, T, kTokens, kStages>;
   static constexpr size_t kMergeBytes = sizeof(float) * kSlices * kTcN * (MergeRows<kD>::kStride + 2);
   template <class T>
   static constexpr size_t bytes() {
@@ -497,10 +505,11 @@ struct TcShape {
   }
 };
 
-template <int kD, class T, int kLanes, int kSplitD>
-__global__ void __launch_bounds__(kThreads, kTcMinBlocks)
+template <int kD, class T, int kLanes, int kSplitD, class Depth>
+__global__ void __launch_bounds__(kThreads, Depth::kMinBlocks)
     attention_tc_kernel(const AttentionProblem p, int32_t keys_per_split, float* work) {
-  using S = TcShape<kD, kSplitD>;
+  constexpr int kStages = Depth::kStages;
+  using S = TcShape<kD, kSplitD, kStages>;
   using R = typename S::template Ring<T>;
   constexpr int kTokens = S::kTokens, kDW = S::kDW;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -518,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
   const int64_t base = *p.layer * p.kv.layer_stride + kvh * p.kv.head_stride + cp.c0 * 16;
   auto issue = [&](int i) {
     if (i < iters) {
-      const int st = i % kTcStages;
+      const int st = i % kStages;
       cp.each_token(p.kv, i, [&](int jt, bool ok, int32_t page, int32_t slot) {
         const int64_t off = ok ? base + page * p.kv.page_stride + slot * p.kv.token_stride : 0;
         cp.template copy_token<R>(smem, p.kv, st, jt, off, ok);
@@ -530,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
   };
   cp.fetch(p.kv, 0);
 #pragma unroll
-  for (int i = 0; i < kTcStages - 1; ++i) issue(i);
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
 
   // Q as B fragments, pre-scaled (heads past the block's are zeros): lane (g, tq) holds head g's
   // pairs d = 16 ks + 2 tq and d + 8, one 4-byte load each.
@@ -559,10 +568,10 @@ __global__ void __launch_bounds__(kThreads, kTcMinBlocks)
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
   for (int i = 0; i < iters; ++i) {
-    copy_wait<kTcStages - 2>();
+    copy_wait<kStages - 2>();
     __syncthreads();  // stage i landed for every thread; every warp is done with stage i - 1
-    issue(i + kTcStages - 1);
-    const int st = i % kTcStages;
+    issue(i + kStages - 1);
+    const int st = i % kStages;
 
     // S^T = K Q^T over the warp's 16 tokens: sc[0, 1] token g, sc[2, 3] token g + 8.
     float sc[4] = {};
@@ -955,10 +964,22 @@ bool try_split_tc(cudaStream_t stream, const AttentionProblem& p, int splits, fl
     allow_shared_memory(kernel, bytes);
     kernel<<<grid, kThreads, bytes, stream>>>(p, per_split, work);
   };
-  if (p.head_dim == 64) launch(attention_tc_kernel<64, T, kTcLanes, 1>, TcShape<64, 1>::bytes<T>());
-  else if (p.head_dim == 128) launch(attention_tc_kernel<128, T, kTcLanes, 1>, TcShape<128, 1>::bytes<T>());
-  else if (p.head_dim == 256) launch(attention_tc_kernel<256, T, kTcLanes, 2>, TcShape<256, 2>::bytes<T>());
-  else return false;
+  auto at_depth = [&](auto depth) {
+    using Depth = decltype(depth);
+    constexpr int kStages = Depth::kStages;
+    if (p.head_dim == 64)
+      launch(attention_tc_kernel<64, T, kTcLanes, 1, Depth>, TcShape<64, 1, kStages>::template bytes<T>());
+    else if (p.head_dim == 128)
+      launch(attention_tc_kernel<128, T, kTcLanes, 1, Depth>, TcShape<128, 1, kStages>::template bytes<T>());
+    else
+      launch(attention_tc_kernel<256, T, kTcLanes, 2, Depth>, TcShape<256, 2, kStages>::template bytes<T>());
+  };
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
+  const int64_t blocks = int64_t{grid.x} * grid.y * grid.z, sms = multiprocessor_count();
+  const bool two_waves_either_way =
+      blocks > TcShallow::kMinBlocks * sms && blocks <= 2 * TcDeep::kMinBlocks * sms;
+  if (two_waves_either_way) at_depth(TcDeep{});
+  else at_depth(TcShallow{});
   if (splits > 1) {
     const dim3 cgrid(static_cast<unsigned>(int64_t{p.batch} * p.tokens), static_cast<unsigned>(p.q_heads));
     combine_kernel<T><<<cgrid, std::min(p.head_dim, 256), 0, stream>>>(p, per_split, splits, work);
