@@ -370,7 +370,7 @@ template <int kD, class T, int kTokens, int kStages>
 struct TcRing {
   static constexpr int kChunks = kD * 2 / 16;                      // 16-byte chunks per token
   static constexpr size_t kTile = size_t{kTokens} * kD * 2;        // bytes of K (or V) per stage
-  static constexpr size_t kLive = 2 * kTile * kStages;           // byte offset of the live flags
+  static constexpr size_t kLive = 2 * kTile * kStages;             // byte offset of the live flags
   static constexpr size_t kRingBytes = kLive + sizeof(int) * kTokens * kStages;
   static_assert(kChunks % 8 == 0, "swizzle");
   // Chunk c of token j of K (kind 0) or V (kind 1) in stage `stage`.
