@@ -1,6 +1,7 @@
 // The one nanobind module: hands the registered FFI handlers to Python.
 #include <nanobind/nanobind.h>
 
+#include "jaxkv/attention.h"
 #include "jaxkv/registry.h"
 
 namespace nb = nanobind;
@@ -32,4 +33,6 @@ NB_MODULE(_jaxkv, m) {
 #else
   m.attr("with_sm90a") = false;
 #endif
+  // The decode kernel's blocks a multiprocessor, for the split rule of jaxkv/attention.py.
+  m.attr("decode_resident_blocks") = jaxkv::kDecodeResidentBlocks;
 }

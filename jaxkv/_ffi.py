@@ -25,6 +25,8 @@ except ImportError as e:  # most often: the source checkout shadows the installe
 
 WITH_CUDA: bool = bool(_jaxkv.with_cuda)
 WITH_SM90A: bool = bool(_jaxkv.with_sm90a)  # Hopper's kernels (the wgmma prefill) built
+# Blocks a multiprocessor of the 16-bit tensor-core decode kernel (ffi: kDecodeResidentBlocks)
+DECODE_RESIDENT_BLOCKS: int = int(_jaxkv.decode_resident_blocks)
 
 
 def _runtime_ffi_api_minor() -> int | None:

@@ -71,7 +71,7 @@ _DENSE, _PAGED_HND, _PAGED_NHD = 0, 1, 2  # ffi/include/jaxkv/attention.h: KVLay
 # CUDA-core kernel (float32, other head dims) as first tuned. Measured on the H200 and the H100:
 # docs/perf-notes.md items 37-39.
 _TARGET_BLOCKS = {"tensor cores, 8-bit": 512, "CUDA cores": 2048}
-_RESIDENT_PER_SM = {"tensor cores": 3}  # TcShallow's blocks; the rule measured at 64-256
+_RESIDENT_PER_SM = {"tensor cores": _ffi.DECODE_RESIDENT_BLOCKS}  # the rule measured at 64-256
 _FILL_PER_SM = 2
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_HEADS_PER_BLOCK = 8  # q heads one GPU block keeps in registers

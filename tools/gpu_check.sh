@@ -11,7 +11,7 @@
 # WHEEL=path installs a wheel built on the CPU machine instead of
 # building here (device time: the CUDA build takes minutes there, 1.5 here), then copies the
 # tree's Python over it, so that only a change under ffi/ needs a new wheel:
-#   JAXKV_CUDA=ON JAXKV_CUDA_ARCHITECTURES=90 PYENV_VERSION=3.12.1 python3.12 -m pip wheel \
+#   JAXKV_CUDA=ON JAXKV_CUDA_ARCHITECTURES=90a PYENV_VERSION=3.12.1 python3.12 -m pip wheel \
 #     --no-deps -w build/gpu-wheel .     # then: carry build/gpu-wheel, WHEEL=build/gpu-wheel/*.whl
 #   bash tools/gpu_check.sh [pytest args...]
 set -uo pipefail
@@ -34,7 +34,7 @@ if [ -n "${WHEEL:-}" ]; then  # a wheel built beforehand (below), its Python rep
   cp -r jaxkv/* "$site/"
 elif [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: a second call on a warm machine
   echo "== build" | tee "$OUT/build.log"
-  JAXKV_CUDA=ON JAXKV_CUDA_ARCHITECTURES=90 python3 -m pip install --no-build-isolation --no-deps \
+  JAXKV_CUDA=ON JAXKV_CUDA_ARCHITECTURES=90a python3 -m pip install --no-build-isolation --no-deps \
     --no-index . >>"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 fi
 (cd /tmp && python3 -c "import jax, jaxkv._ffi as f; assert f.WITH_CUDA, 'built without CUDA'; \

@@ -358,7 +358,7 @@ template <int kStages_, int kMinBlocks_>
 struct TcDepth {
   static constexpr int kStages = kStages_, kMinBlocks = kMinBlocks_;
 };
-using TcShallow = TcDepth<2, 3>;
+using TcShallow = TcDepth<2, kDecodeResidentBlocks>;
 using TcDeep = TcDepth<3, 2>;
 // Threads that copy one token's K and V (kTcLanes 16-byte chunks a copy instruction), measured on
 // the H200 (docs/perf-notes.md item 17): 8 against 16, 4 and 2.
@@ -421,14 +421,15 @@ struct TcCopy {
     }
   }
   // This thread's K and V chunks of token jt (at byte offset `off` of the pools) into stage st.
-  template <class Ring>
+  // kL2: the bytes L2 fetches from DRAM around each copy's address (copy16).
+  template <class Ring, int kL2 = 0>
   __device__ void copy_token(unsigned char* smem, const KVView& kv, int st, int jt, int64_t off,
                              bool ok) const {
 #pragma unroll
     for (int y = 0; y < kChunks / kLanes; ++y) {
       const int c = c0 + y * kLanes;
-      copy_async(reinterpret_cast<uint4*>(Ring::chunk(smem, st, 0, jt, c)), kv.k + off + 16 * y * kLanes, ok);
-      copy_async(reinterpret_cast<uint4*>(Ring::chunk(smem, st, 1, jt, c)), kv.v + off + 16 * y * kLanes, ok);
+      copy_async<kL2>(reinterpret_cast<uint4*>(Ring::chunk(smem, st, 0, jt, c)), kv.k + off + 16 * y * kLanes, ok);
+      copy_async<kL2>(reinterpret_cast<uint4*>(Ring::chunk(smem, st, 1, jt, c)), kv.v + off + 16 * y * kLanes, ok);
     }
   }
 };
@@ -668,6 +669,12 @@ constexpr int kTc8Stages = 2;
 constexpr int kTc8MinBlocks = 4;
 // Threads that copy one token (item 17 there): 4 against 2 and 8.
 constexpr int kTc8Lanes = 4;
+// Each copy asks L2 for the 256 bytes around it: a lane's 64 of a token's 128 (D 128) or 64
+// (D 64) bytes, its neighbours' in the same fetch (an HND page's tokens, a linear row's, an NHD
+// token's heads, which their blocks read at about the same time). On the H100 -2.5% to -5%
+// against the default sector fetches, bit for bit the same output; 3 stages instead of 2 slower
+// there with and without it; on the 16-bit kernel no change (docs/perf-notes.md item 40).
+constexpr int kTc8L2 = 256;
 
 template <int kD, int kStages>
 struct TcRing8 {
@@ -727,7 +734,7 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
       const int st = i % kStages;
       cp.each_token(p.kv, i, [&](int jt, bool ok, int32_t page, int32_t slot) {
         const int64_t off = ok ? base + page * p.kv.page_stride + slot * p.kv.token_stride : 0;
-        cp.template copy_token<R>(smem, p.kv, st, jt, off, ok);
+        cp.template copy_token<R, kTc8L2>(smem, p.kv, st, jt, off, ok);
         if (cp.c0 == 0) R::live(smem, st)[jt] = ok;
         if (token_scales && cp.c0 < 2) {
           const int64_t so = ok ? sbase + page * p.scales.page_stride + slot * p.scales.token_stride : 0;

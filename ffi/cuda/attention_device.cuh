@@ -28,10 +28,15 @@ struct E5M2 {};
 struct S8 {};
 
 // cp.async of 16 bytes to a shared address; a dead word (live false) is filled with zeros.
+// kL2 256: L2 fetches the 256 bytes around the address from DRAM at once (0: its own sectors).
+template <int kL2 = 0>
 __device__ __forceinline__ void copy16(unsigned dst, const char* src, bool live) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(live ? 16 : 0));
+  static_assert(kL2 == 0 || kL2 == 256, "L2 prefetch size");
+  if constexpr (kL2 == 256)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(live ? 16 : 0));
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(live ? 16 : 0));
 }
-// The same for one word W at a generic pointer into shared memory.
 // 16 bytes into shared memory (shared address `dst`).
 __device__ __forceinline__ void store16(unsigned dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
@@ -47,11 +52,12 @@ __device__ __forceinline__ void negate16(unsigned a) {
   const uint4 w = load16(a);
   store16(a, w.x ^ 0x80008000u, w.y ^ 0x80008000u, w.z ^ 0x80008000u, w.w ^ 0x80008000u);
 }
-template <class W>
+// The same for one word W at a generic pointer into shared memory.
+template <int kL2 = 0, class W>
 __device__ __forceinline__ void copy_async(W* dst, const char* src, bool live) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   if constexpr (sizeof(W) == 16)
-    copy16(d, src, live);
+    copy16<kL2>(d, src, live);
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(src), "n"(sizeof(W)),
                  "r"(live ? static_cast<int>(sizeof(W)) : 0));

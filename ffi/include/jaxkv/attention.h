@@ -17,6 +17,11 @@
 
 namespace jaxkv {
 
+// Blocks a multiprocessor of the 16-bit tensor-core decode kernel at its shallow ring
+// (ffi/cuda/attention_decode.cu's TcShallow); jaxkv/attention.py's split rule reads it from the
+// extension (decode_resident_blocks).
+constexpr int kDecodeResidentBlocks = 3;
+
 struct AttentionProblem {
   KVView kv;
   const char* q;         // [batch, tokens, q_heads, head_dim], q dtype
