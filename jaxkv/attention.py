@@ -256,13 +256,11 @@ def _implementation(op: str, implementation, cache, q, k_scale, v_scale, src: _S
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
-    if implementation == "jaxkv":
+    if implementation == "jaxkv" or (implementation is None and _jaxkv_is_faster(op, src, q)):
         return "jaxkv"
     why = _cudnn.unusable(cache, q.dtype, k_scale is not None or v_scale is not None)
     if implementation == "cudnn" and why is not None:
         raise ValueError(f"{op}: implementation='cudnn' cannot serve this call: {why}")
-    if implementation is None and _jaxkv_is_faster(op, src, q):
-        return "jaxkv"
     return "jaxkv" if why else "cudnn"
 
 
