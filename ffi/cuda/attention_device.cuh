@@ -52,9 +52,10 @@ __device__ __forceinline__ void negate16(unsigned a) {
   const uint4 w = load16(a);
   store16(a, w.x ^ 0x80008000u, w.y ^ 0x80008000u, w.z ^ 0x80008000u, w.w ^ 0x80008000u);
 }
-// The same for one word W at a generic pointer into shared memory.
+// The same for one word W at a generic pointer into shared memory (kL2 for 16-byte words only).
 template <int kL2 = 0, class W>
 __device__ __forceinline__ void copy_async(W* dst, const char* src, bool live) {
+  static_assert(kL2 == 0 || sizeof(W) == 16, "an L2 fetch size is given for 16-byte copies only");
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   if constexpr (sizeof(W) == 16)
     copy16<kL2>(d, src, live);
