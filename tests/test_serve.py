@@ -161,6 +161,22 @@ def test_a_swapped_request_that_cannot_fit_beside_others_still_finishes():
     assert m["swaps_out"] > 0 and m["iterations"] < 100
 
 
+def test_warm_up_holds_one_cache_at_a_time(monkeypatch):
+    """A host-tier engine lowers its functions from a real cache; that cache is freed before the
+    warm-up makes its own (two at once put the 8B server out of memory on an 80 GB card)."""
+    kind = S.make_kind("paged-swap", CFG, "float32", PLANS["paged-swap"], host_pages=16)
+    eng = S.ServeEngine(CFG, PARAMS, kind, batch=4, max_seq_len=40, system_prompt=SYSTEM,
+                        prefill_rows=2, prefill_chunk=4, decode_steps=4, mixed_steps=2)
+    live = lambda: sum(x.nbytes for x in jax.live_arrays())  # noqa: E731
+    cache_bytes = sum(x.nbytes for x in jax.tree.leaves(kind.create(4, 40)))
+    before, seen = live(), []
+    start = S.ServeEngine._start
+    monkeypatch.setattr(S.ServeEngine, "_start",
+                        lambda self, fns: (seen.append(live() - before), start(self, fns))[1])
+    eng.compile()
+    assert len(seen) == 1 and seen[0] < cache_bytes // 4, (seen, cache_bytes)
+
+
 def test_end_token_stops_requests_on_the_device():
     longest = max(recomputed(), key=len)
     eos = longest[len(longest) // 2]  # a token the model does generate

@@ -400,6 +400,9 @@ class ServeEngine(loop.Engine):
             fns = {k: self.functions[k.rstrip("0123456789")].lower(*a).compile(
                        loop.COMPILER_OPTIONS)
                    for k, a in args.items()}
+            # A host-tier engine lowers from a real cache: freed before the warm-up makes its
+            # own, or the device holds two pools (at 8B on an 80 GB card: out of memory).
+            del args
             self._compiled = fns
             cache, tok, rem, saved = self._start(fns)
             b = self.batch
