@@ -197,7 +197,7 @@ def test_a_per_tensor_scale_saturates_values_far_past_it(kind, dtype):
     inf, which clips to QMAX (the GPU kernel divides there; a product by the reciprocal and its
     residual would give NaN). A NaN is stored as the format's NaN (int8: 0), as the reference
     stores it (the GPU's fp8 conversion takes it out of line). Only NaNs of positive sign: the
-    GPU's division makes every NaN positive where the CPU's keeps the sign."""
+    GPU's division returns a canonical (positive) NaN where the CPU's keeps the sign."""
     lengths = np.array([0, 2, 1, 0], np.int32)
     c = started(kind, dtype, lengths, "per_tensor", k_scale=0.25, v_scale=0.5)
     huge = np.array([3.0e38, -3.0e38, 2.5e38, -1.0e38, 1e30, 0.0, -1.0, 3.0, np.nan], np.float32)
