@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from jaxkv import __main__ as entry
+from jaxkv.demo import metrics
 from jaxkv.demo import model as M
+from jaxkv.demo import schedule
 from jaxkv.demo import serve as S
 from jaxkv.demo import serve_cli
 
@@ -230,13 +232,13 @@ def test_every_engine_lowers_at_the_8b_preset():
 def test_kernel_summary_takes_the_union_of_kernel_intervals():
     events = [("_ZN5jaxkv12append_kernelEv", 0, 10), ("loop_fusion", 5, 10),  # overlapping
               ("_ZN5jaxkv16attention_kernelEv", 30, 10), ("input_scatter_fusion", 50, 20)]
-    s = S.kernel_summary(events, wall=100e-9)
+    s = metrics.kernel_summary(events, wall=100e-9)
     assert s["gpu_busy_share"] == pytest.approx(0.45)  # [0, 15) + [30, 40) + [50, 70)
     assert s["cache_share"] == pytest.approx(30 / 50)
     assert s["attention_share"] == pytest.approx(10 / 50)
     # Idle between the first and last kernel: 15 ns and 10 ns gaps (both under 20 us).
     assert s["idle"]["short_gaps_ms"] == pytest.approx(25e-6) and s["idle"]["long_gaps_ms"] == 0
-    late = S.kernel_summary(events + [("gemm", 70 + 50_000, 10)], wall=1e-3)["idle"]
+    late = metrics.kernel_summary(events + [("gemm", 70 + 50_000, 10)], wall=1e-3)["idle"]
     assert late["long_gaps_ms"] == pytest.approx(0.05)
     assert late["longest"] == [("after input_scatter_fusion / before gemm", pytest.approx(0.05))]
 
@@ -418,9 +420,9 @@ def test_a_burst_waits_for_its_prefix_and_reuses_what_the_oracle_does(stream, mo
     system, requests = S.make_stream(stream, CFG.vocab_size)
     best = S.oracle_reuse(system, requests, 4)
     want = serve_cli.recompute(CFG, PARAMS, system, requests, len(requests), 40, None)
-    reuse, on = {}, S._DEFER_SCAN
+    reuse, on = {}, schedule._DEFER_SCAN
     for scan in (on, 0):  # 0: no request is looked past (first come first served)
-        monkeypatch.setattr(S, "_DEFER_SCAN", scan)
+        monkeypatch.setattr(schedule, "_DEFER_SCAN", scan)
         reqs = S.fresh(requests)
         m = prefix_engine(system, num_pages=128).run(reqs)
         assert [r.output for r in reqs] == want

@@ -11,6 +11,7 @@ import sys
 import jax
 import numpy as np
 
+from . import metrics
 from . import model as M
 from . import serve as S
 from .cli import cache_sharding, parse_mesh
@@ -293,7 +294,7 @@ def run_engine(name, args, cfg, params, system, requests, kv_gib, per_token, mea
     window = ((args.duration or 0) / 2, 4) if args.profile else None  # mid-run, 4 iterations
     m = engine.run(reqs, eos=args.eos, duration=args.duration, profile=window)
     allocated = (p.num_pages * args.page_size if p.num_pages else p.batch * args.max_seq_len)
-    summary = S.summarize(reqs, m, per_token, allocated * per_token, oracle)
+    summary = metrics.summarize(reqs, m, per_token, allocated * per_token, oracle)
     summary.update(engine=name, kv_gib=kv_gib, batch=p.batch, num_pages=p.num_pages)
     return summary, [r.output for r in reqs]
 

@@ -1,0 +1,126 @@
+"""What ``python -m jaxkv serve`` reports of a run: the summary of one engine's requests and
+counters, and the GPU's busy time and kernel shares from a profiler trace."""
+
+from __future__ import annotations
+
+import collections
+import glob
+
+import jax
+import numpy as np
+
+from .stream import ServeRequest
+
+
+def percentile(values, q) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def summarize(requests: list[ServeRequest], m: dict, per_token: int, allocated: int,
+              oracle: dict | None = None) -> dict:
+    """The report of one engine's run (times in seconds, memory in bytes). ``oracle``: request id
+    -> the tokens an unbounded prefix cache could give it (``oracle_reuse``)."""
+    started = [r for r in requests if r.started]
+    best = sum(oracle[r.id] for r in started) if oracle else 0
+    wall = m["wall"]
+    out_tokens = sum(len(r.output) for r in requests)  # also of requests cut by a duration
+    done = [r for r in requests if r.finish_time is not None]
+    ttft = [r.first_time - r.arrival for r in requests if r.first_time is not None]
+    tpot = [(r.finish_time - r.first_time) / (len(r.output) - 1)
+            for r in done if len(r.output) > 1]
+    usage = m["usage"]
+    return dict(
+        requests=len(done), output_tokens=out_tokens, wall_s=wall,
+        tokens_per_s=out_tokens / wall, requests_per_s=len(done) / wall,
+        # Until the drain, where only the longest requests are left (its length is set by the
+        # stream's longest outputs, whatever the engine): the loaded phase.
+        loaded_tokens_per_s=(m["drained_tokens"] / m["drained_at"]
+                             if m.get("drained_at") else None),
+        loaded_s=m.get("drained_at"),
+        ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+        tpot_p50_s=percentile(tpot, 50), tpot_p99_s=percentile(tpot, 99),
+        peak_concurrent=m["peak_live"], peak_decoding=m["peak_decoding"],
+        kv_allocated_bytes=allocated,
+        kv_reserved_mean_bytes=float(np.mean(usage[:, 2])) * per_token if len(usage) else 0.0,
+        kv_live_mean_bytes=float(np.mean(usage[:, 1])) * per_token if len(usage) else 0.0,
+        kv_reserved_peak_bytes=int(np.max(usage[:, 2], initial=0)) * per_token,
+        iterations=m["iterations"], decode_calls=m["decode_calls"],
+        prefill_calls=m["prefill_calls"], evict_calls=m["evict_calls"],
+        decode_steps=m["decode_steps"], preemptions=m["preemptions"],
+        swaps_out=m["swaps_out"], swaps_in=m["swaps_in"],
+        spilled_pages=m["spilled_pages"],
+        swap_bytes=(m["swap_pages_out"] + m["swap_pages_in"] + m["spilled_pages"]) * per_token
+        * m["page_size"],
+        host_s=m["busy_host"], compile_s=m["compile_s"], profile=m["profile"],
+        prefill_requested=m["prefill_requested"], prefill_computed=m["prefill_computed"],
+        prefill_matched=m["prefill_matched"], oracle_reuse=best,
+        miscounted_pages=m.get("miscounted_pages"),
+        reuse_of_oracle=(sum(r.matched for r in started) / best) if best else None,
+    )
+
+
+def classify(name: str) -> str:
+    """A GPU kernel's share: "attention", "cache" (writes, moves, page and slot bookkeeping) or
+    "other" (the model's matmuls and fusions). jaxkv's kernels are recognised by their mangled
+    names; XLA's cache ops by the scatter / dynamic-update-slice / gather in their fusion's name
+    (a heuristic: XLA's attention is fused with the model's other ops and counts as "other")."""
+    low = name.lower()
+    if "jaxkv" in low:
+        return "attention" if ("attention" in low or "prefill_tc" in low or "combine" in low) \
+            else "cache"
+    if any(w in low for w in ("scatter", "dynamic_update_slice", "dynamic-update-slice",
+                              "gather")):
+        return "cache"
+    return "other"
+
+
+def profile_summary(trace_dir: str, window) -> dict | None:
+    """GPU busy time (the union of kernel intervals) over the window's wall time, and the share of
+    kernel time by ``classify``; None on a machine without GPU planes in the trace (the CPU)."""
+    paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not paths:
+        return None
+    try:
+        data = jax.profiler.ProfileData.from_file(paths[0])
+    except Exception as e:  # a profiler without the reader: say so, keep the run's results
+        print(f"profile: cannot read {paths[0]}: {e}")
+        return None
+    events = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        lines = [ln for ln in plane.lines if ln.name.startswith("Stream")] or [
+            ln for ln in plane.lines if "XLA" not in ln.name]
+        events += [(e.name, e.start_ns, e.duration_ns) for line in lines for e in line.events]
+    return kernel_summary(events, window[1] - window[0]) if events else None
+
+
+def kernel_summary(events, wall: float) -> dict:
+    """``events``: (kernel name, start ns, duration ns). GPU busy = the union of the intervals
+    (kernels of several streams may overlap), shares of the summed kernel time by ``classify``.
+    ``idle``: the GPU's idle time between its first and last kernel, split into gaps under 20 us
+    (launch latency within a call) and longer ones, the longest named by the kernels around them
+    (where the host made the GPU wait)."""
+    by_kind, by_name = collections.Counter(), collections.Counter()
+    short, long_gaps = 0, collections.Counter()
+    busy, end, last = 0, -1, None
+    for name, start, duration in sorted(events, key=lambda e: e[1]):
+        by_kind[classify(name)] += duration
+        by_name[name] += duration
+        if last is not None and start > end:
+            if start - end < 20_000:
+                short += start - end
+            else:
+                long_gaps[(last[:60], name[:60])] += start - end
+        if start + duration > end:
+            busy += start + duration - max(start, end)
+            end, last = start + duration, name
+    kernels = sum(by_kind.values()) or 1
+    ms = 1e-6
+    return dict(window_s=wall, gpu_busy_s=busy * 1e-9, gpu_busy_share=busy * 1e-9 / wall,
+                kernels=len(events),
+                **{f"{k}_share": by_kind[k] / kernels for k in ("cache", "attention", "other")},
+                top=[(name[:120], t / kernels) for name, t in by_name.most_common(10)],
+                idle=dict(short_gaps_ms=short * ms, long_gaps_ms=sum(long_gaps.values()) * ms,
+                          longest=[(f"after {a} / before {b}", t * ms)
+                                   for (a, b), t in long_gaps.most_common(6)]))

@@ -1,0 +1,443 @@
+"""The host's side of ``python -m jaxkv serve``'s loop: the queue of requests, the rows they
+hold, admission (paged: by the pages the pool has), the prefill chunks, reading the device's
+results, preemption and the swaps of a host tier. ``serve.ServeEngine`` runs it against the
+device; it reads the engine's sizes and flags, never its compiled functions."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import loop
+from .stream import ServeRequest
+
+
+class FreeSlots:
+    """The schedule of slots that never move (fixed slots): ``loop.Slots``' interface, a new
+    request takes the lowest free slot and a finished one frees its own."""
+
+    def __init__(self, max_batch: int):
+        self.max_batch = max_batch
+        self.slots: list[ServeRequest | None] = [None] * max_batch
+
+    def __len__(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    def rows(self):
+        return [(i, r) for i, r in enumerate(self.slots) if r is not None]
+
+    def admit(self, pending: list) -> list:
+        admitted = []
+        for i in range(self.max_batch):
+            if not pending:
+                break
+            if self.slots[i] is None:
+                self.slots[i] = pending.pop()
+                admitted.append((i, self.slots[i]))
+        return admitted
+
+    def evict(self, done: Callable) -> tuple[np.ndarray, list]:
+        mapping = np.arange(self.max_batch, dtype=np.int32)
+        finished = []
+        for i, r in enumerate(self.slots):
+            if r is None:
+                mapping[i] = -1
+            elif done(r):
+                finished.append(r)
+                self.slots[i], mapping[i] = None, -1
+        return mapping, finished
+
+
+@dataclasses.dataclass
+class Chunk:
+    """One prefill call: ``width`` rows (lanes), each up to ``prefill_chunk`` prompt tokens."""
+
+    lanes: list  # (row, request) of the lanes in use
+    new: np.ndarray  # bool [B]: rows admitted now (they start from the system prompt)
+    rows: np.ndarray  # int32 [width]: the lanes' rows; B for an unused lane
+    tokens: np.ndarray  # int32 [width, chunk]
+    n: np.ndarray  # int32 [width]: tokens of each lane
+    last: np.ndarray  # bool [width]: the chunk ends the lane's prompt
+    budget: np.ndarray  # int32 [width]: tokens the request may still generate
+    # Prefix cache: each lane's whole sequence [width, max_seq_len] and its length; the device
+    # picks the chunk from the row's length (``new``: bool [width], the row's first lane).
+    seq: np.ndarray | None = None
+    total: np.ndarray | None = None
+
+    @property
+    def width(self) -> int:
+        return len(self.rows)
+
+    def arrays(self):
+        if self.seq is not None:
+            return tuple(jnp.asarray(x) for x in (self.new, self.rows, self.seq, self.total,
+                                                  self.budget))
+        return tuple(jnp.asarray(x) for x in (self.new, self.rows, self.tokens, self.n,
+                                              self.last, self.budget))
+
+
+# Waiting requests a prefix-caching engine looks past for one whose prefix is not being
+# prefilled (bounds the host's work per admission).
+_DEFER_SCAN = 64
+
+
+class Schedule:
+    """The host's side of a run: the queue, the rows (``loop.Slots``, or ``FreeSlots`` for a kind
+    that does not compact), admission, the prefill chunks, reading results, preemption."""
+
+    def __init__(self, engine, requests: list[ServeRequest], num_pages: int):
+        # engine: the serve.ServeEngine it schedules for (not imported: serve imports this)
+        self.engine, self.requests = engine, requests
+        kind, b = engine.kind, engine.batch
+        self.page_size = getattr(kind, "page_size", None) if num_pages else None
+        self.num_pages = self.free_pages = num_pages
+        self.syslen = len(engine.system_prompt)
+        self.future = collections.deque(sorted(requests, key=lambda r: r.arrival))
+        self.waiting: collections.deque[ServeRequest] = collections.deque()
+        shards = getattr(kind, "batch_shards", 1)
+        self.slots = loop.Slots(b, shards) if getattr(kind, "compacts", True) else FreeSlots(b)
+        self.leaving: set[int] = set()
+        self.hold = False  # after a preemption, no admission until a request finishes
+        self.to_host: list[ServeRequest] = []  # preempted, to swap out in the next iteration
+        self.to_device: list[ServeRequest] = []  # swapped, to bring back in the next iteration
+        self.short = False  # a row got no page in the last iteration
+        self.order = self.done = 0
+        self.live: list = []
+        # [live rows, live tokens, reserved tokens, never-cached free pages] after each decode
+        self.usage: list = []
+        self.uncached = num_pages  # never-cached free pages (a prefix cache), as last read
+        self.sys_indexed = False  # prefix cache: a row has indexed the system prompt's full pages
+        self.prefilling = 0  # rows still prefilling after the current chunk
+        self.m = dict(iterations=0, prefill_calls=0, decode_calls=0, evict_calls=0,
+                      decode_steps=0, preemptions=0, peak_live=0, peak_decoding=0, busy_host=0.0,
+                      prefill_requested=0, prefill_computed=0, prefill_matched=0,
+                      swaps_out=0, swaps_in=0, swap_pages_out=0, swap_pages_in=0, deferred=0,
+                      spilled=[])
+
+    def arrive(self, t: float) -> None:
+        while self.future and self.future[0].arrival <= t:
+            self.waiting.append(self.future.popleft())
+
+    def wait(self, t: float) -> None:
+        if self.future:
+            time.sleep(max(0.0, self.future[0].arrival - t))
+
+    def leave(self, everyone: bool = False):
+        """The ``batch_mapping`` that evicts the finished and preempted rows, or None."""
+        if everyone:
+            self.leaving |= {id(r) for _, r in self.slots.rows()}
+        if not self.leaving:
+            return None
+        mapping, _ = self.slots.evict(lambda r: id(r) in self.leaving)
+        self.leaving.clear()
+        self.m["evict_calls"] += 1
+        return jnp.asarray(mapping)
+
+    def pages_in_use(self, reserved_tokens) -> None:
+        if self.page_size:
+            self.free_pages = self.num_pages - int(reserved_tokens) // self.page_size
+
+    def reserve_ahead(self, steps: int) -> None:
+        """A decode call of ``steps`` is running and not read yet: admission counts the most
+        pages it may take (every decoding row crossing ``ceil(steps / page_size)`` pages)."""
+        if self.page_size:
+            rows = sum(r.phase == "decode" for _, r in self.live)
+            self.free_pages -= rows * _pages(steps, self.page_size)
+
+    def admit(self) -> list:
+        """Moves waiting requests into free rows, first come first served; paged: while the pool
+        has pages for their prompts (beyond what the rows still prefilling will take, and a 1%
+        watermark). A request preempted before is prefilled with the tokens it had made."""
+        chosen, size = [], self.page_size
+        if size:
+            pending = sum(_pages(self.syslen + len(r.ext), size)
+                          - _pages(self.syslen + r.offset, size)
+                          for _, r in self.slots.rows() if r.phase == "prefill")
+            room = self.free_pages - pending - max(1, self.num_pages // 100)
+            room -= self._swap_ins(room)
+            if any(r.phase == "swapped" and r not in self.to_device for _, r in self.slots.rows()):
+                self.live = self.slots.rows()  # the swapped come back before anyone new
+                return self.slots.admit([])
+        free_rows = self.engine.batch - len(self.slots)
+        prefilling = [r for _, r in self.slots.rows() if r.phase == "prefill"]
+        i = 0
+        while (i < len(self.waiting) and len(chosen) < free_rows
+               and not (self.hold and len(self.slots))):
+            r = self.waiting[i]
+            ext = np.concatenate([r.prompt, np.asarray(r.output, np.int32)])
+            if self.engine.prefix and i < _DEFER_SCAN and self._waits_for(ext, prefilling + chosen):
+                i += 1  # its prefix is still being prefilled by another row: later, it finds it
+                self.m["deferred"] += 1
+                continue
+            if size:
+                need = _pages(self.syslen + len(ext) + 1, size) - self.syslen // size
+                if need > room and (chosen or len(self.slots)):
+                    break
+                room -= need
+            r.ext, r.offset, r.phase, r.order = ext, 0, "prefill", self.order
+            r.started = False
+            self.order += 1
+            chosen.append(r)
+            del self.waiting[i]
+        admitted = self.slots.admit(list(reversed(chosen)))
+        self.live = self.slots.rows()
+        self.m["peak_live"] = max(self.m["peak_live"], len(self.live))
+        return admitted
+
+    def _waits_for(self, ext: np.ndarray, prefilling: list) -> bool:
+        """Whether a waiting request (its prompt and output ``ext``) shares full pages with a
+        row still prefilling that has not yet made them findable (the index gets a row's pages
+        chunk by chunk): admitted now, it would compute them again. Under load, turns of one
+        conversation and requests of one long prompt arrive while the first of them is still
+        prefilling: a burst then reuses the oracle's best (tests/test_serve.py). (On an H100 at
+        16 chat conversations/s reuse stayed near 72% of the unbounded oracle's, which counts
+        pages the pool has evicted: docs/serving.md.) The system prompt's pages, shared by every
+        request, only until a first row has indexed them (at the start)."""
+        size = self.page_size
+        if not size or not prefilling:
+            return False
+        sys_pages = self.syslen // size
+        total = self.syslen + len(ext)
+        if not self.sys_indexed and min(sys_pages, (total - 1) // size) > 0:
+            return True  # the system prompt's pages: the first row to prefill them indexes them
+        if total <= (sys_pages + 1) * size:
+            return False  # no full page past the system prompt's to share
+        head = slice(0, (sys_pages + 1) * size - self.syslen)  # ext's part of that first page
+        for other in prefilling:
+            if len(other.ext) < head.stop or not np.array_equal(other.ext[head], ext[head]):
+                continue
+            m = min(len(ext), len(other.ext))
+            differ = np.flatnonzero(other.ext[:m] != ext[:m])
+            shared = self.syslen + (int(differ[0]) if differ.size else m)
+            usable = min(shared, self.syslen + len(ext) - 1) // size * size  # match leaves one
+            if usable > self.syslen + other.offset:  # the other row has not indexed them yet
+                return True
+        return False
+
+    def spill_wanted(self) -> int:
+        """Pages to spill to the host now (a prefix-caching engine with a host tier): what the
+        next iteration may take beyond the never-cached free pages, so that reserve evicts no
+        cached page the host has room for."""
+        e, size = self.engine, self.page_size
+        decoding = sum(r.phase == "decode" for _, r in self.slots.rows())
+        ahead = (e.prefill_rows * _pages(e.prefill_chunk, size) + 1
+                 + decoding * _pages(max(e.decode_steps, 1), size))
+        want = ahead - self.uncached
+        if want <= 0:
+            return 0
+        self.uncached += want  # until the next read: do not spill the same pages twice
+        return want
+
+    def _swap_ins(self, room: int) -> int:
+        """Plans bringing swapped requests back, oldest first, while their pages fit in
+        ``room`` and no preemption is pending; returns the pages they take. With no row running,
+        the oldest comes back whatever the estimate says (the device decides), so that the
+        schedule always moves."""
+        active = self._active()
+        if self.hold and active:
+            return 0
+        swapped = sorted((r for _, r in self.slots.rows()
+                          if r.phase == "swapped" and r not in self.to_host), key=lambda r: r.order)
+        taken = 0
+        for r in swapped:
+            need = self._pages_held(r)
+            if taken + need > room and (active or taken):
+                break
+            taken += need
+            self.to_device.append(r)
+        return taken
+
+    def _active(self) -> int:
+        return sum(r.phase in ("prefill", "decode") for _, r in self.slots.rows())
+
+    def _pages_held(self, r: ServeRequest) -> int:
+        """The most pages of its own request ``r``'s row can hold (the system prompt's full
+        pages are shared with the prompt row: a swap leaves them on the device): its tokens in
+        the cache, and what the calls in flight may have added."""
+        e = self.engine
+        tokens = self.syslen + (len(r.prompt) + len(r.output) + max(e.decode_steps, 1)
+                                if "decode" in (r.phase, r.resume) else r.offset + e.prefill_chunk)
+        return max(1, _pages(tokens + 1, self.page_size) - self.syslen // self.page_size)
+
+    def swaps(self) -> list:
+        """(direction, row, request) of the swaps to dispatch now, outs first."""
+        rows = {id(r): row for row, r in self.slots.rows()}
+        plan = [(d, rows[id(r)], r)
+                for d, queue in (("swap_out", self.to_host), ("swap_in", self.to_device))
+                for r in queue if id(r) in rows and r.phase == "swapped"]
+        self.to_host, self.to_device = [], []
+        return plan
+
+    def swapped(self, direction: str, r: ServeRequest, moved: bool, pages: int) -> None:
+        """A swap's outcome. A request whose pages found no room on the host is preempted by
+        recomputation instead; one that found no room on the device stays on the host, unless no
+        row is running: then it could only wait for itself, and is recomputed instead."""
+        if not moved and (direction == "swap_out" or not self._active()):
+            self._requeue(r)
+        elif moved:
+            kind = "out" if direction == "swap_out" else "in"
+            self.m[f"swaps_{kind}"] += 1
+            self.m[f"swap_pages_{kind}"] += pages
+            if kind == "in":
+                r.phase, r.resume = r.resume, ""
+
+    def note_drain(self, t: float) -> None:
+        """The drain begins when the queue is empty and fewer than half the peak rows are left."""
+        if (self.m.get("drained_at") is None and not (self.future or self.waiting)
+                and 2 * len(self.live) < self.m["peak_live"]):
+            self.m["drained_at"] = t
+            self.m["drained_tokens"] = sum(len(r.output) for r in self.requests)
+
+    def prefill_chunk(self, admitted) -> Chunk | None:
+        """The next chunk of the oldest rows still prefilling, on the fewest lanes that hold
+        them; None when there is nothing to admit or prefill."""
+        e = self.engine
+        waiting = sorted(((r.order, row, r) for row, r in self.live if r.phase == "prefill"),
+                         key=lambda x: x[0])
+        lanes = [(row, r) for _, row, r in waiting[: e.prefill_rows]]
+        self.prefilling = len(waiting)
+        if not (admitted or lanes):
+            return None
+        width = min(w for w in e.lane_sizes if w >= len(lanes))
+        new = np.zeros((e.batch,), bool)
+        new[[row for row, _ in admitted]] = True
+        c = Chunk(lanes, new, np.full((width,), e.batch, np.int32),
+                  np.zeros((width, e.prefill_chunk), np.int32), np.zeros((width,), np.int32),
+                  np.zeros((width,), bool), np.ones((width,), np.int32))
+        if e.prefix:
+            c.new = np.zeros((width,), bool)
+            c.seq = np.zeros((width, e.max_seq_len), np.int32)
+            c.total = np.zeros((width,), np.int32)
+        for i, (row, r) in enumerate(lanes):
+            part = r.ext[r.offset:r.offset + e.prefill_chunk]
+            c.rows[i], c.n[i], c.tokens[i, :len(part)] = row, len(part), part
+            c.last[i] = r.offset + len(part) == len(r.ext)
+            c.budget[i] = r.max_new_tokens - len(r.output)
+            if e.prefix:
+                whole = np.concatenate([e.system_prompt, r.ext])
+                c.seq[i, :len(whole)], c.total[i], c.new[i] = whole, len(whole), not r.started
+            if not r.started:
+                self.m["prefill_requested"] += self.syslen + len(r.ext)
+                r.started = True
+        self.prefilling -= int(c.last.sum())  # prefix cache: at least (a match only helps)
+        return c
+
+    def take(self, call, prefill, now: Callable[[], float]) -> None:
+        """A decode call's results (and the prefill's before it), read in one transfer: tokens,
+        finished and stalled rows, pages in use; timed by ``now()`` once they are here."""
+        (out, stalled, usage, done), live, _ = call
+        got = jax.device_get((out, stalled, usage, done) + (prefill[1:] if prefill else ()))
+        host = time.perf_counter()
+        if prefill is not None:
+            (self.prefilled_prefix if self.engine.prefix else self.prefilled)(prefill[0],
+                                                                              *got[4:])
+        out, stalled, usage, done = got[:4]
+        self.decoded(live, out, done, stalled, now())
+        self.pages_in_use(usage[2])
+        self.uncached = int(usage[3])
+        self.usage.append(usage)
+        self.preempt_if_short()
+        self.m["busy_host"] += time.perf_counter() - host
+
+    def prefilled(self, c: Chunk, first: np.ndarray, ok: np.ndarray) -> None:
+        for i, (row, r) in enumerate(c.lanes):
+            if _doing(r) != "prefill":  # preempted (recomputed) since the chunk was dispatched
+                continue
+            if not ok[i]:  # no pages for the chunk
+                self.short = True
+                continue
+            self.m["prefill_computed"] += int(c.n[i])
+            r.offset += int(c.n[i])
+            if c.last[i]:
+                r.output.append(int(first[i]))
+                _set_doing(r, "decode")
+
+    def prefilled_prefix(self, c: Chunk, first, ok, n, last, matched) -> None:
+        """A prefix-cache chunk's results: tokens run and matched per lane, as the device chose."""
+        for i, (row, r) in enumerate(c.lanes):
+            if r.phase != "prefill":
+                continue
+            if c.new[i]:
+                if not r.preemptions:  # its first admission: what the oracle is measured on
+                    r.matched = int(matched[i])
+                self.m["prefill_matched"] += int(matched[i])
+                r.offset = int(matched[i]) - self.syslen
+            self.m["prefill_computed"] += int(n[i])
+            if not ok[i]:
+                self.short = True
+                continue
+            r.offset += int(n[i])
+            # (its pages are indexed after each chunk; the system prompt's are shared by all)
+            size = self.page_size
+            self.sys_indexed |= self.syslen + r.offset >= self.syslen // size * size
+            if last[i]:
+                r.output.append(int(first[i]))
+                r.phase = "decode"
+
+    def decoded(self, live: list, out: np.ndarray, done: np.ndarray, stalled: np.ndarray,
+                t: float) -> None:
+        """A decode call's results: ``live`` the (row, request) pairs when it was dispatched,
+        ``out`` [steps, B] tokens (-1: none), ``done`` [B] rows with nothing left to make."""
+        decoding = 0
+        made = out.T.tolist()
+        for row, r in live:
+            if _doing(r) != "decode":  # still prefilling, or preempted (recomputed) since
+                continue
+            decoding += 1
+            r.output.extend(x for x in made[row] if x >= 0)
+            if r.first_time is None:
+                r.first_time = t
+            self.short |= bool(stalled[row])
+            if done[row]:
+                if r in self.to_host:  # finished in the call that ran out of pages
+                    self.to_host.remove(r)
+                r.phase, r.finish_time = "done", t
+                self.leaving.add(id(r))
+                self.done += 1
+                self.hold = False
+        self.m["decode_steps"] += int(np.max(np.sum(out >= 0, axis=0), initial=0))
+        self.m["peak_decoding"] = max(self.m["peak_decoding"], decoding)
+
+    def preempt_if_short(self) -> None:
+        """Out of pages: the youngest request is preempted: its pages go to the host (a
+        swapping engine), or it leaves, back to the front of the queue, to be recomputed."""
+        short, self.short = self.short, False
+        victims = [r for _, r in self.live
+                   if r.phase in ("prefill", "decode") and id(r) not in self.leaving]
+        if short and victims:
+            v = max(victims, key=lambda r: r.order)
+            v.preemptions += 1
+            self.m["preemptions"] += 1
+            self.hold = True
+            if self.engine.swap:
+                v.phase, v.resume = "swapped", v.phase
+                self.to_host.append(v)
+            else:
+                self._requeue(v)
+
+    def _requeue(self, r: ServeRequest) -> None:
+        r.phase, r.resume = "waiting", ""
+        self.leaving.add(id(r))
+        self.waiting.appendleft(r)
+
+
+def _doing(r: ServeRequest) -> str:
+    """What a request's row does on the device: a swapped one finishes its calls in flight."""
+    return r.resume if r.phase == "swapped" else r.phase
+
+
+def _set_doing(r: ServeRequest, phase: str) -> None:
+    if r.phase == "swapped":
+        r.resume = phase
+    else:
+        r.phase = phase
+
+
+def _pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
