@@ -628,14 +628,16 @@ def _kv_bytes(lengths, H, D, dtype=None, scaling="per_token_head") -> int:
     return int(np.sum(lengths)) * 2 * H * (D * elem + scale)
 
 
-def _paged_pools(L, B, pages_per_seq, page, H, D, lengths, layout, seed):
-    """A PagedKVCache of random pools whose rows own shuffled pages, built without the allocator
-    (numpy page table: cheap at any size, and traceable with abstract pools)."""
+def _paged_pools(L, B, pages_per_seq, page, H, D, lengths, layout, seed, elem=None):
+    """A PagedKVCache of random pools (``elem``: their dtype, bf16 by default) whose rows own
+    shuffled pages, built without the allocator (numpy page table: cheap at any size, and
+    traceable with abstract pools)."""
     num_pages = B * pages_per_seq
     shape = (L, H, num_pages, page, D) if layout == "HND" else (L, num_pages, page, H, D)
     table = np.random.default_rng(seed).permutation(num_pages).reshape(B, pages_per_seq)
+    elem = BF16 if elem is None else elem
     return jaxkv.PagedKVCache(
-        k_pages=rand(shape, BF16, seed), v_pages=rand(shape, BF16, seed + 1),
+        k_pages=rand(shape, elem, seed), v_pages=rand(shape, elem, seed + 1),
         page_table=i32(table), lengths=i32(lengths), ref_counts=i32(np.ones(num_pages)),
         new_tokens=i32(np.zeros(B)), layout=layout)
 
@@ -679,15 +681,22 @@ def _quantize_jit(x, dtype, scale):
     return reference.quantize(x, dtype, scale)
 
 
+def _half(dtype) -> bool:
+    """A 16-bit cache other than the default bf16 (float16): no scales, no quantization."""
+    return dtype is not None and np.dtype(dtype).itemsize == 2
+
+
 def _cache_label(dtype, scaling="per_token_head") -> str:
-    """The case-name suffix of an 8-bit cache ("" for bf16)."""
-    return "" if dtype is None else f" {np.dtype(dtype).name} {scaling}"
+    """The case-name suffix of a cache that is not bf16 ("" for bf16; float16 without scaling)."""
+    if dtype is None:
+        return ""
+    return f" {np.dtype(dtype).name}" + ("" if _half(dtype) else f" {scaling}")
 
 
 def _scale_bytes(dtype, scaling="per_token_head") -> tuple[int, int]:
     """(bytes of a K/V element, bytes of scales per token and head) of a cache dtype."""
-    if dtype is None:
-        return BF16.itemsize, 0
+    if dtype is None or _half(dtype):
+        return 2, 0
     return 1, 4 if scaling == "per_token_head" else 0
 
 
@@ -713,27 +722,29 @@ def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None, dty
     """One decode step of attention per op over a paged pool of 2 layers (layer i % 2), every
     row N tokens. The output is the next op's query, so nothing is loop-invariant. ``dtype``: an
     8-bit cache in place of bf16, scaled per token and head or (``scaling="per_tensor"``, the
-    one FlashInfer's fp8 decode can read, so the one with its peer) per layer."""
+    one FlashInfer's fp8 decode can read, so the one with its peer) per layer; float16: the
+    cache and the queries in float16, cuDNN's kernel beside jaxkv's as for bf16."""
     pages_per_seq = -(-N // page)
     num_pages = B * pages_per_seq
     lengths = np.full(B, N)
+    values, eight_bit = (dtype, None) if _half(dtype) else (BF16, dtype)  # values' dtype
 
     def build():
-        cache = quantized(_paged_pools(2, B, pages_per_seq, page, H, D, lengths, layout, 110),
-                          dtype, scaling)
-        q = rand((B, Hq, D), BF16, 112)
+        cache = quantized(_paged_pools(2, B, pages_per_seq, page, H, D, lengths, layout, 110,
+                                       values), eight_bit, scaling)
+        q = rand((B, Hq, D), values, 112)
 
         def kernel(i, q, c):
             return jaxkv.attention.decode(q, c, i % 2)
 
         def gather_dense(i, q, c):
-            k, v = c.gather(i % 2, N, split=True, dtype=None if dtype is None else BF16)
+            k, v = c.gather(i % 2, N, split=True, dtype=None if eight_bit is None else BF16)
             return _dense_attention(q[:, None], k, v, c.lengths - 1)[:, 0]
 
         def attend(i, q, c, implementation):
             return jaxkv.attention.decode(q, c, i % 2, implementation=implementation)
 
-        other = _beside_default("attention.decode", cache, q, attend) if dtype is None else {}
+        other = _beside_default("attention.decode", cache, q, attend) if eight_bit is None else {}
         return q, cache, kernel, {"gather+dense": gather_dense, **other}
 
     elem, scale = _scale_bytes(dtype, scaling)
@@ -752,15 +763,17 @@ def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None, dty
 
 def attention_decode_linear(B, S, Hq, H, D, ragged, iters, target=None, dtype=None) -> Case:
     """Decode attention on one layer of a 2-layer LinearKVCache, read in place; ragged: lengths
-    uniform in [1, S] (mean S/2), so time should follow the live bytes. ``dtype``: 8-bit."""
+    uniform in [1, S] (mean S/2), so time should follow the live bytes. ``dtype``: 8-bit, or
+    float16 (cache and queries)."""
     rng = np.random.default_rng(13)
     lengths = rng.integers(1, S + 1, B) if ragged else np.full(B, S)
+    values, eight_bit = (dtype, None) if _half(dtype) else (BF16, dtype)  # values' dtype
 
     def build():
-        cache = jaxkv.LinearKVCache(buffer=rand((2, B, 2, H, S, D), BF16, 120), lengths=i32(lengths),
-                                    active_batch_size=jnp.asarray(B, jnp.int32))
-        cache = quantized(cache, dtype)
-        q = rand((B, Hq, D), BF16, 121)
+        cache = jaxkv.LinearKVCache(buffer=rand((2, B, 2, H, S, D), values, 120),
+                                    lengths=i32(lengths), active_batch_size=jnp.asarray(B, jnp.int32))
+        cache = quantized(cache, eight_bit)
+        q = rand((B, Hq, D), values, 121)
 
         def kernel(i, q, c):
             return jaxkv.attention.decode(q, c, i % 2)
@@ -768,7 +781,7 @@ def attention_decode_linear(B, S, Hq, H, D, ragged, iters, target=None, dtype=No
         def dense(i, q, c):
             layer = lax.dynamic_index_in_dim(c.buffer, i % 2, 0, keepdims=False)
             k, v = layer[:, 0], layer[:, 1]
-            if dtype is not None:  # dequantized by XLA, fused into the attention's reads
+            if eight_bit is not None:  # dequantized by XLA, fused into the attention's reads
                 ks = lax.dynamic_index_in_dim(c.k_scales, i % 2, 0, keepdims=False)
                 vs = lax.dynamic_index_in_dim(c.v_scales, i % 2, 0, keepdims=False)
                 k = (k.astype(jnp.float32) * ks[..., None]).astype(BF16)
@@ -784,6 +797,33 @@ def attention_decode_linear(B, S, Hq, H, D, ragged, iters, target=None, dtype=No
                 _kv_bytes(lengths, H, D, dtype) + 2 * B * Hq * D * BF16.itemsize,
                 2 * B * 2 * H * S * (D * elem + scale), iters, target=target,
                 requires=("attention",), series=f"linear{label}",
+                note="min bytes: the live tokens only (not the capacity)")
+
+
+def attention_decode_manager(B, S, Hq, H, D, iters, target=None) -> Case:
+    """Decode attention on layer 0 of a 2-layer KVCacheManager (a buffer per layer), every row S
+    tokens, read in place (the manager's layer index is static: the loop reads one layer)."""
+    lengths = np.full(B, S)
+
+    def build():
+        layers = tuple(rand((B, 2, H, S, D), BF16, 150 + j) for j in range(2))
+        cache = jaxkv.KVCacheManager(layers=layers, lengths=i32(lengths),
+                                     active_batch_size=jnp.asarray(B, jnp.int32))
+        q = rand((B, Hq, D), BF16, 152)
+
+        def kernel(i, q, c):
+            return jaxkv.attention.decode(q, c, 0)
+
+        def dense(i, q, c):
+            k, v = c.layers[0][:, 0], c.layers[0][:, 1]
+            return _dense_attention(q[:, None], k, v, c.lengths - 1)[:, 0]
+
+        return q, cache, kernel, {"dense": dense}
+
+    return Case("attention_decode", f"manager B{B} S{S} full {Hq}/{H} heads D{D}", build,
+                _kv_bytes(lengths, H, D) + 2 * B * Hq * D * BF16.itemsize,
+                2 * B * 2 * H * S * D * BF16.itemsize, iters, target=target,
+                requires=("attention", "KVCacheManager"), series="manager",
                 note="min bytes: the live tokens only (not the capacity)")
 
 
@@ -910,6 +950,8 @@ def cases(size: str) -> list[Case]:
             paged_compact(8, 128, 2, 64, 16, 10, T_PAGED_COMPACT),
             attention_decode_paged(4, 128, 8, 2, 64, 16, "HND", 3, T_ATTN_DECODE),
             attention_decode_linear(4, 128, 8, 2, 64, True, 3, T_ATTN_LIVE),
+            attention_decode_manager(4, 128, 8, 2, 64, 3, T_ATTN_DECODE),
+            attention_decode_paged(4, 128, 8, 2, 64, 16, "NHD", 3, dtype=jnp.float16),
             attention_decode_paged(4, 128, 8, 2, 64, 16, "NHD", 3, t_attn_8bit(
                 attention_decode_paged(4, 128, 8, 2, 64, 16, "NHD", 3)),
                                    dtype=jnp.float8_e4m3fn),
@@ -972,8 +1014,13 @@ def gpu_cases() -> list[Case]:
         paged_compact(64, 4096, 8, 128, 16, 100, T_PAGED_COMPACT),
         attention_decode_paged(64, 4096, 32, 8, 128, 16, "NHD", 20, T_ATTN_DECODE),
         attention_decode_paged(64, 4096, 32, 8, 128, 16, "HND", 20, T_ATTN_DECODE),
-        attention_decode_linear(64, 4096, 32, 8, 128, False, 20),
+        attention_decode_linear(64, 4096, 32, 8, 128, False, 20, T_ATTN_DECODE),
         attention_decode_linear(64, 4096, 32, 8, 128, True, 20, T_ATTN_LIVE),
+        attention_decode_manager(64, 4096, 32, 8, 128, 20, T_ATTN_DECODE),
+        # float16 caches (issue 23 asks bf16 and f16 alike), cuDNN beside the paged ones
+        *[attention_decode_paged(64, 4096, 32, 8, 128, 16, layout, 20, T_ATTN_DECODE,
+                                 dtype=jnp.float16) for layout in ("NHD", "HND")],
+        attention_decode_linear(64, 4096, 32, 8, 128, False, 20, T_ATTN_DECODE, dtype=jnp.float16),
         # Issue 23's other shapes: small batches (plot points: too few bytes to fill the GPU)
         # and head dims 64 / 256 at the same bytes.
         *[attention_decode_paged(b, 4096, 32, 8, 128, 16, "NHD", 20) for b in (1, 4, 16)],
