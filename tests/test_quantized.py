@@ -75,15 +75,24 @@ def started(kind, dtype, lengths, scaling=None, **kw):
 
 def token_view(c, layer, kv):
     """The cache's data and scales of one layer as dense [B, H, capacity, D] and [B, H, capacity]
-    (a paged cache through its page table; positions without a page read as zeros)."""
+    (a paged cache through its page table; positions without a page read as zeros). The data is
+    sliced as bytes: XLA's ops on fp8 values may rewrite a NaN's bits (e5m2's 0x7e to 0x7f; in
+    slices too since jax 0.12), where these tests compare the bytes the kernels wrote."""
+    def as_bytes(x):
+        return jax.lax.bitcast_convert_type(x, jnp.uint8)
+
     if isinstance(c, jaxkv.LinearKVCache):
-        data = c.buffer[layer, :, kv]
+        data = as_bytes(c.buffer)[layer, :, kv]
         scales = (c.k_scales, c.v_scales)[kv]
-        return data, scales[layer] if c.scaling == "per_token_head" else None
+        return (jax.lax.bitcast_convert_type(data, c.buffer.dtype),
+                scales[layer] if c.scaling == "per_token_head" else None)
     if isinstance(c, jaxkv.KVCacheManager):
         scales = (c.k_scales, c.v_scales)[kv]
-        return c.layers[layer][:, kv], scales[layer] if c.scaling == "per_token_head" else None
-    pool = (c.k_pages, c.v_pages)[kv][layer]
+        data = as_bytes(c.layers[layer])[:, kv]
+        return (jax.lax.bitcast_convert_type(data, c.layers[layer].dtype),
+                scales[layer] if c.scaling == "per_token_head" else None)
+    dtype = c.k_pages.dtype
+    pool = as_bytes((c.k_pages, c.v_pages)[kv])[layer]
     spool = (c.k_scales, c.v_scales)[kv][layer] if c.scaling == "per_token_head" else None
     if c.layout == "HND":
         pool = jnp.moveaxis(pool, 0, 2)  # [P, S, H, D]
@@ -91,9 +100,7 @@ def token_view(c, layer, kv):
     table = jnp.maximum(c.page_table, 0)
     held = jnp.repeat(c.page_table >= 0, PAGE, axis=1)[:, None, :]  # [B, 1, capacity]
     data = pool[table].reshape(B, MAX_PAGES * PAGE, H, D).transpose(0, 2, 1, 3)
-    # Selected as bits: XLA's select on fp8 values may rewrite a NaN's bits (e5m2's 0x7e to 0x7f).
-    bits = jax.lax.bitcast_convert_type(data, jnp.uint8)
-    data = jax.lax.bitcast_convert_type(jnp.where(held[..., None], bits, 0), data.dtype)
+    data = jax.lax.bitcast_convert_type(jnp.where(held[..., None], data, 0), dtype)
     if spool is not None:
         spool = spool[table].reshape(B, MAX_PAGES * PAGE, H).transpose(0, 2, 1)
         spool = jnp.where(held, spool, 0.0)
