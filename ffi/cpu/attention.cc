@@ -12,10 +12,57 @@
 namespace jaxkv {
 namespace {
 
-// An element of a cache or query as float32 (numerics.h).
-float load(const char* p, ffi::DataType t) {
-  Format f;
-  return format_of(t, &f) ? load_float(p, 0, f) : 0.f;  // make_attention accepts only these
+// Every value of a 16- or 8-bit format as float32, by load_float (so the same bits): index by
+// the element's bits. Built once per format, on first use.
+const float* decode_table(Format f) {
+  auto build = [](Format f) {
+    std::vector<float> t(f == Format::kF16 ? 65536 : 256);
+    for (size_t i = 0; i < t.size(); ++i) {
+      const uint16_t bits = static_cast<uint16_t>(i);
+      char raw[2];
+      std::memcpy(raw, &bits, 2);  // little-endian: byte 0 holds an 8-bit element
+      t[i] = load_float(raw, 0, f);
+    }
+    return t;
+  };
+  static const std::vector<float> f16 = build(Format::kF16), e4m3 = build(Format::kE4M3),
+                                   e5m2 = build(Format::kE5M2), s8 = build(Format::kS8);
+  switch (f) {
+    case Format::kF16: return f16.data();
+    case Format::kE4M3: return e4m3.data();
+    case Format::kE5M2: return e5m2.data();
+    default: return s8.data();
+  }
+}
+
+// n contiguous elements of format f at p, as float32 times `scale` (each exactly load_float's
+// value times it): the format decided once a row, not once an element.
+void load_row(const char* p, Format f, int64_t n, float scale, float* out) {
+  switch (f) {
+    case Format::kF32:
+      for (int64_t d = 0; d < n; ++d) out[d] = load_float(p, d, f) * scale;
+      return;
+    case Format::kBF16:
+      for (int64_t d = 0; d < n; ++d) {
+        uint16_t h;
+        std::memcpy(&h, p + 2 * d, 2);
+        out[d] = bits_float(uint32_t{h} << 16) * scale;
+      }
+      return;
+    case Format::kF16: {
+      const float* t = decode_table(f);
+      for (int64_t d = 0; d < n; ++d) {
+        uint16_t h;
+        std::memcpy(&h, p + 2 * d, 2);
+        out[d] = t[h] * scale;
+      }
+      return;
+    }
+    default: {
+      const float* t = decode_table(f);
+      for (int64_t d = 0; d < n; ++d) out[d] = t[static_cast<uint8_t>(p[d])] * scale;
+    }
+  }
 }
 
 // Round to nearest even, as XLA converts.
@@ -52,9 +99,9 @@ void store(char* p, ffi::DataType t, float f) {
 // scales, an 8-bit cache's), then every query of the row and every q head of the group reads them.
 void attend(const AttentionProblem& p) {
   const int64_t qe = p.q_type == ffi::DataType::F32 ? 4 : 2;
-  Format kf;
-  format_of(p.kv_type, &kf);
-  const int64_t ke = format_bytes(kf);
+  Format kf, qf;
+  format_of(p.kv_type, &kf);  // make_attention accepts only formats format_of knows
+  format_of(p.q_type, &qf);
   const KVView& sc = p.scales;
   const KVView& c = p.kv;
   const bool layer_ok = p.layer_ok();
@@ -78,16 +125,14 @@ void attend(const AttentionProblem& p) {
           const int64_t so = sc.offset(*p.layer, b, kvh, s);
           ks = sc.k_float(so), vs = sc.v_float(so);
         }
-        for (int64_t d = 0; d < D; ++d) {
-          keys[s * D + d] = load(c.k + off + d * ke, p.kv_type) * ks;
-          values[s * D + d] = load(c.v + off + d * ke, p.kv_type) * vs;
-        }
+        load_row(c.k + off, kf, D, ks, &keys[s * D]);
+        load_row(c.v + off, kf, D, vs, &values[s * D]);
       }
       for (int32_t t = 0; t < p.tokens; ++t) {
         const int32_t n = layer_ok ? p.keys(b, t) : 0;
         for (int32_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
           const int64_t qi = p.q_index(b, t, h);
-          for (int64_t d = 0; d < D; ++d) q[d] = load(p.q + (qi + d) * qe, p.q_type);
+          load_row(p.q + qi * qe, qf, D, 1.f, q.data());
           scores.assign(n, -INFINITY);
           float m = -INFINITY;
           for (int32_t s = 0; s < n; ++s) {
