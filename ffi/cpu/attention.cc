@@ -35,20 +35,19 @@ const float* decode_table(Format f) {
   }
 }
 
+// load_row for a format known at compile time: load_float's switch folds away (a copy or a
+// shift an element).
+template <Format kF>
+void load_row_of(const char* p, int64_t n, float scale, float* out) {
+  for (int64_t d = 0; d < n; ++d) out[d] = load_float(p, d, kF) * scale;
+}
+
 // n contiguous elements of format f at p, as float32 times `scale` (each exactly load_float's
 // value times it): the format decided once a row, not once an element.
 void load_row(const char* p, Format f, int64_t n, float scale, float* out) {
   switch (f) {
-    case Format::kF32:
-      for (int64_t d = 0; d < n; ++d) out[d] = load_float(p, d, f) * scale;
-      return;
-    case Format::kBF16:
-      for (int64_t d = 0; d < n; ++d) {
-        uint16_t h;
-        std::memcpy(&h, p + 2 * d, 2);
-        out[d] = bits_float(uint32_t{h} << 16) * scale;
-      }
-      return;
+    case Format::kF32: return load_row_of<Format::kF32>(p, n, scale, out);
+    case Format::kBF16: return load_row_of<Format::kBF16>(p, n, scale, out);
     case Format::kF16: {
       const float* t = decode_table(f);
       for (int64_t d = 0; d < n; ++d) {
