@@ -5,11 +5,12 @@
 
 The benchmark's decode case (B64 x 4096 tokens, 32 q / 8 KV heads, D128, page 16; a toy size off
 the GPU; ``--shape`` for others): bf16 and f16 paged NHD / HND and linear on jaxkv's kernel and
-paged on cuDNN's; fp8 e4m3 and int8 per token and head, paged NHD / HND and linear. Each line:
-the split-KV grid (the blocks it aims at, ``jaxkv.attention._TARGET_BLOCKS``, or ``default``: the
-rule of ``jaxkv.attention._splits``, and the splits that gives), kernel time of 20 steps in one
-``jit`` (the split-KV kernel and its combine), GB/s of the bytes read, and a hash of the output's
-bytes, so that two builds whose arithmetic should agree bit for bit can be checked to.
+paged on cuDNN's; fp8 e4m3 and int8 per token and head, paged NHD / HND and linear;
+``fp8-tensor``: e4m3 scaled per tensor, paged only. Each line: the split-KV grid (the blocks it
+aims at, ``jaxkv.attention._TARGET_BLOCKS``, or ``default``: the rule of
+``jaxkv.attention._splits``, and the splits that gives), kernel time of 20 steps in one ``jit``
+(the split-KV kernel and its combine), GB/s of the bytes read, and a hash of the output's bytes,
+so that two builds whose arithmetic should agree bit for bit can be checked to.
 """
 import argparse
 import hashlib
@@ -24,7 +25,8 @@ from jaxkv._bench import cases as C
 from jaxkv._bench import timing as T
 
 ON_GPU = jax.default_backend() == "gpu"
-DTYPES = {"bf16": None, "f16": None, "float8_e4m3fn": jnp.float8_e4m3fn, "int8": jnp.int8}
+DTYPES = {"bf16": None, "f16": None, "float8_e4m3fn": jnp.float8_e4m3fn, "int8": jnp.int8,
+          "fp8-tensor": jnp.float8_e4m3fn}  # the last: e4m3 scaled per tensor (paged caches)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--shape", default="64,4096,32,8,128" if ON_GPU else "2,64,8,2,128",
@@ -56,6 +58,10 @@ def caches():
     for dtype in dtypes:
         for name, cache in [("paged NHD", pools["NHD"]), ("paged HND", pools["HND"]),
                             ("linear", linear)]:
+            if dtype == "fp8-tensor":
+                if name != "linear":
+                    yield name, dtype, C.quantized(cache, DTYPES[dtype], scaling="per_tensor")
+                continue
             yield name, dtype, (as_f16(cache) if dtype == "f16"
                                 else C.quantized(cache, DTYPES[dtype]))
 

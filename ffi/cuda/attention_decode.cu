@@ -667,13 +667,17 @@ __global__ void __launch_bounds__(kThreads, Depth::kMinBlocks)
 // heads-as-rows kernel in docs/perf-notes.md, item 16.
 constexpr int kTc8Stages = 2;
 constexpr int kTc8MinBlocks = 4;
-// Threads that copy one token (item 17 there): 4 against 2 and 8.
-constexpr int kTc8Lanes = 4;
-// Each copy asks L2 for the 256 bytes around it: a lane's 64 of a token's 128 (D 128) or 64
-// (D 64) bytes, its neighbours' in the same fetch (an HND page's tokens, a linear row's, an NHD
-// token's heads, which their blocks read at about the same time). On the H100 -2.5% to -5%
-// against the default sector fetches, bit for bit the same output; 3 stages instead of 2 slower
-// there with and without it; on the 16-bit kernel no change (docs/perf-notes.md item 40).
+// Threads that copy one token: a lane per 16-byte chunk (8 at D 128, 4 at D 64), so that a warp's
+// copy instruction asks for whole 128-byte lines. With 4 lanes at D 128 each instruction asked
+// for half of each line and a line was requested twice: ncu put L2 at 88% of its throughput
+// against DRAM's 77%, and 8 lanes read 5-7% faster on the H200 (docs/perf-notes.md item 44).
+template <int kD>
+constexpr int kTc8Lanes = kD / 16;
+// Each copy asks L2 for the 256 bytes around it, its neighbours' in the same fetch (an HND
+// page's tokens, a linear row's, an NHD token's heads, which their blocks read at about the same
+// time). On the H100 -2.5% to -5% against the default sector fetches (measured with 4 lanes a
+// token), bit for bit the same output; 3 stages instead of 2 slower there with and without it
+// and on the H200; on the 16-bit kernel no change (docs/perf-notes.md items 40, 44).
 constexpr int kTc8L2 = 256;
 
 template <int kD, int kStages>
@@ -708,7 +712,7 @@ struct TcRing8 {
   }
 };
 
-template <int kD, int kStages, class QT, class KT, int kLanes>
+template <int kD, int kStages, class QT, class KT, int kLanes, bool kTokenScales>
 __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
     attention_tc8_kernel(const AttentionProblem p, int32_t keys_per_split, float* work) {
   using R = TcRing8<kD, kStages>;
@@ -726,7 +730,7 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
   TcCopy<kLanes, R::kChunks, kTcTokens> cp(p, b, k0, k1, iters);
   const int64_t layer = *p.layer;
   const int64_t base = layer * p.kv.layer_stride + kvh * p.kv.head_stride + cp.c0 * 16;
-  const bool token_scales = p.scales.k != nullptr;
+  constexpr bool token_scales = kTokenScales;  // else one scale per tensor (in qk and v_scale)
   const int64_t sbase = layer * p.scales.layer_stride + kvh * p.scales.head_stride;
   const char* sptr = cp.c0 == 1 ? p.scales.v : p.scales.k;
   auto issue = [&](int i) {
@@ -845,7 +849,7 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
     const float a1 = mx1 == -INFINITY ? 1.f : fast_exp2(m1 - mx1);
     m0 = mx0, m1 = mx1;
     float rescale = 1.f;  // O's: vref's growth
-    if (token_scales) {  // the warp's tokens: the same for every tq
+    if constexpr (token_scales) {  // the warp's tokens: the same for every tq
 #pragma unroll
       for (int x = 4; x < 32; x *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, x));
       if (vmax > vref) {  // O's old values rescaled by vref / up (exact: powers of two)
@@ -1005,8 +1009,17 @@ bool try_split_tc8(cudaStream_t stream, const AttentionProblem& p, int splits, f
     allow_shared_memory(kernel, bytes);
     kernel<<<grid, kThreads, bytes, stream>>>(p, per_split, work);
   };
-  if (p.head_dim == 64) launch(attention_tc8_kernel<64, kTc8Stages, QT, KT, kTc8Lanes>, TcRing8<64, kTc8Stages>::kBytes);
-  else launch(attention_tc8_kernel<128, kTc8Stages, QT, KT, kTc8Lanes>, TcRing8<128, kTc8Stages>::kBytes);
+  // Per-token scales or one per tensor, fixed at compile time: the latter's loop then carries
+  // none of the former's loads, selects and running V reference.
+  auto at = [&](auto token_scales) {
+    constexpr bool kScaled = decltype(token_scales)::value;
+    if (p.head_dim == 64)
+      launch(attention_tc8_kernel<64, kTc8Stages, QT, KT, kTc8Lanes<64>, kScaled>, TcRing8<64, kTc8Stages>::kBytes);
+    else
+      launch(attention_tc8_kernel<128, kTc8Stages, QT, KT, kTc8Lanes<128>, kScaled>, TcRing8<128, kTc8Stages>::kBytes);
+  };
+  if (p.scales.k != nullptr) at(std::true_type{});
+  else at(std::false_type{});
   if (splits > 1) {
     const dim3 cgrid(static_cast<unsigned>(int64_t{p.batch} * p.tokens), static_cast<unsigned>(p.q_heads));
     combine_kernel<QT><<<cgrid, std::min(p.head_dim, 256), 0, stream>>>(p, per_split, splits, work);
