@@ -115,13 +115,15 @@ if [ -z "${SKIP_SANITIZE:-}" ]; then
   command -v compute-sanitizer >/dev/null || export PATH="$PATH:/usr/local/cuda/bin"
   # memcheck: every kernel (the hostile inputs of the property tests included); racecheck: the
   # kernels with shared memory, compaction (its move schedule) through every caller and attention
-  # (the cp.async ring, the merge of the warps, the tensor-core prefill).
+  # (the cp.async ring, the merge of the warps, the tensor-core prefill), the 8-bit decode over
+  # every cache kind and both scalings (test_quantized's long rows).
   # shellcheck disable=SC2086  # word splitting of the lists is intended
   sanitize memcheck "$OUT/memcheck.log" ${MEMCHECK:-test_compact.py test_linear.py \
     test_manager.py test_reuse.py test_paged_ops.py test_paged.py test_bad_input.py \
     test_properties.py test_attention.py test_host_transfer.py test_quantized.py} || sanitize_rc=1
   # shellcheck disable=SC2086
   sanitize racecheck "$OUT/racecheck.log" ${RACECHECK:-test_attention.py test_compact.py \
+    test_quantized.py::test_attention_over_long_rows_head_dims_and_groups \
     test_linear.py test_manager.py} -k "${RACECHECK_SELECT:-compact or evict or attention or decode or prefill}" \
     || sanitize_rc=1
 fi
