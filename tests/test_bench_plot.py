@@ -28,7 +28,7 @@ def test_every_series_gets_a_line_and_a_name_of_its_own():
     rows.append(_row("attention_prefill", "paged prefill", 400, 2e-3))
     report = {"rows": rows, "calibration": {"copy_gbps": 4000.0},
               "meta": {"device": "test", "jax": "0", "date": "today"}}
-    fig = figure(report, plt)
+    fig = figure(report)
     try:
         decode = next(ax for ax in fig.axes if ax.get_title() == "attention_decode")
         solid = [line for line in decode.lines if line.get_label() in names]
@@ -51,4 +51,4 @@ def test_every_series_gets_a_line_and_a_name_of_its_own():
 def test_nothing_to_plot_gives_no_figure():
     report = {"rows": [dict(_row("x", "", 1, 1e-3), status="skipped")],
               "calibration": {"copy_gbps": 1.0}, "meta": {"device": "", "jax": "", "date": ""}}
-    assert figure(report, plt) is None
+    assert figure(report) is None

@@ -41,7 +41,7 @@ def plot(report: dict, path: str) -> bool:
     except ImportError:
         print(f"matplotlib is not installed: no plot written to {path}", file=sys.stderr)
         return False
-    fig = figure(report, plt)
+    fig = figure(report)
     if fig is None:
         print("no measured op moves bytes: no plot", file=sys.stderr)
         return False
@@ -50,10 +50,11 @@ def plot(report: dict, path: str) -> bool:
     return True
 
 
-def figure(report: dict, plt):
+def figure(report: dict):
     """The plot's figure (None where no measured op moves bytes). Every series of a panel gets a
     color of its own (markers change past the palette's 20), named once in the panel's legend,
     which sits to its right with the line styles' key."""
+    import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
