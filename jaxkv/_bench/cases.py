@@ -660,13 +660,24 @@ def quantized(cache, dtype, scaling="per_token_head"):
         (kq, ks), (vq, vs) = (_quantize(x, dtype) for x in (cache.k_pages, cache.v_pages))
         return dataclasses.replace(cache, k_pages=kq, v_pages=vq, k_scales=ks, v_scales=vs,
                                    scaling="per_token_head")
+    if isinstance(cache, jaxkv.KVCacheManager):  # a buffer per layer [B, 2, H, S, D]
+        pairs = [_quantize(layer, dtype) for layer in cache.layers]  # scales [B, 2, H, S]
+        return dataclasses.replace(cache, layers=tuple(q for q, _ in pairs),
+                                   k_scales=tuple(_half_of(s, 1, 0) for _, s in pairs),
+                                   v_scales=tuple(_half_of(s, 1, 1) for _, s in pairs),
+                                   scaling="per_token_head")
     q, s = _quantize(cache.buffer, dtype)  # [L, B, 2, H, S, D], scales [L, B, 2, H, S]
-    half = s.shape[:2] + s.shape[3:]
-    if isinstance(s, jax.ShapeDtypeStruct):
-        ks = vs = jax.ShapeDtypeStruct(half, s.dtype)
-    else:
-        ks, vs = s[:, :, 0], s[:, :, 1]
-    return dataclasses.replace(cache, buffer=q, k_scales=ks, v_scales=vs, scaling="per_token_head")
+    return dataclasses.replace(cache, buffer=q, k_scales=_half_of(s, 2, 0),
+                               v_scales=_half_of(s, 2, 1), scaling="per_token_head")
+
+
+def _half_of(scales, axis, kind):
+    """K's (kind 0) or V's (1) scales out of ``scales`` whose ``axis`` is the K/V pair (abstract
+    for abstract ``scales``)."""
+    if isinstance(scales, jax.ShapeDtypeStruct):
+        shape = scales.shape[:axis] + scales.shape[axis + 1:]
+        return jax.ShapeDtypeStruct(shape, scales.dtype)
+    return lax.index_in_dim(scales, kind, axis, keepdims=False)
 
 
 def _quantize(x, dtype, scale=None):
@@ -800,30 +811,38 @@ def attention_decode_linear(B, S, Hq, H, D, ragged, iters, target=None, dtype=No
                 note="min bytes: the live tokens only (not the capacity)")
 
 
-def attention_decode_manager(B, S, Hq, H, D, iters, target=None) -> Case:
+def attention_decode_manager(B, S, Hq, H, D, iters, target=None, dtype=None) -> Case:
     """Decode attention on layer 0 of a 2-layer KVCacheManager (a buffer per layer), every row S
-    tokens, read in place (the manager's layer index is static: the loop reads one layer)."""
+    tokens, read in place (the manager's layer index is static: the loop reads one layer).
+    ``dtype``: 8-bit (scaled per token and head), or float16 (cache and queries)."""
     lengths = np.full(B, S)
+    values, eight_bit = (dtype, None) if _half(dtype) else (BF16, dtype)  # values' dtype
 
     def build():
-        layers = tuple(rand((B, 2, H, S, D), BF16, 150 + j) for j in range(2))
+        layers = tuple(rand((B, 2, H, S, D), values, 150 + j) for j in range(2))
         cache = jaxkv.KVCacheManager(layers=layers, lengths=i32(lengths),
                                      active_batch_size=jnp.asarray(B, jnp.int32))
-        q = rand((B, Hq, D), BF16, 152)
+        cache = quantized(cache, eight_bit)
+        q = rand((B, Hq, D), values, 152)
 
         def kernel(i, q, c):
             return jaxkv.attention.decode(q, c, 0)
 
         def dense(i, q, c):
             k, v = c.layers[0][:, 0], c.layers[0][:, 1]
+            if eight_bit is not None:  # dequantized by XLA, fused into the attention's reads
+                k = (k.astype(jnp.float32) * c.k_scales[0][..., None]).astype(BF16)
+                v = (v.astype(jnp.float32) * c.v_scales[0][..., None]).astype(BF16)
             return _dense_attention(q[:, None], k, v, c.lengths - 1)[:, 0]
 
         return q, cache, kernel, {"dense": dense}
 
-    return Case("attention_decode", f"manager B{B} S{S} full {Hq}/{H} heads D{D}", build,
-                _kv_bytes(lengths, H, D) + 2 * B * Hq * D * BF16.itemsize,
-                2 * B * 2 * H * S * D * BF16.itemsize, iters, target=target,
-                requires=("attention", "KVCacheManager"), series="manager",
+    elem, scale = _scale_bytes(dtype)
+    label = _cache_label(dtype)
+    return Case("attention_decode", f"manager B{B} S{S} full {Hq}/{H} heads D{D}{label}", build,
+                _kv_bytes(lengths, H, D, dtype) + 2 * B * Hq * D * BF16.itemsize,
+                2 * B * 2 * H * S * (D * elem + scale), iters, target=target,
+                requires=("attention", "KVCacheManager"), series=f"manager{label}",
                 note="min bytes: the live tokens only (not the capacity)")
 
 
@@ -951,6 +970,7 @@ def cases(size: str) -> list[Case]:
             attention_decode_paged(4, 128, 8, 2, 64, 16, "HND", 3, T_ATTN_DECODE),
             attention_decode_linear(4, 128, 8, 2, 64, True, 3, T_ATTN_LIVE),
             attention_decode_manager(4, 128, 8, 2, 64, 3, T_ATTN_DECODE),
+            attention_decode_manager(4, 128, 8, 2, 64, 3, dtype=jnp.int8),
             attention_decode_paged(4, 128, 8, 2, 64, 16, "NHD", 3, dtype=jnp.float16),
             attention_decode_paged(4, 128, 8, 2, 64, 16, "NHD", 3, t_attn_8bit(
                 attention_decode_paged(4, 128, 8, 2, 64, 16, "NHD", 3)),
@@ -1021,6 +1041,7 @@ def gpu_cases() -> list[Case]:
         *[attention_decode_paged(64, 4096, 32, 8, 128, 16, layout, 20, T_ATTN_DECODE,
                                  dtype=jnp.float16) for layout in ("NHD", "HND")],
         attention_decode_linear(64, 4096, 32, 8, 128, False, 20, T_ATTN_DECODE, dtype=jnp.float16),
+        attention_decode_manager(64, 4096, 32, 8, 128, 20, T_ATTN_DECODE, dtype=jnp.float16),
         # Issue 23's other shapes: small batches (plot points: too few bytes to fill the GPU)
         # and head dims 64 / 256 at the same bytes.
         *[attention_decode_paged(b, 4096, 32, 8, 128, 16, "NHD", 20) for b in (1, 4, 16)],
@@ -1035,6 +1056,8 @@ def gpu_cases() -> list[Case]:
         *[attention_decode_linear(64, 4096, 32, 8, 128, False, 20, t_attn_8bit(
             attention_decode_linear(64, 4096, 32, 8, 128, False, 20)), dtype=dt)
           for dt in EIGHT_BIT],
+        *[attention_decode_manager(64, 4096, 32, 8, 128, 20, t_attn_8bit(
+            attention_decode_manager(64, 4096, 32, 8, 128, 20)), dtype=dt) for dt in EIGHT_BIT],
         attention_prefill_paged(8, 2048, 2048, 32, 8, 128, 16, 3),
         attention_prefill_paged(8, 2048, 2048, 32, 8, 128, 16, 3, t_prefill_8bit(
             attention_prefill_paged(8, 2048, 2048, 32, 8, 128, 16, 3)), dtype=jnp.float8_e4m3fn),
