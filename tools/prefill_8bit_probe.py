@@ -1,23 +1,58 @@
 """8-bit prefill attention (batch 8, 2048 new tokens on 2048 cached, 32 q / 8 KV heads, D128, page
-16; fp8 e4m3 scaled per token and head) beside the bf16 one, one call each: the wgmma kernels for
-ncu to compare (why the 8-bit cache's is slower), e.g.
+16; fp8 e4m3 and int8 scaled per token and head) beside the bf16 one, on the same values.
 
+    python3 tools/prefill_8bit_probe.py --time   # kernel times of 10 calls in one jit, and each
+                                                  # 8-bit output's distance from the bf16 one's
     ncu --clock-control none --kernel-name regex:prefill_wgmma --section WarpStateStats \
-        --section InstructionStats python3 tools/prefill_8bit_probe.py
+        --section InstructionStats python3 tools/prefill_8bit_probe.py   # one call each
+
+The distance (max and mean |out - bf16 out|) compares builds whose arithmetic differs; a hash
+of the output's bytes tells builds that should agree bit for bit.
 """
+import argparse
+import hashlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
 from jaxkv._bench import cases as C
+from jaxkv._bench import timing as T
 
-B, prefix, T, Hq, H, D, page = 8, 2048, 2048, 32, 8, 128, 16
-pages = -(-(prefix + T) // page)
-q = C.rand((B, T, Hq, D), C.BF16, 132)
-new = C.i32(np.full(B, T))
-for dtype in (None, jnp.float8_e4m3fn):
-    cache = C.quantized(C._paged_pools(2, B, pages, page, H, D, np.full(B, prefix), "NHD", 130), dtype)
-    out = jax.jit(lambda q, c: jaxkv.attention.prefill(q, c, 0, new))(q, cache)
-    jax.block_until_ready(out)
-    print("bf16" if dtype is None else jnp.dtype(dtype).name, "done")
+parser = argparse.ArgumentParser()
+parser.add_argument("--time", action="store_true", help="kernel times (else: one call each)")
+parser.add_argument("--runs", type=int, default=1)
+args = parser.parse_args()
+
+B, prefix, T_NEW, Hq, H, D, page = 8, 2048, 2048, 32, 8, 128, 16
+pages = -(-(prefix + T_NEW) // page)
+q = C.rand((B, T_NEW, Hq, D), C.BF16, 132)
+new = C.i32(np.full(B, T_NEW))
+flops = 4 * B * Hq * D * T_NEW * (prefix + (T_NEW + 1) / 2)  # QK^T and PV, causal on the new tokens
+bf16_out = None
+for run in range(args.runs):
+    for dtype in (None, jnp.float8_e4m3fn, jnp.int8):
+        name = "bf16" if dtype is None else jnp.dtype(dtype).name
+        if not args.time and dtype is jnp.int8:
+            continue
+        cache = C.quantized(C._paged_pools(2, B, pages, page, H, D, np.full(B, prefix), "NHD", 130), dtype)
+        out = jax.jit(lambda q, c: jaxkv.attention.prefill(q, c, 0, new))(q, cache)
+        jax.block_until_ready(out)
+        if not args.time:
+            print(name, "done", flush=True)
+            continue
+        x = np.asarray(out, np.float32)
+        if dtype is None:
+            bf16_out = x
+        diff = np.abs(x - bf16_out)
+        digest = hashlib.sha1(np.asarray(out).tobytes()).hexdigest()[:10]
+
+        def step(i, q, c):
+            return jaxkv.attention.prefill(q, c, i % 2, new).astype(q.dtype)
+
+        _, sec, launches, _ = T.kernel_seconds(step, q + 0, cache, n=10)
+        sec = sec or float("nan")
+        print(f"run {run} prefill {name:13s} {sec * 1e3:6.3f} ms {flops / sec / 1e12:5.0f} TFLOP/s "
+              f"vs bf16 max {diff.max():.4f} mean {diff.mean():.6f} out {digest} "
+              f"({launches} launches)", flush=True)

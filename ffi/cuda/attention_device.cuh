@@ -179,15 +179,6 @@ __device__ __forceinline__ Pow2 pow2_above(float x) {
   return {__uint_as_float(bits), __uint_as_float(0x7f000000u - bits)};
 }
 
-// A pair of f16 in one register times a pair of f16 (one rounding each).
-__device__ __forceinline__ uint32_t hmul2(uint32_t a, __half2 f) {
-  __half2 x;
-  memcpy(&x, &a, 4);
-  x = __hmul2(x, f);
-  memcpy(&a, &x, 4);
-  return a;
-}
-
 // A pair of f16 (exact values of an 8-bit format) as the same pair in bf16 (exact too: at most 8
 // significant bits, |x| <= 57344).
 __device__ __forceinline__ uint32_t half2_to_bf16x2(uint32_t h) {

@@ -27,10 +27,12 @@ namespace {
 // An 8-bit cache runs both MMAs in f16, in which every 8-bit value is exact, so that the producer
 // converts a pair of values by one instruction (docs/perf-notes.md, item 36). It copies the bytes
 // of tile i + 1 (cp.async, into one of two byte stages) while it converts tile i from the other
-// into one of two 16-bit stages: K as f16, V as f16 times its per-token scale over `vref` (the
-// scale rounded to f16, then the product: two roundings to 11 bits, where bf16 had one to 8;
-// vref a power of two above every V scale of the tiles so far, the same in the whole block: O is
-// rescaled, exactly, when it grows, and multiplied by it at the end). With two 16-bit stages a
+// into one of two 16-bit stages, K and V as f16 (exact). The per-token scales go to shared
+// memory: the consumers multiply K's into the scores and V's over `vref` (rounded to f16) into P
+// before it is rounded to f16 (two roundings to 11 bits, where bf16 had one to 8; the producer,
+// whose conversion is the kernel's critical path, multiplied V itself before, perf notes item
+// 46; vref a power of two above every V scale of the tiles so far, the same in the whole block: O
+// is rescaled, exactly, when it grows, and multiplied by it at the end). With two 16-bit stages a
 // consumer waits for tile i + 1 only after issuing P V of tile i, so that the conversion runs
 // beside that MMA. The consumers convert their own rows of Q to f16 times a power of two a row
 // (exact for a bf16 or f16 q but for values below 2^-28 of the row's largest), divided out of the
@@ -44,9 +46,9 @@ using QTile = SwizzledTile<kWgRows>;
 using KVTile = SwizzledTile<kWgN>;
 
 // Bytes from the 1024-aligned base: Q, per stage K and V, an 8-bit cache's two stages of its bytes
-// (cp.async, converted from there), per stage the key flags (a byte a key),
-// an 8-bit cache's per stage K scales (float a key), per stage the last tile with a key without
-// a page, an 8-bit cache's per stage vref and the producer's two sets of 4 warp maxima, the
+// (cp.async, converted from there), per stage the key flags (a byte a key), an 8-bit cache's per
+// stage K scales (float a key) and V scales over vref (f16 a key), per stage the last tile with a
+// key without a page, an 8-bit cache's per stage vref and the producer's two sets of 4 warp maxima, the
 // mbarriers (full, then empty). 227 KiB at most (Hopper's opt-in limit).
 template <bool k8>
 struct WgLayout {
@@ -59,7 +61,7 @@ struct WgLayout {
   static constexpr unsigned kRaw = kQ + 2 * kStages * kTile;
   static constexpr unsigned kOk = kRaw + 2 * kBytesTile;
   static constexpr unsigned kKs = kOk + kStages * kWgN;
-  static constexpr unsigned kMissing = kKs + (k8 ? sizeof(float) * kStages * kWgN : 0);
+  static constexpr unsigned kMissing = kKs + (k8 ? (sizeof(float) + sizeof(__half)) * kStages * kWgN : 0);
   static constexpr unsigned kVref = kMissing + sizeof(int) * kStages;
   static constexpr unsigned kWarpMax = kVref + (k8 ? sizeof(float) * kStages : 0);
   static constexpr unsigned kBars = (kWarpMax + (k8 ? sizeof(float) * 8 : 0) + 7) & ~7u;
@@ -97,6 +99,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   const unsigned base = (raw + 1023) & ~1023u;
   unsigned char* const ok_flags = smem + (base - raw) + L::kOk;
   float* const k_scales = reinterpret_cast<float*>(smem + (base - raw) + L::kKs);  // k8 only
+  __half* const v_factors = reinterpret_cast<__half*>(k_scales + L::kStages * kWgN);  // k8 only
   float* const v_refs = reinterpret_cast<float*>(smem + (base - raw) + L::kVref);   // k8 only
   const bool token_scales = k8 && p.scales.k != nullptr;
   int* const missing_at = reinterpret_cast<int*>(smem + (base - raw) + L::kMissing);
@@ -223,7 +226,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         if (token_scales) load_scales(i + 1, ahead, k_scale_next, v_scale_next);
       }
       if (i >= L::kStages) mbar_wait(L::empty(base, st), (i / L::kStages - 1) & 1);
-      float v_factor[2] = {1.f, 1.f};  // each key's V scale over vref
       if (token_scales) {  // the tile's vref (all the producer's threads)
         if (c_copy == 0) k_scales[st * kWgN + r_half] = k_scale[0], k_scales[st * kWgN + r_half + 64] = k_scale[1];
         float top = fmaxf(v_scale[0], v_scale[1]);
@@ -240,7 +242,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
           vref = up.value, inv = up.inverse;
         }
         if (threadIdx.x == 0) v_refs[st] = vref;
-        v_factor[0] = v_scale[0] * inv, v_factor[1] = v_scale[1] * inv;
+        if (c_copy == 0) {  // each key's V scale over vref, rounded to f16 (as it was on V itself)
+          v_factors[st * kWgN + r_half] = __float2half_rn(v_scale[0] * inv);
+          v_factors[st * kWgN + r_half + 64] = __float2half_rn(v_scale[1] * inv);
+        }
       }
       if constexpr (k8) copy_wait<1>();  // this thread's bytes of tile i (tile i + 1's in flight)
 #pragma unroll
@@ -251,7 +256,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         const bool live = key.live;
         const int64_t off = key.off;
         if constexpr (k8) {
-          const __half2 f = __float2half2_rn(v_factor[pass]);
 #pragma unroll
           for (int kind = 0; kind < 2; ++kind)
 #pragma unroll
@@ -261,10 +265,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
               uint32_t h[8];
 #pragma unroll
               for (int e = 0; e < 4; ++e) Tc8<KT>::to_h2(u[e], h[2 * e], h[2 * e + 1]);
-              if (kind == 1 && token_scales) {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) h[j] = hmul2(h[j], f);
-              }
               const int c = 2 * (c_copy + 2 * y);  // the first of its two 16-bit chunks
               store16(KVTile::chunk(L::kv(base, st, kind), r, c), h[0], h[1], h[2], h[3]);
               store16(KVTile::chunk(L::kv(base, st, kind), r, c + 1), h[4], h[5], h[6], h[7]);
@@ -439,7 +439,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         const float p0 = fast_exp2(fmaf(s[4 * nt + 2 * hf], qs[hf], -mb));
         const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hf + 1], qs[hf], -mb));
         sums[nt] = p0 + p1;
-        pa[nt / 2][(nt % 2) * 2 + hf] = pack2<MT>(p0, p1);
+        float2 f = {1.f, 1.f};  // an 8-bit cache scaled per token: its keys' V scales over vref, on P
+        if (token_scales)
+          f = __half22float2(*reinterpret_cast<const __half2*>(v_factors + st * kWgN + nt * 8 + 2 * (lane % 4)));
+        pa[nt / 2][(nt % 2) * 2 + hf] = pack2<MT>(p0 * f.x, p1 * f.y);
       }
       tree<kSt / 2>(sums, [](float a, float c) { return a + c; });
       m[hf] = top;
