@@ -116,7 +116,8 @@ if [ -z "${SKIP_SANITIZE:-}" ]; then
   # memcheck: every kernel (the hostile inputs of the property tests included); racecheck: the
   # kernels with shared memory, compaction (its move schedule) through every caller and attention
   # (the cp.async ring, the merge of the warps, the tensor-core prefill), the 8-bit decode over
-  # every cache kind and both scalings (test_quantized's long rows).
+  # every cache kind and both scalings (test_quantized's long rows), the 8-bit wgmma prefill's
+  # shared scales (its V scales growing along a row).
   # shellcheck disable=SC2086  # word splitting of the lists is intended
   sanitize memcheck "$OUT/memcheck.log" ${MEMCHECK:-test_compact.py test_linear.py \
     test_manager.py test_reuse.py test_paged_ops.py test_paged.py test_bad_input.py \
@@ -124,6 +125,7 @@ if [ -z "${SKIP_SANITIZE:-}" ]; then
   # shellcheck disable=SC2086
   sanitize racecheck "$OUT/racecheck.log" ${RACECHECK:-test_attention.py test_compact.py \
     test_quantized.py::test_attention_over_long_rows_head_dims_and_groups \
+    test_quantized.py::test_prefill_with_v_scales_growing_along_the_row \
     test_linear.py test_manager.py} -k "${RACECHECK_SELECT:-compact or evict or attention or decode or prefill}" \
     || sanitize_rc=1
 fi
