@@ -795,8 +795,7 @@ def attention_decode_linear(B, S, Hq, H, D, ragged, iters, target=None, dtype=No
             if eight_bit is not None:  # dequantized by XLA, fused into the attention's reads
                 ks = lax.dynamic_index_in_dim(c.k_scales, i % 2, 0, keepdims=False)
                 vs = lax.dynamic_index_in_dim(c.v_scales, i % 2, 0, keepdims=False)
-                k = (k.astype(jnp.float32) * ks[..., None]).astype(BF16)
-                v = (v.astype(jnp.float32) * vs[..., None]).astype(BF16)
+                k, v = reference.dequantize(k, ks, BF16), reference.dequantize(v, vs, BF16)
             return _dense_attention(q[:, None], k, v, c.lengths - 1)[:, 0]
 
         return q, cache, kernel, {"dense": dense}
@@ -831,8 +830,8 @@ def attention_decode_manager(B, S, Hq, H, D, iters, target=None, dtype=None) -> 
         def dense(i, q, c):
             k, v = c.layers[0][:, 0], c.layers[0][:, 1]
             if eight_bit is not None:  # dequantized by XLA, fused into the attention's reads
-                k = (k.astype(jnp.float32) * c.k_scales[0][..., None]).astype(BF16)
-                v = (v.astype(jnp.float32) * c.v_scales[0][..., None]).astype(BF16)
+                k = reference.dequantize(k, c.k_scales[0], BF16)
+                v = reference.dequantize(v, c.v_scales[0], BF16)
             return _dense_attention(q[:, None], k, v, c.lengths - 1)[:, 0]
 
         return q, cache, kernel, {"dense": dense}
