@@ -3,6 +3,8 @@
 
     python3 tools/prefill_8bit_probe.py --time   # kernel times of 10 calls in one jit, and each
                                                   # 8-bit output's distance from the bf16 one's
+        [--e5m2] [--per-tensor]                   # also fp8 e5m2 (converted by a byte permute),
+                                                  # fp8 e4m3 scaled per tensor (no scales to apply)
     ncu --clock-control none --kernel-name regex:prefill_wgmma --section WarpStateStats \
         --section InstructionStats python3 tools/prefill_8bit_probe.py   # one call each
 
@@ -23,6 +25,8 @@ from jaxkv._bench import timing as T
 parser = argparse.ArgumentParser()
 parser.add_argument("--time", action="store_true", help="kernel times (else: one call each)")
 parser.add_argument("--runs", type=int, default=1)
+parser.add_argument("--e5m2", action="store_true", help="fp8 e5m2 too (converted by a byte permute)")
+parser.add_argument("--per-tensor", action="store_true", help="fp8 e4m3 scaled per tensor too")
 args = parser.parse_args()
 
 B, prefix, T_NEW, Hq, H, D, page = 8, 2048, 2048, 32, 8, 128, 16
@@ -32,11 +36,16 @@ new = C.i32(np.full(B, T_NEW))
 flops = 4 * B * Hq * D * T_NEW * (prefix + (T_NEW + 1) / 2)  # QK^T and PV, causal on the new tokens
 bf16_out = None
 for run in range(args.runs):
-    for dtype in (None, jnp.float8_e4m3fn, jnp.int8):
+    kinds = [(None, None), (jnp.float8_e4m3fn, "per_token_head"), (jnp.int8, "per_token_head")]
+    kinds += [(jnp.float8_e5m2, "per_token_head")] if args.e5m2 else []
+    kinds += [(jnp.float8_e4m3fn, "per_tensor")] if args.per_tensor else []
+    for dtype, scaling in kinds:
         name = "bf16" if dtype is None else jnp.dtype(dtype).name
-        if not args.time and dtype is jnp.int8:
+        name += " per tensor" if scaling == "per_tensor" else ""
+        if not args.time and (dtype, scaling) != kinds[1] and dtype is not None:
             continue
-        cache = C.quantized(C._paged_pools(2, B, pages, page, H, D, np.full(B, prefix), "NHD", 130), dtype)
+        pools = C._paged_pools(2, B, pages, page, H, D, np.full(B, prefix), "NHD", 130)
+        cache = C.quantized(pools, dtype, scaling or "per_token_head")
         out = jax.jit(lambda q, c: jaxkv.attention.prefill(q, c, 0, new))(q, cache)
         jax.block_until_ready(out)
         if not args.time:
@@ -53,6 +62,6 @@ for run in range(args.runs):
 
         _, sec, launches, _ = T.kernel_seconds(step, q + 0, cache, n=10)
         sec = sec or float("nan")
-        print(f"run {run} prefill {name:13s} {sec * 1e3:6.3f} ms {flops / sec / 1e12:5.0f} TFLOP/s "
+        print(f"run {run} prefill {name:24s} {sec * 1e3:6.3f} ms {flops / sec / 1e12:5.0f} TFLOP/s "
               f"vs bf16 max {diff.max():.4f} mean {diff.mean():.6f} out {digest} "
               f"({launches} launches)", flush=True)

@@ -27,17 +27,18 @@ namespace {
 // An 8-bit cache runs both MMAs in f16, in which every 8-bit value is exact, so that the producer
 // converts a pair of values by one instruction (docs/perf-notes.md, item 36). It copies the bytes
 // of tile i + 1 (cp.async, into one of two byte stages) while it converts tile i from the other
-// into one of two 16-bit stages, K and V as f16 (exact). The per-token scales go to shared
-// memory: the consumers multiply K's into the scores and V's over `vref` (rounded to f16) into P
-// before it is rounded to f16 (two roundings to 11 bits, where bf16 had one to 8; the producer,
-// whose conversion is the kernel's critical path, multiplied V itself before, perf notes item
-// 46; vref a power of two above every V scale of the tiles so far, the same in the whole block: O
-// is rescaled, exactly, when it grows, and multiplied by it at the end). With two 16-bit stages a
-// consumer waits for tile i + 1 only after issuing P V of tile i, so that the conversion runs
-// beside that MMA. The consumers convert their own rows of Q to f16 times a power of two a row
-// (exact for a bf16 or f16 q but for values below 2^-28 of the row's largest), divided out of the
-// float32 scores with K's per-token scales. JAXKV_NO_WGMMA=1 in the environment takes the
-// mma.sync kernel instead (to compare).
+// into one of two 16-bit stages, K and V as f16 (exact). (Two 16-bit stages, where a 16-bit cache
+// has three, set its time: the bf16 path given two takes as long, perf notes item 47.) The
+// per-token scales go to shared memory: the consumers multiply K's into the scores and V's over
+// `vref` (rounded to f16) into P before it is rounded to f16 (two roundings to 11 bits, where bf16
+// had one to 8; the producer multiplied V itself before, perf notes item 46; vref a power of two
+// above every V scale of the tiles so far, the same in the whole block: O is rescaled, exactly,
+// when it grows, and multiplied by it at the end). With two 16-bit stages a consumer waits for tile
+// i + 1 only after issuing P V of tile i, so that the conversion runs beside that MMA. The
+// consumers convert their own rows of Q to f16 times a power of two a row (exact for a bf16 or f16
+// q but for values below 2^-28 of the row's largest), divided out of the float32 scores with K's
+// per-token scales. JAXKV_NO_WGMMA=1 in the environment takes the mma.sync kernel instead (to
+// compare).
 constexpr int kWgThreads = 384;  // the producer and two consumers
 constexpr int kWgD = 128;        // head_dim
 constexpr int kWgRows = 128;     // query rows a block
