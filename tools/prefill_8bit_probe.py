@@ -34,11 +34,11 @@ pages = -(-(prefix + T_NEW) // page)
 q = C.rand((B, T_NEW, Hq, D), C.BF16, 132)
 new = C.i32(np.full(B, T_NEW))
 flops = 4 * B * Hq * D * T_NEW * (prefix + (T_NEW + 1) / 2)  # QK^T and PV, causal on the new tokens
+kinds = [(None, None), (jnp.float8_e4m3fn, "per_token_head"), (jnp.int8, "per_token_head")]
+kinds += [(jnp.float8_e5m2, "per_token_head")] if args.e5m2 else []
+kinds += [(jnp.float8_e4m3fn, "per_tensor")] if args.per_tensor else []
 bf16_out = None
 for run in range(args.runs):
-    kinds = [(None, None), (jnp.float8_e4m3fn, "per_token_head"), (jnp.int8, "per_token_head")]
-    kinds += [(jnp.float8_e5m2, "per_token_head")] if args.e5m2 else []
-    kinds += [(jnp.float8_e4m3fn, "per_tensor")] if args.per_tensor else []
     for dtype, scaling in kinds:
         name = "bf16" if dtype is None else jnp.dtype(dtype).name
         name += " per tensor" if scaling == "per_tensor" else ""
