@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
           vref = up.value, inv = up.inverse;
         }
         if (threadIdx.x == 0) v_refs[st] = vref;
-        if (c_copy == 0) {  // each key's V scale over vref, rounded to f16 (as it was on V itself)
+        if (!f8k && c_copy == 0) {  // each key's V scale over vref, rounded to f16 (as it was on V itself)
           v_factors[st * kWgN + r_half] = __float2half_rn(v_scale[0] * inv);
           v_factors[st * kWgN + r_half + 64] = __float2half_rn(v_scale[1] * inv);
         }
@@ -295,6 +295,15 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
               uint32_t h[8];
 #pragma unroll
               for (int e = 0; e < 4; ++e) Tc8<KT>::to_h2(u[e], h[2 * e], h[2 * e + 1]);
+              if (f8k && token_scales) {  // V times its key's scale over vref (rounded to f16)
+                const __half2 f = __half2half2(__float2half_rn(v_scale[pass] * inv));
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                  __half2 x = *reinterpret_cast<const __half2*>(&h[e]);
+                  x = __hmul2(x, f);
+                  h[e] = *reinterpret_cast<const uint32_t*>(&x);
+                }
+              }
               const int c = 2 * (c_copy + 2 * y);  // the first of its two 16-bit chunks
               store16(KVTile::chunk(L::kv(base, st, kind), r, c), h[0], h[1], h[2], h[3]);
               store16(KVTile::chunk(L::kv(base, st, kind), r, c + 1), h[4], h[5], h[6], h[7]);
@@ -509,7 +518,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hf + 1], qs[hf], -mb));
         sums[nt] = p0 + p1;
         float2 f = {1.f, 1.f};  // an 8-bit cache scaled per token: its keys' V scales over vref, on P
-        if (token_scales)
+        if (!f8k && token_scales)
           f = __half22float2(*reinterpret_cast<const __half2*>(v_factors + st * kWgN + nt * 8 + 2 * (lane % 4)));
         pa[nt / 2][(nt % 2) * 2 + hf] = pack2<MT>(p0 * f.x, p1 * f.y);
       }
@@ -546,13 +555,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   for (int i = 0; i < tiles; ++i) {
     const int st = i % L::kStages;
     const bool next = i + 1 < tiles;
-    if ((!k8 || f8k) && next) wait_full(i + 1);
+    if (!k8 && next) wait_full(i + 1);
     named_sync(mine, kConsumers);
     wgmma_fence();
     const unsigned v_tile = L::kv(base, st, 1);
 #pragma unroll
     for (int kk = 0; kk < kWgN / 16; ++kk) mma_rs<1>(op, o, pa[kk], desc_mn_major<kWgN>(v_tile, kk), 1);
-    if constexpr (k8 && !f8k) {  // two stages: tile i + 1 is converted while P V(i) runs
+    if constexpr (k8) {  // two stages: tile i + 1 is converted while P V(i) runs
       wgmma_commit();
       if (next) wait_full(i + 1);
       wgmma_fence();
