@@ -24,24 +24,25 @@ namespace {
 // accumulators. Masks (causal, keys without a page) only on the tiles that need them; token tiles
 // run longest first. The page lookups and masks are the mma.sync kernel's.
 //
-// An int8 cache runs both MMAs in f16, in which every 8-bit value is exact, so that the producer
-// converts a pair of values by one instruction (docs/perf-notes.md, item 36). It copies the bytes
-// of tile i + 1 (cp.async, into one of two byte stages) while it converts tile i from the other
-// into one of two 16-bit stages, K and V as f16 (exact); with two 16-bit stages a consumer waits
-// for tile i + 1 only after issuing P V of tile i, so that the conversion runs beside that MMA.
-// (Two 16-bit stages, where a 16-bit cache has three, set its time: the bf16 path given two takes
-// as long, perf notes item 47.) An fp8 cache keeps three stages: S = Q K^T runs in e4m3 on K's
-// bytes as stored (copied into the stage as they are, a 16 KiB K stage where f16 takes 32), Q as
-// two e4m3 tiles, hi = e4m3(q 2^e) and lo = e4m3(q 2^e - hi), which keep 8 bits of each value
-// (bf16's); only V is converted, from two byte stages of its own. The per-token scales go to shared
-// memory: the consumers multiply K's into the scores and V's over `vref` (rounded to f16) into P
-// before it is rounded to f16 (two roundings to 11 bits, where bf16 had one to 8; the producer
-// multiplied V itself before, perf notes item 46; vref a power of two above every V scale of the
-// tiles so far, the same in the whole block: O is rescaled, exactly, when it grows, and multiplied
-// by it at the end). The consumers convert their own rows of Q (int8: to f16 times a power of two a
-// row, exact for a bf16 or f16 q but for values below 2^-28 of the row's largest), the power of two
-// divided out of the float32 scores with K's per-token scales. JAXKV_NO_WGMMA=1 in the environment
-// takes the mma.sync kernel instead (to compare).
+// An 8-bit cache's producer copies the bytes of tile i + 1 (cp.async, into one of two byte stages)
+// while it converts tile i from the other into the 16-bit stages, and a consumer waits for tile
+// i + 1 only after issuing P V of tile i, so that the conversion runs beside that MMA. An int8
+// cache runs both MMAs in f16, in which every 8-bit value is exact (one instruction converts a
+// pair, docs/perf-notes.md item 36), K and V converted into two 16-bit stages (two, where a 16-bit
+// cache has three, set its time: the bf16 path given two takes as long, perf notes item 47). An
+// fp8 cache keeps three stages: S = Q K^T runs in e4m3 on K's bytes as stored (copied into the
+// stage as they are, a 16 KiB K stage where f16 takes 32), Q as two e4m3 tiles, hi = e4m3(q 2^e)
+// and lo = e4m3(q 2^e - hi), which keep 8 bits of each value (bf16's); only V is converted, from
+// byte stages of its own (item 48). Per-token scales (a template argument, so that a cache scaled
+// per tensor carries none of their work): the consumers multiply K's into the scores; V's, over
+// `vref` and rounded to f16, multiply V as the producer converts it (fp8) or P before it is rounded
+// to f16 (int8, whose producer converts K too, item 46): two roundings to 11 bits, where bf16 had
+// one to 8. vref is a power of two above every V scale of the tiles so far, the same in the whole
+// block: O is rescaled, exactly, when it grows, and multiplied by it at the end. The consumers
+// convert their own rows of Q (int8: to f16 times a power of two a row, exact for a bf16 or f16 q
+// but for values below 2^-28 of the row's largest), the power of two divided out of the float32
+// scores with K's per-token scales. JAXKV_NO_WGMMA=1 in the environment takes the mma.sync kernel
+// instead (to compare).
 constexpr int kWgThreads = 384;  // the producer and two consumers
 constexpr int kWgD = 128;        // head_dim
 constexpr int kWgRows = 128;     // query rows a block
@@ -94,8 +95,10 @@ __device__ __forceinline__ void tree(float* x, Op op) {
 template <class T, class KT>
 constexpr bool kFp8K = !std::is_same_v<KT, T> && !std::is_same_v<KT, S8>;
 
-// KT: T (a cache of q's dtype) or E4M3 / E5M2 / S8 (an 8-bit cache).
-template <class T, class KT = T>
+// KT: T (a cache of q's dtype) or E4M3 / E5M2 / S8 (an 8-bit cache); kTokenScales: an 8-bit
+// cache's scales per token (else one per tensor, in p.k_scale and p.v_scale), fixed at compile
+// time so that neither path carries the other's branches.
+template <class T, class KT = T, bool kTokenScales = false>
 __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const AttentionProblem p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool k8 = !std::is_same_v<KT, T>;
@@ -114,7 +117,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   float* const k_scales = reinterpret_cast<float*>(smem + (base - raw) + L::kKs);  // k8 only
   __half* const v_factors = reinterpret_cast<__half*>(k_scales + L::kStages * kWgN);  // k8 only
   float* const v_refs = reinterpret_cast<float*>(smem + (base - raw) + L::kVref);   // k8 only
-  const bool token_scales = k8 && p.scales.k != nullptr;
+  constexpr bool token_scales = k8 && kTokenScales;
   int* const missing_at = reinterpret_cast<int*>(smem + (base - raw) + L::kMissing);
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -229,7 +232,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     float k_scale[2] = {}, v_scale[2] = {};  // tile i's keys' scales (scaled per token)
     if constexpr (k8) {
       ahead[0] = fetch(1, 0), ahead[1] = fetch(1, 1);
-      if (token_scales) load_scales(0, page, k_scale, v_scale);
+      if constexpr (token_scales) load_scales(0, page, k_scale, v_scale);
       if (tiles > 0) copy_bytes(0, page);
     }
     // An 8-bit cache scaled per token: vref and its reciprocal (exact), the same in every thread.
@@ -240,10 +243,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       float k_scale_next[2] = {}, v_scale_next[2] = {};
       if constexpr (k8) {
         copy_bytes(i + 1, ahead);  // past the last tile: no key, zeros (a commit group all the same)
-        if (token_scales) load_scales(i + 1, ahead, k_scale_next, v_scale_next);
+        if constexpr (token_scales) load_scales(i + 1, ahead, k_scale_next, v_scale_next);
       }
       if (i >= L::kStages) mbar_wait(L::empty(base, st), (i / L::kStages - 1) & 1);
-      if (token_scales) {  // the tile's vref (all the producer's threads)
+      if constexpr (token_scales) {  // the tile's vref (all the producer's threads)
         if (c_copy == 0) k_scales[st * kWgN + r_half] = k_scale[0], k_scales[st * kWgN + r_half + 64] = k_scale[1];
         float top = fmaxf(v_scale[0], v_scale[1]);
 #pragma unroll
@@ -295,7 +298,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
               uint32_t h[8];
 #pragma unroll
               for (int e = 0; e < 4; ++e) Tc8<KT>::to_h2(u[e], h[2 * e], h[2 * e + 1]);
-              if (f8k && token_scales) {  // V times its key's scale over vref (rounded to f16)
+              if constexpr (f8k && token_scales) {  // V times its key's scale over vref (rounded to f16)
                 const __half2 f = __half2half2(__float2half_rn(v_scale[pass] * inv));
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
@@ -471,7 +474,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   // The online softmax of tile i on s (4 lanes share a row): P into pa, O rescaled.
   auto softmax = [&](int i) {
     const int st = i % L::kStages;
-    if (token_scales) {  // an 8-bit cache's K scales on their scores
+    if constexpr (token_scales) {  // an 8-bit cache's K scales on their scores
       const float* ks = k_scales + st * kWgN;
 #pragma unroll
       for (int nt = 0; nt < kSt; ++nt) {
@@ -518,7 +521,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hf + 1], qs[hf], -mb));
         sums[nt] = p0 + p1;
         float2 f = {1.f, 1.f};  // an 8-bit cache scaled per token: its keys' V scales over vref, on P
-        if (!f8k && token_scales)
+        if constexpr (!f8k && token_scales)
           f = __half22float2(*reinterpret_cast<const __half2*>(v_factors + st * kWgN + nt * 8 + 2 * (lane % 4)));
         pa[nt / 2][(nt % 2) * 2 + hf] = pack2<MT>(p0 * f.x, p1 * f.y);
       }
@@ -580,8 +583,16 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
 template <class T, class KT = T>
 ffi::Error launch_wgmma(cudaStream_t stream, const AttentionProblem& p) {
   constexpr size_t bytes = WgLayout<!std::is_same_v<KT, T>, kFp8K<T, KT>>::kBytes;
-  allow_shared_memory(prefill_wgmma_kernel<T, KT>, bytes);
-  prefill_wgmma_kernel<T, KT><<<PrefillTile::grid(p, kWgRows), kWgThreads, bytes, stream>>>(p);
+  auto launch = [&](auto kernel) {
+    allow_shared_memory(kernel, bytes);
+    kernel<<<PrefillTile::grid(p, kWgRows), kWgThreads, bytes, stream>>>(p);
+  };
+  bool scaled = false;
+  if constexpr (!std::is_same_v<KT, T>) {
+    scaled = p.scales.k != nullptr;
+    if (scaled) launch(prefill_wgmma_kernel<T, KT, true>);
+  }
+  if (!scaled) launch(prefill_wgmma_kernel<T, KT, false>);
   return cuda_status("attention.prefill");
 }
 
