@@ -619,6 +619,42 @@ def test_attention_over_long_rows_head_dims_and_groups(kind, dtype, scaling):
                                atol=atol, rtol=2e-2)
 
 
+@pytest.mark.parametrize("kind", ["linear", "paged-NHD"])
+@pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
+@pytest.mark.parametrize("q_dtype,low_bit", [(jnp.float16, 2.0 ** -10), (jnp.bfloat16, 2.0 ** -7)],
+                         ids=["float16", "bfloat16"])
+def test_prefill_keeps_every_bit_of_q(kind, dtype, q_dtype, low_bit):
+    """q's last mantissa bit decides the softmax: keys 0 and 1 lie along two axes where q's
+    components differ by that bit alone, scaled so that it moves their scores apart by 2 (weights
+    0.88 and 0.12 on V of +1 and -1: outputs tanh(1)). A kernel that keeps fewer of q's bits (a
+    float16 q as hi + lo e4m3 tiles keeps 8 of its 11, perf notes item 48) gives 0."""
+    d, n, t, cap = 128, 4, 2, 16
+    a = 2.0 / low_bit * np.sqrt(d)  # scale * a * low_bit = 2
+    k = np.zeros((1, 1, cap, d), np.float32)
+    k[0, 0, 0, 0] = k[0, 0, 1, 1] = a  # keys 2 and 3 zero: their scores are 0, far below
+    v = np.array(values((1, 1, cap, d), spread=0.5))
+    v[0, 0, 0], v[0, 0, 1] = 1.0, -1.0
+    k, v = jnp.asarray(k), jnp.asarray(v)
+    lengths = jnp.asarray([n], jnp.int32)
+    if kind == "linear":
+        c = jaxkv.LinearKVCache.create(1, 1, 1, cap, d, dtype).reset(jnp.zeros((1,), jnp.int32))
+    else:
+        c, served = jaxkv.PagedKVCache.create(1, 4, cap, 1, d, 1, 1, dtype, "NHD").reserve(lengths)
+        assert bool(jnp.all(served))
+    c = c.append(0, k, v, lengths).commit(lengths)
+    q = np.zeros((1, t, 1, d), np.float32)
+    q[..., 0], q[..., 1] = 1 + 2.0 ** -5 + low_bit, 1 + 2.0 ** -5
+    q = jnp.asarray(q, q_dtype)
+    assert float(q[0, 0, 0, 0]) != float(q[0, 0, 0, 1]), "the bit is q's dtype's own"
+    start = lengths - t
+    got = jaxkv.attention.prefill(q, dataclasses.replace(c, lengths=start), 0, lengths - start)
+    kd, vd = dequantized_reference(k, v, dtype, "per_token_head")
+    want = ref.prefill_attention(q, kd, vd, start, lengths - start)
+    np.testing.assert_allclose(np.asarray(want[..., :4]), np.tanh(1.0), atol=1e-3)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
 @pytest.mark.parametrize("head_dim,group,q_dtype,scaling", [
     (64, 3, jnp.bfloat16, "per_token_head"),  # a group that does not divide the row tile
