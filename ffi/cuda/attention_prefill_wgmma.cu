@@ -24,21 +24,26 @@ namespace {
 // accumulators. Masks (causal, keys without a page) only on the tiles that need them; token tiles
 // run longest first. The page lookups and masks are the mma.sync kernel's.
 //
-// An 8-bit cache runs both MMAs in f16, in which every 8-bit value is exact, so that the producer
-// converts a pair of values by one instruction (docs/perf-notes.md, item 36). It copies the bytes
-// of tile i + 1 (cp.async, into one of two byte stages) while it converts tile i from the other
-// into one of two 16-bit stages, K and V as f16 (exact). (Two 16-bit stages, where a 16-bit cache
-// has three, set its time: the bf16 path given two takes as long, perf notes item 47.) The
-// per-token scales go to shared memory: the consumers multiply K's into the scores and V's over
-// `vref` (rounded to f16) into P before it is rounded to f16 (two roundings to 11 bits, where bf16
-// had one to 8; the producer multiplied V itself before, perf notes item 46; vref a power of two
-// above every V scale of the tiles so far, the same in the whole block: O is rescaled, exactly,
-// when it grows, and multiplied by it at the end). With two 16-bit stages a consumer waits for tile
-// i + 1 only after issuing P V of tile i, so that the conversion runs beside that MMA. The
-// consumers convert their own rows of Q to f16 times a power of two a row (exact for a bf16 or f16
-// q but for values below 2^-28 of the row's largest), divided out of the float32 scores with K's
-// per-token scales. JAXKV_NO_WGMMA=1 in the environment takes the mma.sync kernel instead (to
-// compare).
+// An 8-bit cache's producer copies the bytes of tile i + 1 (cp.async, into one of two byte stages)
+// while it converts tile i from the other into the 16-bit stages, and a consumer waits for tile
+// i + 1 only after issuing P V of tile i, so that the conversion runs beside that MMA. An int8
+// cache (and an fp8 one under a float16 q) runs both MMAs in f16, in which every 8-bit value is
+// exact (one instruction converts a pair, docs/perf-notes.md item 36), K and V converted into two
+// 16-bit stages (two, where a 16-bit cache has three, set its time: the bf16 path given two takes
+// as long, perf notes item 47). An fp8 cache under a bfloat16 q keeps three stages: S = Q K^T
+// runs in e4m3 on K's bytes as stored (copied into the stage as they are, a 16 KiB K stage where
+// f16 takes 32), Q as two e4m3 tiles, hi = e4m3(q 2^e) and lo = e4m3(q 2^e - hi), which hold a
+// bf16 value exactly (its residual has at most 4 significant bits; a float16 one's has 7, item
+// 48); only V is converted, from byte stages of its own. Per-token scales (a template argument, so that a cache scaled
+// per tensor carries none of their work): the consumers multiply K's into the scores; V's, over
+// `vref` and rounded to f16, multiply V as the producer converts it (fp8) or P before it is rounded
+// to f16 (int8, whose producer converts K too, item 46): two roundings to 11 bits, where bf16 had
+// one to 8. vref is a power of two above every V scale of the tiles so far, the same in the whole
+// block: O is rescaled, exactly, when it grows, and multiplied by it at the end. The consumers
+// convert their own rows of Q (int8: to f16 times a power of two a row, exact for a bf16 or f16 q
+// but for values below 2^-28 of the row's largest), the power of two divided out of the float32
+// scores with K's per-token scales. JAXKV_NO_WGMMA=1 in the environment takes the mma.sync kernel
+// instead (to compare).
 constexpr int kWgThreads = 384;  // the producer and two consumers
 constexpr int kWgD = 128;        // head_dim
 constexpr int kWgRows = 128;     // query rows a block
@@ -46,20 +51,22 @@ constexpr int kWgN = 128;        // keys a K/V tile
 using QTile = SwizzledTile<kWgRows>;
 using KVTile = SwizzledTile<kWgN>;
 
-// Bytes from the 1024-aligned base: Q, per stage K and V, an 8-bit cache's two stages of its bytes
-// (cp.async, converted from there), per stage the key flags (a byte a key), an 8-bit cache's per
-// stage K scales (float a key) and V scales over vref (f16 a key), per stage the last tile with a
-// key without a page, an 8-bit cache's per stage vref and the producer's two sets of 4 warp maxima, the
-// mbarriers (full, then empty). 227 KiB at most (Hopper's opt-in limit).
-template <bool k8>
+// Bytes from the 1024-aligned base: Q, per stage K, per stage V, an 8-bit cache's two stages of its
+// bytes (cp.async, converted from there: int8 K and V, fp8 V), per stage the key flags (a byte a
+// key), an 8-bit cache's per stage K scales (float a key) and V scales over vref (f16 a key), per
+// stage the last tile with a key without a page, an 8-bit cache's per stage vref and the producer's
+// two sets of 4 warp maxima, the mbarriers (full, then empty). 227 KiB at most (Hopper's opt-in
+// limit).
+template <bool k8, bool f8k = false>
 struct WgLayout {
-  // 16-bit stages: one tile read, two in flight (an 8-bit cache: one; its bytes are in flight in
-  // the byte stages, and a consumer waits for tile i + 1 only once it has issued P V of tile i).
-  static constexpr int kStages = k8 ? 2 : 3;
-  static constexpr unsigned kQ = kWgRows * kWgD * 2;
-  static constexpr unsigned kTile = kWgN * kWgD * 2;
-  static constexpr unsigned kBytesTile = k8 ? 2 * kWgN * kWgD : 0;  // K and V bytes of a tile
-  static constexpr unsigned kRaw = kQ + 2 * kStages * kTile;
+  // Stages: one tile read, two in flight (an int8 cache: one; its bytes are in flight in the byte
+  // stages, and a consumer waits for tile i + 1 only once it has issued P V of tile i). An fp8
+  // cache's K stages hold its bytes (read as they are by the e4m3 MMA), and only V has byte stages.
+  static constexpr int kStages = k8 && !f8k ? 2 : 3;
+  static constexpr unsigned kQ = kWgRows * kWgD * 2;  // f16, or an fp8 cache's two e4m3 tiles
+  static constexpr unsigned kKTile = kWgN * kWgD * (f8k ? 1 : 2), kVTile = kWgN * kWgD * 2;
+  static constexpr unsigned kBytesTile = k8 ? (f8k ? 1 : 2) * kWgN * kWgD : 0;  // bytes of a tile
+  static constexpr unsigned kRaw = kQ + kStages * (kKTile + kVTile);
   static constexpr unsigned kOk = kRaw + 2 * kBytesTile;
   static constexpr unsigned kKs = kOk + kStages * kWgN;
   static constexpr unsigned kMissing = kKs + (k8 ? (sizeof(float) + sizeof(__half)) * kStages * kWgN : 0);
@@ -67,12 +74,14 @@ struct WgLayout {
   static constexpr unsigned kWarpMax = kVref + (k8 ? sizeof(float) * kStages : 0);
   static constexpr unsigned kBars = (kWarpMax + (k8 ? sizeof(float) * 8 : 0) + 7) & ~7u;
   static constexpr size_t kBytes = kBars + 2 * 8 * kStages + 1024;  // + alignment slack
-  __device__ static unsigned kv(unsigned base, int stage, int kind) { return base + kQ + (stage * 2 + kind) * kTile; }
+  __device__ static unsigned kv(unsigned base, int stage, int kind) {
+    return base + kQ + (kind == 0 ? stage * kKTile : kStages * kKTile + stage * kVTile);
+  }
   __device__ static unsigned bytes(unsigned base, int stage) { return base + kRaw + stage * kBytesTile; }
   __device__ static unsigned full(unsigned base, int stage) { return base + kBars + 8 * stage; }
   __device__ static unsigned empty(unsigned base, int stage) { return base + kBars + 8 * (kStages + stage); }
 };
-static_assert(WgLayout<true>::kBytes <= 227 * 1024, "shared memory");
+static_assert(WgLayout<true>::kBytes <= 227 * 1024 && WgLayout<true, true>::kBytes <= 227 * 1024, "shared memory");
 
 // x[0] = x[0] + ... + x[2 kW - 1] (op: max or sum) by a tree (a loop of halving widths is not
 // unrolled by the compiler at 16 fragments, which moves the array to local memory).
@@ -83,13 +92,22 @@ __device__ __forceinline__ void tree(float* x, Op op) {
   if constexpr (kW > 1) tree<kW / 2>(x, op);
 }
 
-// KT: T (a cache of q's dtype) or E4M3 / E5M2 / S8 (an 8-bit cache).
-template <class T, class KT = T>
+// An fp8 cache under a bfloat16 q: S = Q K^T runs in e4m3 on K's bytes as stored, Q as hi + lo
+// e4m3 tiles, which hold bfloat16's 8 significant bits exactly but only 8 of float16's 11 (a
+// float16 q keeps the float16 path: tests/test_quantized.py::test_prefill_keeps_every_bit_of_q).
+template <class T, class KT>
+constexpr bool kFp8K = std::is_same_v<T, __nv_bfloat16> && (std::is_same_v<KT, E4M3> || std::is_same_v<KT, E5M2>);
+
+// KT: T (a cache of q's dtype) or E4M3 / E5M2 / S8 (an 8-bit cache); kTokenScales: an 8-bit
+// cache's scales per token (else one per tensor, in p.k_scale and p.v_scale), fixed at compile
+// time so that neither path carries the other's branches.
+template <class T, class KT = T, bool kTokenScales = false>
 __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const AttentionProblem p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool k8 = !std::is_same_v<KT, T>;
   using MT = std::conditional_t<k8, __half, T>;  // both MMAs' operands (Q, K; P, V)
-  using L = WgLayout<k8>;
+  constexpr bool f8k = kFp8K<T, KT>;
+  using L = WgLayout<k8, f8k>;
   constexpr int kConsumers = 256;
   // Registers a thread after setmaxnreg (the launch's 168 x 384 redistributed): an 8-bit cache's
   // producer holds a key's K and V bytes while it converts them.
@@ -102,12 +120,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   float* const k_scales = reinterpret_cast<float*>(smem + (base - raw) + L::kKs);  // k8 only
   __half* const v_factors = reinterpret_cast<__half*>(k_scales + L::kStages * kWgN);  // k8 only
   float* const v_refs = reinterpret_cast<float*>(smem + (base - raw) + L::kVref);   // k8 only
-  const bool token_scales = k8 && p.scales.k != nullptr;
+  constexpr bool token_scales = k8 && kTokenScales;
   int* const missing_at = reinterpret_cast<int*>(smem + (base - raw) + L::kMissing);
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int st = 0; st < L::kStages; ++st) {
-      mbar_init(L::full(base, st), k8 ? 128 : 2 * 128);  // the producer's threads, one or two arrivals each
+      mbar_init(L::full(base, st), k8 && !f8k ? 128 : 2 * 128);  // the producer's threads, one or two arrivals each
       mbar_init(L::empty(base, st), kConsumers);
       missing_at[st] = 0;
     }
@@ -183,7 +201,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     };
     // An 8-bit cache's producer runs two tiles ahead in the table and one in the data: tile i + 1's
     // bytes are copied (cp.async) into a byte stage and its scales loaded into registers while
-    // tile i is converted from the other. Each thread converts the words it copied: its 16-byte
+    // tile i is converted from the other (an fp8 cache: V's bytes; K's of tile i are copied into
+    // the stage as they are once it is free, as a 16-bit cache's). Each thread converts the words it copied: its 16-byte
     // words (pass, kind, y) of a stage, lane-interleaved (conflict-free), need no barrier.
     auto load_scales = [&](int i, const int32_t* entries, float* k_scale, float* v_scale) {
 #pragma unroll
@@ -193,15 +212,18 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         v_scale[pass] = key.live ? *reinterpret_cast<const float*>(p.scales.v + key.scale_off) : 0.f;
       }
     };
+    // The kinds with bytes to convert: K and V, an fp8 cache's V only.
+    constexpr int kFirstKind = f8k ? 1 : 0, kByteKinds = 2 - kFirstKind;
     auto word_at = [&](int i, int pass, int kind, int y) {
-      return L::bytes(base, i % 2) + ((((pass * 2 + kind) * (kChunks / 4) + y) * 128) + threadIdx.x % 128) * 16u;
+      return L::bytes(base, i % 2) +
+             ((((pass * kByteKinds + kind - kFirstKind) * (kChunks / 4) + y) * 128) + threadIdx.x % 128) * 16u;
     };
     auto copy_bytes = [&](int i, const int32_t* entries) {  // tile i's, one commit group
 #pragma unroll
       for (int pass = 0; pass < 2; ++pass) {
         const Key key = key_at(i, pass, entries[pass]);
 #pragma unroll
-        for (int kind = 0; kind < 2; ++kind)
+        for (int kind = kFirstKind; kind < 2; ++kind)
 #pragma unroll
           for (int y = 0; y < kChunks / 4; ++y)
             copy16(word_at(i, pass, kind, y), (kind == 0 ? kv.k : kv.v) + key.off + (key.live ? (c_copy + 2 * y) * 16 : 0), key.live);
@@ -213,7 +235,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     float k_scale[2] = {}, v_scale[2] = {};  // tile i's keys' scales (scaled per token)
     if constexpr (k8) {
       ahead[0] = fetch(1, 0), ahead[1] = fetch(1, 1);
-      if (token_scales) load_scales(0, page, k_scale, v_scale);
+      if constexpr (token_scales) load_scales(0, page, k_scale, v_scale);
       if (tiles > 0) copy_bytes(0, page);
     }
     // An 8-bit cache scaled per token: vref and its reciprocal (exact), the same in every thread.
@@ -224,10 +246,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       float k_scale_next[2] = {}, v_scale_next[2] = {};
       if constexpr (k8) {
         copy_bytes(i + 1, ahead);  // past the last tile: no key, zeros (a commit group all the same)
-        if (token_scales) load_scales(i + 1, ahead, k_scale_next, v_scale_next);
+        if constexpr (token_scales) load_scales(i + 1, ahead, k_scale_next, v_scale_next);
       }
       if (i >= L::kStages) mbar_wait(L::empty(base, st), (i / L::kStages - 1) & 1);
-      if (token_scales) {  // the tile's vref (all the producer's threads)
+      if constexpr (token_scales) {  // the tile's vref (all the producer's threads)
         if (c_copy == 0) k_scales[st * kWgN + r_half] = k_scale[0], k_scales[st * kWgN + r_half + 64] = k_scale[1];
         float top = fmaxf(v_scale[0], v_scale[1]);
 #pragma unroll
@@ -243,12 +265,25 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
           vref = up.value, inv = up.inverse;
         }
         if (threadIdx.x == 0) v_refs[st] = vref;
-        if (c_copy == 0) {  // each key's V scale over vref, rounded to f16 (as it was on V itself)
+        if (!f8k && c_copy == 0) {  // each key's V scale over vref, rounded to f16 (as it was on V itself)
           v_factors[st * kWgN + r_half] = __float2half_rn(v_scale[0] * inv);
           v_factors[st * kWgN + r_half + 64] = __float2half_rn(v_scale[1] * inv);
         }
       }
-      if constexpr (k8) copy_wait<1>();  // this thread's bytes of tile i (tile i + 1's in flight)
+      if constexpr (f8k) {  // K's bytes into its stage as they are, in the MMA's swizzle
+#pragma unroll
+        for (int pass = 0; pass < 2; ++pass) {
+          const Key key = key_at(i, pass, page[pass]);
+#pragma unroll
+          for (int y = 0; y < kChunks / 4; ++y)
+            copy16(KVTile::chunk(L::kv(base, st, 0), r_half + 64 * pass, c_copy + 2 * y),
+                   kv.k + key.off + (key.live ? (c_copy + 2 * y) * 16 : 0), key.live);
+        }
+        copy_commit();
+        mbar_arrive_copies(L::full(base, st));  // once they (and tile i + 1's V bytes) landed
+      }
+      // This thread's bytes of tile i (tile i + 1's in flight, and an fp8 cache's K of tile i).
+      if constexpr (k8) copy_wait<f8k ? 2 : 1>();
 #pragma unroll
       for (int pass = 0; pass < 2; ++pass) {
         const int r = r_half + 64 * pass;
@@ -258,7 +293,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         const int64_t off = key.off;
         if constexpr (k8) {
 #pragma unroll
-          for (int kind = 0; kind < 2; ++kind)
+          for (int kind = kFirstKind; kind < 2; ++kind)
 #pragma unroll
             for (int y = 0; y < kChunks / 4; ++y) {
               const uint4 wy = load16(word_at(i, pass, kind, y));
@@ -266,6 +301,15 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
               uint32_t h[8];
 #pragma unroll
               for (int e = 0; e < 4; ++e) Tc8<KT>::to_h2(u[e], h[2 * e], h[2 * e + 1]);
+              if constexpr (f8k && token_scales) {  // V times its key's scale over vref (rounded to f16)
+                const __half2 f = __half2half2(__float2half_rn(v_scale[pass] * inv));
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                  __half2 x = *reinterpret_cast<const __half2*>(&h[e]);
+                  x = __hmul2(x, f);
+                  h[e] = *reinterpret_cast<const uint32_t*>(&x);
+                }
+              }
               const int c = 2 * (c_copy + 2 * y);  // the first of its two 16-bit chunks
               store16(KVTile::chunk(L::kv(base, st, kind), r, c), h[0], h[1], h[2], h[3]);
               store16(KVTile::chunk(L::kv(base, st, kind), r, c + 1), h[4], h[5], h[6], h[7]);
@@ -361,14 +405,43 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(x[j]));
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      const float mul = f16_headroom(amax);
-      qs[hf] = fmaxf(qscale / mul, FLT_MIN);
-      const float m = mul * q_sign;
+      if constexpr (f8k) {
+        // Two e4m3 tiles, hi = e4m3(q 2^e) and lo = e4m3(q 2^e - hi) (the row's largest |q 2^e|
+        // in [2^7, 2^8)): hi + lo keeps 8 bits of each value, as bf16 has. Chunk 2 (lane % 4) + c
+        // of a row holds its values 16 c to 16 c + 15 of x.
+        const float mul = f16_headroom(amax) * 0x1p-7f;
+        qs[hf] = fmaxf(qscale / mul, FLT_MIN);
+        const float m = mul * q_sign;
 #pragma unroll
-      for (int y = 0; y < 4; ++y)
-        store16(QTile::chunk(base, r, 4 * (lane % 4) + y), pack2<__half>(x[8 * y] * m, x[8 * y + 1] * m),
-                pack2<__half>(x[8 * y + 2] * m, x[8 * y + 3] * m), pack2<__half>(x[8 * y + 4] * m, x[8 * y + 5] * m),
-                pack2<__half>(x[8 * y + 6] * m, x[8 * y + 7] * m));
+        for (int c = 0; c < 2; ++c) {
+          uint32_t hi[4], lo[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            hi[e] = lo[e] = 0u;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int j = 16 * c + 4 * e + 2 * half;
+              const float2 v = make_float2(x[j] * m, x[j + 1] * m);
+              const __nv_fp8x2_storage_t h = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
+              const float2 back = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(h, __NV_E4M3)));
+              const __nv_fp8x2_storage_t rest =
+                  __nv_cvt_float2_to_fp8x2(make_float2(v.x - back.x, v.y - back.y), __NV_SATFINITE, __NV_E4M3);
+              hi[e] |= uint32_t{h} << (16 * half), lo[e] |= uint32_t{rest} << (16 * half);
+            }
+          }
+          store16(QTile::chunk(base, r, 2 * (lane % 4) + c), hi[0], hi[1], hi[2], hi[3]);
+          store16(QTile::chunk(base + QTile::kBlock, r, 2 * (lane % 4) + c), lo[0], lo[1], lo[2], lo[3]);
+        }
+      } else {
+        const float mul = f16_headroom(amax);
+        qs[hf] = fmaxf(qscale / mul, FLT_MIN);
+        const float m = mul * q_sign;
+#pragma unroll
+        for (int y = 0; y < 4; ++y)
+          store16(QTile::chunk(base, r, 4 * (lane % 4) + y), pack2<__half>(x[8 * y] * m, x[8 * y + 1] * m),
+                  pack2<__half>(x[8 * y + 2] * m, x[8 * y + 3] * m), pack2<__half>(x[8 * y + 4] * m, x[8 * y + 5] * m),
+                  pack2<__half>(x[8 * y + 6] * m, x[8 * y + 7] * m));
+      }
     }
     fence_async_shared();       // the tile's stores, before the tensor cores read them
     named_sync(4 + wg, 128);    // the warpgroup's 64 rows
@@ -387,14 +460,24 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   auto wait_full = [&](int i) { mbar_wait(L::full(base, i % L::kStages), (i / L::kStages) & 1); };
   auto issue_s = [&](int i) {  // S = Q K^T of tile i into s
     const unsigned k_tile = L::kv(base, i % L::kStages, 0);
+    if constexpr (f8k) {  // Q's hi tile, then its lo tile, on K's bytes (32 a k-step)
+      constexpr bool e5m2 = std::is_same_v<KT, E5M2>;
 #pragma unroll
-    for (int kk = 0; kk < kWgD / 16; ++kk)
-      mma_ss<0>(op, s, desc_k_major<kWgRows>(base, wg * 64, kk), desc_k_major<kWgN>(k_tile, 0, kk), kk > 0);
+      for (int kk = 0; kk < kWgD / 32; ++kk)
+        mma_ss_f8<e5m2>(s, desc_k_major<kWgRows>(base, wg * 64, kk), desc_k_major<kWgN>(k_tile, 0, kk), kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < kWgD / 32; ++kk)
+        mma_ss_f8<e5m2>(s, desc_k_major<kWgRows>(base + QTile::kBlock, wg * 64, kk), desc_k_major<kWgN>(k_tile, 0, kk), 1);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kWgD / 16; ++kk)
+        mma_ss<0>(op, s, desc_k_major<kWgRows>(base, wg * 64, kk), desc_k_major<kWgN>(k_tile, 0, kk), kk > 0);
+    }
   };
   // The online softmax of tile i on s (4 lanes share a row): P into pa, O rescaled.
   auto softmax = [&](int i) {
     const int st = i % L::kStages;
-    if (token_scales) {  // an 8-bit cache's K scales on their scores
+    if constexpr (token_scales) {  // an 8-bit cache's K scales on their scores
       const float* ks = k_scales + st * kWgN;
 #pragma unroll
       for (int nt = 0; nt < kSt; ++nt) {
@@ -441,7 +524,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hf + 1], qs[hf], -mb));
         sums[nt] = p0 + p1;
         float2 f = {1.f, 1.f};  // an 8-bit cache scaled per token: its keys' V scales over vref, on P
-        if (token_scales)
+        if constexpr (!f8k && token_scales)
           f = __half22float2(*reinterpret_cast<const __half2*>(v_factors + st * kWgN + nt * 8 + 2 * (lane % 4)));
         pa[nt / 2][(nt % 2) * 2 + hf] = pack2<MT>(p0 * f.x, p1 * f.y);
       }
@@ -502,9 +585,17 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
 
 template <class T, class KT = T>
 ffi::Error launch_wgmma(cudaStream_t stream, const AttentionProblem& p) {
-  constexpr size_t bytes = WgLayout<!std::is_same_v<KT, T>>::kBytes;
-  allow_shared_memory(prefill_wgmma_kernel<T, KT>, bytes);
-  prefill_wgmma_kernel<T, KT><<<PrefillTile::grid(p, kWgRows), kWgThreads, bytes, stream>>>(p);
+  constexpr size_t bytes = WgLayout<!std::is_same_v<KT, T>, kFp8K<T, KT>>::kBytes;
+  auto launch = [&](auto kernel) {
+    allow_shared_memory(kernel, bytes);
+    kernel<<<PrefillTile::grid(p, kWgRows), kWgThreads, bytes, stream>>>(p);
+  };
+  bool scaled = false;
+  if constexpr (!std::is_same_v<KT, T>) {
+    scaled = p.scales.k != nullptr;
+    if (scaled) launch(prefill_wgmma_kernel<T, KT, true>);
+  }
+  if (!scaled) launch(prefill_wgmma_kernel<T, KT, false>);
   return cuda_status("attention.prefill");
 }
 

@@ -134,6 +134,23 @@ __device__ __forceinline__ void mma_rs(Wgmma<T, 128>, float (&d)[64], const uint
 JAXKV_WGMMA_M64N128K16(__nv_bfloat16, "bf16")
 JAXKV_WGMMA_M64N128K16(__half, "f16")
 #undef JAXKV_WGMMA_M64N128K16
+
+// m64n128k32, f32 accumulators += A B with A e4m3 and B e4m3 (kE5M2 false) or e5m2, both from
+// shared memory and K-major (the only major 8-bit operands have: a row of 32 values is 32 bytes,
+// as one of 16 16-bit values, so the descriptors are desc_k_major's). scale_d 0: d = A B.
+template <bool kE5M2>
+__device__ __forceinline__ void mma_ss_f8(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
+  if constexpr (kE5M2)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e5m2 " JAXKV_WGMMA_D_REGS "%64, %65, p, 1, 1;\n}\n"
+                 : JAXKV_WGMMA_D_OUT
+                 : "l"(a), "l"(b), "r"(scale_d));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " JAXKV_WGMMA_D_REGS "%64, %65, p, 1, 1;\n}\n"
+                 : JAXKV_WGMMA_D_OUT
+                 : "l"(a), "l"(b), "r"(scale_d));
+}
 #undef JAXKV_WGMMA_D_OUT
 #undef JAXKV_WGMMA_D_REGS
 
