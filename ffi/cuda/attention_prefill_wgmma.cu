@@ -26,24 +26,24 @@ namespace {
 //
 // An 8-bit cache's producer copies the bytes of tile i + 1 (cp.async, into one of two byte stages)
 // while it converts tile i from the other into the 16-bit stages, and a consumer waits for tile
-// i + 1 only after issuing P V of tile i, so that the conversion runs beside that MMA. An int8
-// cache (and an fp8 one under a float16 q) runs both MMAs in f16, in which every 8-bit value is
-// exact (one instruction converts a pair, docs/perf-notes.md item 36), K and V converted into two
-// 16-bit stages (two, where a 16-bit cache has three, set its time: the bf16 path given two takes
-// as long, perf notes item 47). An fp8 cache under a bfloat16 q keeps three stages: S = Q K^T
-// runs in e4m3 on K's bytes as stored (copied into the stage as they are, a 16 KiB K stage where
-// f16 takes 32), Q as two e4m3 tiles, hi = e4m3(q 2^e) and lo = e4m3(q 2^e - hi), which hold a
-// bf16 value exactly (its residual has at most 4 significant bits; a float16 one's has 7, item
-// 48); only V is converted, from byte stages of its own. Per-token scales (a template argument, so that a cache scaled
-// per tensor carries none of their work): the consumers multiply K's into the scores; V's, over
-// `vref` and rounded to f16, multiply V as the producer converts it (fp8) or P before it is rounded
-// to f16 (int8, whose producer converts K too, item 46): two roundings to 11 bits, where bf16 had
-// one to 8. vref is a power of two above every V scale of the tiles so far, the same in the whole
-// block: O is rescaled, exactly, when it grows, and multiplied by it at the end. The consumers
-// convert their own rows of Q (int8: to f16 times a power of two a row, exact for a bf16 or f16 q
-// but for values below 2^-28 of the row's largest), the power of two divided out of the float32
-// scores with K's per-token scales. JAXKV_NO_WGMMA=1 in the environment takes the mma.sync kernel
-// instead (to compare).
+// i + 1 only after issuing P V of tile i, so that the conversion runs beside that MMA. An int8 cache
+// (and an fp8 one under a float16 q) runs both MMAs in f16, in which every 8-bit value is exact
+// (one instruction converts a pair, docs/perf-notes.md item 36), K and V converted into two 16-bit
+// stages (two, where a 16-bit cache has three, set its time: the bf16 path given two takes as long,
+// perf notes item 47). An fp8 cache under a bfloat16 q keeps three stages: S = Q K^T runs in e4m3
+// on K's bytes as stored (copied into the stage as they are, a 16 KiB K stage where f16 takes 32),
+// Q as two e4m3 tiles, hi = e4m3(q 2^e) and lo = e4m3(q 2^e - hi), which hold a bf16 value exactly
+// (its residual has at most 4 significant bits; a float16 one's has 7, item 48); only V is
+// converted, from byte stages of its own. Per-token scales (a template argument, so that a cache
+// scaled per tensor carries none of their work): the consumers multiply K's into the scores; V's,
+// over `vref` and rounded to f16, multiply V as the producer converts it (fp8) or P before it is
+// rounded to f16 (int8, whose producer converts K too, item 46): two roundings to 11 bits, where
+// bf16 had one to 8. vref is a power of two above every V scale of the tiles so far, the same in
+// the whole block: O is rescaled, exactly, when it grows, and multiplied by it at the end. The
+// consumers convert their own rows of Q (int8: to f16 times a power of two a row, exact for a bf16
+// or f16 q but for values below 2^-28 of the row's largest), the power of two divided out of the
+// float32 scores with K's per-token scales. JAXKV_NO_WGMMA=1 in the environment takes the mma.sync
+// kernel instead (to compare).
 constexpr int kWgThreads = 384;  // the producer and two consumers
 constexpr int kWgD = 128;        // head_dim
 constexpr int kWgRows = 128;     // query rows a block
@@ -202,8 +202,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     // An 8-bit cache's producer runs two tiles ahead in the table and one in the data: tile i + 1's
     // bytes are copied (cp.async) into a byte stage and its scales loaded into registers while
     // tile i is converted from the other (an fp8 cache: V's bytes; K's of tile i are copied into
-    // the stage as they are once it is free, as a 16-bit cache's). Each thread converts the words it copied: its 16-byte
-    // words (pass, kind, y) of a stage, lane-interleaved (conflict-free), need no barrier.
+    // the stage as they are once it is free, as a 16-bit cache's). Each thread converts the words
+    // it copied: its 16-byte words (pass, kind, y) of a stage, lane-interleaved (conflict-free),
+    // need no barrier.
     auto load_scales = [&](int i, const int32_t* entries, float* k_scale, float* v_scale) {
 #pragma unroll
       for (int pass = 0; pass < 2; ++pass) {
