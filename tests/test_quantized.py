@@ -689,15 +689,17 @@ def test_prefill_over_many_key_tiles(dtype, head_dim, group, q_dtype, scaling):
 
 
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
-def test_prefill_with_v_scales_growing_along_the_row(dtype):
-    """V's per-token scales growing 2^12-fold along the keys, over five key tiles (on Hopper the
-    wgmma kernel holds O under a power of two above every V scale so far, and rescales O each
-    time it grows): attention over the dequantized values, to 2^-8 of the row's largest |V|."""
+@pytest.mark.parametrize("octaves", [12, 24])
+def test_prefill_with_v_scales_growing_along_the_row(dtype, octaves):
+    """V's per-token scales growing 2^12- and 2^24-fold along the keys, over five key tiles (on
+    Hopper the wgmma kernel holds O under one power of two above the row's largest V scale, found
+    by a pass before it; past 2^14 the smallest scales over it meet float16's subnormals):
+    attention over the dequantized values, to 2^-8 of the row's largest |V|."""
     b, h, group, page, pages, t, d = 2, 2, 4, 16, 40, 32, 128
     cap = page * pages
     prefix = jnp.asarray([cap - t, 300], jnp.int32)
     q_lengths = jnp.asarray([t, 17], jnp.int32)
-    growth = jnp.asarray(2.0 ** (12.0 * np.arange(cap) / cap), jnp.float32)[:, None]
+    growth = jnp.asarray(2.0 ** (octaves * np.arange(cap) / cap), jnp.float32)[:, None]
     k = values((b, h, cap, d), spread=1.0)
     v = values((b, h, cap, d), spread=1.0) * growth
     c = jaxkv.PagedKVCache.create(1, b * pages, page, h, d, b, pages, dtype, "NHD")

@@ -1,6 +1,7 @@
 // CUDA prefill attention on Hopper's warpgroup MMA (wgmma, sm_90a): a bf16 / f16 q over a cache
 // of its dtype or an 8-bit one (fp8 e4m3 / e5m2, int8), head_dim 128. Elsewhere (another GPU or
 // head_dim) the mma.sync kernel of attention_prefill.cu runs.
+#include <algorithm>
 #include <cfloat>
 #include <cstdlib>
 
@@ -38,12 +39,13 @@ namespace {
 // scaled per tensor carries none of their work): the consumers multiply K's into the scores; V's,
 // over `vref` and rounded to f16, multiply V as the producer converts it (fp8) or P before it is
 // rounded to f16 (int8, whose producer converts K too, item 46): two roundings to 11 bits, where
-// bf16 had one to 8. vref is a power of two above every V scale of the tiles so far, the same in
-// the whole block: O is rescaled, exactly, when it grows, and multiplied by it at the end. The
-// consumers convert their own rows of Q (int8: to f16 times a power of two a row, exact for a bf16
-// or f16 q but for values below 2^-28 of the row's largest), the power of two divided out of the
-// float32 scores with K's per-token scales. JAXKV_NO_WGMMA=1 in the environment takes the mma.sync
-// kernel instead (to compare).
+// bf16 had one to 8. vref is a power of two above every V scale of the row's keys, found before
+// the prefill by v_max_kernel (so that the producer's warps need not agree on one a tile), the
+// same in the whole block; O is multiplied by it at the end. The consumers convert their own rows
+// of Q (int8: to f16 times a power of two a row, exact for a bf16 or f16 q but for values below
+// 2^-28 of the row's largest), the power of two divided out of the float32 scores with K's
+// per-token scales. JAXKV_NO_WGMMA=1 in the environment takes the mma.sync kernel instead (to
+// compare).
 constexpr int kWgThreads = 384;  // the producer and two consumers
 constexpr int kWgD = 128;        // head_dim
 constexpr int kWgRows = 128;     // query rows a block
@@ -54,9 +56,8 @@ using KVTile = SwizzledTile<kWgN>;
 // Bytes from the 1024-aligned base: Q, per stage K, per stage V, an 8-bit cache's two stages of its
 // bytes (cp.async, converted from there: int8 K and V, fp8 V), per stage the key flags (a byte a
 // key), an 8-bit cache's per stage K scales (float a key) and V scales over vref (f16 a key), per
-// stage the last tile with a key without a page, an 8-bit cache's per stage vref and the producer's
-// two sets of 4 warp maxima, the mbarriers (full, then empty). 227 KiB at most (Hopper's opt-in
-// limit).
+// stage the last tile with a key without a page, the mbarriers (full, then empty). 227 KiB at most
+// (Hopper's opt-in limit).
 template <bool k8, bool f8k = false>
 struct WgLayout {
   // Stages: one tile read, two in flight (an int8 cache: one; its bytes are in flight in the byte
@@ -70,9 +71,7 @@ struct WgLayout {
   static constexpr unsigned kOk = kRaw + 2 * kBytesTile;
   static constexpr unsigned kKs = kOk + kStages * kWgN;
   static constexpr unsigned kMissing = kKs + (k8 ? (sizeof(float) + sizeof(__half)) * kStages * kWgN : 0);
-  static constexpr unsigned kVref = kMissing + sizeof(int) * kStages;
-  static constexpr unsigned kWarpMax = kVref + (k8 ? sizeof(float) * kStages : 0);
-  static constexpr unsigned kBars = (kWarpMax + (k8 ? sizeof(float) * 8 : 0) + 7) & ~7u;
+  static constexpr unsigned kBars = (kMissing + sizeof(int) * kStages + 7) & ~7u;
   static constexpr size_t kBytes = kBars + 2 * 8 * kStages + 1024;  // + alignment slack
   __device__ static unsigned kv(unsigned base, int stage, int kind) {
     return base + kQ + (kind == 0 ? stage * kKTile : kStages * kKTile + stage * kVTile);
@@ -90,6 +89,46 @@ __device__ __forceinline__ void tree(float* x, Op op) {
 #pragma unroll
   for (int j = 0; j < kW; ++j) x[j] = op(x[j], x[j + kW]);
   if constexpr (kW > 1) tree<kW / 2>(x, op);
+}
+
+// The largest V scale of each (row b, KV head) over the keys its last query attends to, into
+// p.v_maxima[b * H + head] (zeroed before; the bits of non-negative floats order as integers): a
+// block of 256 keys a (row, head), a key a thread. Every block of the prefill then takes the same
+// power of two above it (v_reference). Measured on the H200 (docs/perf-notes.md item 50): this
+// pass and no exchange a tile between the producer's warps, fp8 1.85 ms, against 1.96 with one.
+__global__ void __launch_bounds__(256) v_max_kernel(const AttentionProblem p) {
+  const int b = blockIdx.z, kvh = blockIdx.y;
+  const KVView& kv = p.kv;
+  const int32_t t_last = min(p.tokens, p.counts[b]) - 1;
+  const int32_t n = p.layer_ok() && t_last >= 0 ? p.keys(b, t_last) : 0;
+  const int32_t pos = blockIdx.x * 256 + threadIdx.x;
+  if (blockIdx.x * 256 >= n) return;  // the same for the whole block
+  float top = 0.f;
+  if (pos < n) {
+    const int32_t entry = kv.page_table ? kv.page_table[int64_t{b} * kv.max_pages + kv.column(pos)] : b;
+    if (kv.holds(entry)) {
+      const int64_t at = *p.layer * p.scales.layer_stride + kvh * p.scales.head_stride +
+                         entry * p.scales.page_stride + kv.slot(pos) * p.scales.token_stride;
+      top = *reinterpret_cast<const float*>(p.scales.v + at);
+    }
+  }
+  __shared__ float warp_max[8];
+#pragma unroll
+  for (int x = 1; x < 32; x *= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, x));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = top;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    tree<4>(warp_max, [](float a, float c) { return fmaxf(a, c); });
+    if (warp_max[0] > 0.f)
+      atomicMax(reinterpret_cast<int*>(p.v_maxima) + int64_t{b} * kv.heads + kvh, __float_as_int(warp_max[0]));
+  }
+}
+
+// vref of the block of (row b, KV head kvh) and its reciprocal: the power of two above the row's
+// largest V scale (at most 2^127; 2^-100 where none is larger).
+__device__ __forceinline__ Pow2 v_reference(const AttentionProblem& p, int b, int kvh) {
+  const float top = fminf(p.v_maxima[int64_t{b} * p.kv.heads + kvh], 0x1p126f);
+  return top > 0x1p-100f ? pow2_above(top) : Pow2{0x1p-100f, 0x1p100f};
 }
 
 // An fp8 cache under a bfloat16 q: S = Q K^T runs in e4m3 on K's bytes as stored, Q as hi + lo
@@ -119,7 +158,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   unsigned char* const ok_flags = smem + (base - raw) + L::kOk;
   float* const k_scales = reinterpret_cast<float*>(smem + (base - raw) + L::kKs);  // k8 only
   __half* const v_factors = reinterpret_cast<__half*>(k_scales + L::kStages * kWgN);  // k8 only
-  float* const v_refs = reinterpret_cast<float*>(smem + (base - raw) + L::kVref);   // k8 only
   constexpr bool token_scales = k8 && kTokenScales;
   int* const missing_at = reinterpret_cast<int*>(smem + (base - raw) + L::kMissing);
   if (threadIdx.x == 0) {
@@ -239,8 +277,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       if constexpr (token_scales) load_scales(0, page, k_scale, v_scale);
       if (tiles > 0) copy_bytes(0, page);
     }
-    // An 8-bit cache scaled per token: vref and its reciprocal (exact), the same in every thread.
-    float vref = token_scales ? 0x1p-100f : 1.f, inv = token_scales ? 0x1p100f : 1.f;
+    // An 8-bit cache scaled per token: the reciprocal of vref (exact).
+    const float inv = token_scales ? v_reference(p, b, kvh).inverse : 1.f;
     for (int i = 0; i < tiles; ++i) {
       const int st = i % L::kStages;
       const int32_t next[2] = {fetch(i + (k8 ? 2 : 1), 0), fetch(i + (k8 ? 2 : 1), 1)};  // in flight
@@ -250,23 +288,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         if constexpr (token_scales) load_scales(i + 1, ahead, k_scale_next, v_scale_next);
       }
       if (i >= L::kStages) mbar_wait(L::empty(base, st), (i / L::kStages - 1) & 1);
-      if constexpr (token_scales) {  // the tile's vref (all the producer's threads)
-        if (c_copy == 0) k_scales[st * kWgN + r_half] = k_scale[0], k_scales[st * kWgN + r_half + 64] = k_scale[1];
-        float top = fmaxf(v_scale[0], v_scale[1]);
-#pragma unroll
-        for (int x = 1; x < 32; x *= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, x));
-        // The warps' maxima, two sets by the tile's parity: a warp writing tile i + 2's has passed
-        // tile i + 1's barrier, so every warp has read tile i's.
-        float* const warp_max = reinterpret_cast<float*>(smem + (base - raw) + L::kWarpMax) + (i % 2) * 4;
-        if (lane == 0) warp_max[warp] = top;
-        named_sync(3, 128);
-        top = fminf(fmaxf(fmaxf(warp_max[0], warp_max[1]), fmaxf(warp_max[2], warp_max[3])), 0x1p126f);
-        if (top > vref) {
-          const Pow2 up = pow2_above(top);
-          vref = up.value, inv = up.inverse;
-        }
-        if (threadIdx.x == 0) v_refs[st] = vref;
-        if (!f8k && c_copy == 0) {  // each key's V scale over vref, rounded to f16 (as it was on V itself)
+      if (token_scales && c_copy == 0) {  // the tile's K scales (and int8: its V scales over vref)
+        k_scales[st * kWgN + r_half] = k_scale[0], k_scales[st * kWgN + r_half + 64] = k_scale[1];
+        if (!f8k) {  // each key's V scale over vref, rounded to f16 (as it was on V itself)
           v_factors[st * kWgN + r_half] = __float2half_rn(v_scale[0] * inv);
           v_factors[st * kWgN + r_half + 64] = __float2half_rn(v_scale[1] * inv);
         }
@@ -354,7 +378,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   int32_t n_row[2];
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) n_row[hf] = q_tile.keys(p, q_tile.row(p, row_w + 8 * hf));
-  float vcur = token_scales ? 0x1p-100f : 1.f;  // an 8-bit cache's vref of O so far
+  const float vref = token_scales ? v_reference(p, b, kvh).value : 1.f;  // O's factor at the end
   // Writes O / l of this thread's rows (zeros for a row with no key; rows past the tile or T are
   // not written).
   auto write_out = [&](const float* o, const float* l) {
@@ -366,7 +390,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       const PrefillTile::Row q = q_tile.row(p, row_w + 8 * hf);
       if (!q.live) continue;
       const bool live = n_row[hf] > 0 && sum != 0.f;
-      const float norm = live ? *p.v_scale * vcur / sum : 0.f;
+      const float norm = live ? *p.v_scale * vref / sum : 0.f;
       T* out = reinterpret_cast<T*>(p.out) + q_tile.q_index(p, q) + 2 * (lane % 4);
 #pragma unroll
       for (int dt = 0; dt < kWgD / 8; ++dt) {
@@ -533,11 +557,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       m[hf] = top;
       l[hf] = l[hf] * alpha[hf] + sums[0];  // this lane's columns; the row's sum at the end
     }
-    if (token_scales && v_refs[st] > vcur) {  // vref grew: O's old values rescaled (powers of two)
-      const float grow = vcur / v_refs[st];
-      alpha[0] *= grow, alpha[1] *= grow;  // l took alpha already
-      vcur = v_refs[st];
-    }
 #pragma unroll
     for (int dt = 0; dt < kOt; ++dt)
 #pragma unroll
@@ -591,12 +610,18 @@ ffi::Error launch_wgmma(cudaStream_t stream, const AttentionProblem& p) {
     allow_shared_memory(kernel, bytes);
     kernel<<<PrefillTile::grid(p, kWgRows), kWgThreads, bytes, stream>>>(p);
   };
-  bool scaled = false;
   if constexpr (!std::is_same_v<KT, T>) {
-    scaled = p.scales.k != nullptr;
-    if (scaled) launch(prefill_wgmma_kernel<T, KT, true>);
+    if (p.scales.k != nullptr) {  // scaled per token: the rows' largest V scales first
+      if (p.v_maxima == nullptr)
+        return invalid("attention.prefill", "an 8-bit cache scaled per token needs a workspace of [B, H] floats");
+      cudaMemsetAsync(p.v_maxima, 0, sizeof(float) * p.batch * p.kv.heads, stream);
+      const dim3 grid(static_cast<unsigned>(std::max(1, (p.kv.capacity + 255) / 256)), p.kv.heads, p.batch);
+      v_max_kernel<<<grid, 256, 0, stream>>>(p);
+      launch(prefill_wgmma_kernel<T, KT, true>);
+      return cuda_status("attention.prefill");
+    }
   }
-  if (!scaled) launch(prefill_wgmma_kernel<T, KT, false>);
+  launch(prefill_wgmma_kernel<T, KT, false>);
   return cuda_status("attention.prefill");
 }
 

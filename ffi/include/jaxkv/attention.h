@@ -32,6 +32,7 @@ struct AttentionProblem {
   const float* k_scale;   // []: dequantization scale of K (an 8-bit cache's per-tensor scale; else 1)
   const float* v_scale;   // []
   KVView scales;          // an 8-bit cache's scales per token and head (scales.k null: none)
+  float* v_maxima;        // [B, H] of the workspace, or null: the wgmma prefill's largest V scales
   float scale;            // softmax scale
   int32_t batch, tokens, q_heads, head_dim;
   int32_t group;          // q heads per KV head
@@ -114,6 +115,7 @@ inline ffi::ErrorOr<AttentionProblem> make_attention(
   if (c.heads <= 0 || p.q_heads % c.heads != 0) return bad("q heads must be a multiple of KV heads");
   p.scales = KVView{};
   p.scales.k = p.scales.v = nullptr;
+  p.v_maxima = nullptr;
   if (k_scales.element_count() != 0) {
     if (k_scales.element_type() != ffi::DataType::F32) return bad("scales must be float32");
     int64_t one = 0;
