@@ -140,16 +140,14 @@ JAXKV_WGMMA_M64N128K16(__half, "f16")
 // as one of 16 16-bit values, so the descriptors are desc_k_major's). scale_d 0: d = A B.
 template <bool kE5M2>
 __device__ __forceinline__ void mma_ss_f8(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
-  if constexpr (kE5M2)
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e5m2 " JAXKV_WGMMA_D_REGS "%64, %65, p, 1, 1;\n}\n"
-                 : JAXKV_WGMMA_D_OUT
-                 : "l"(a), "l"(b), "r"(scale_d));
-  else
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " JAXKV_WGMMA_D_REGS "%64, %65, p, 1, 1;\n}\n"
-                 : JAXKV_WGMMA_D_OUT
-                 : "l"(a), "l"(b), "r"(scale_d));
+#define JAXKV_WGMMA_F8(BT)                                                                                               \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                              \
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3." BT " " JAXKV_WGMMA_D_REGS "%64, %65, p, 1, 1;\n}\n"   \
+               : JAXKV_WGMMA_D_OUT                                                                                       \
+               : "l"(a), "l"(b), "r"(scale_d))
+  if constexpr (kE5M2) JAXKV_WGMMA_F8("e5m2");
+  else JAXKV_WGMMA_F8("e4m3");
+#undef JAXKV_WGMMA_F8
 }
 #undef JAXKV_WGMMA_D_OUT
 #undef JAXKV_WGMMA_D_REGS
