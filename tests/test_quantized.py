@@ -718,6 +718,35 @@ def test_prefill_with_v_scales_growing_along_the_row(dtype, octaves):
                                    atol=2.0 ** -8 * largest, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
+def test_prefill_beside_a_nan_value(dtype):
+    """NaN in the V vectors of 32 keys (their scales are stored NaN; checkify reports them)
+    spoils no other row, no other KV head, and none of its own row's queries well before them
+    (the first 64, whose keys end 52 before them): on Hopper the wgmma kernel's reference of the row's
+    V scales, found by a pass a key a thread, ignores NaN scales, even those of a whole warp."""
+    b, h, group, page, pages, d = 2, 2, 4, 16, 40, 128
+    cap = page * pages
+    prefix = jnp.asarray([300, 200], jnp.int32)
+    q_lengths = jnp.asarray([160, 40], jnp.int32)
+    n = prefix + q_lengths
+    k = values((b, h, cap, d), spread=1.0)
+    v = values((b, h, cap, d), spread=1.0).at[0, 1, 416:448, 5].set(jnp.nan)  # keys 416-447 of 460
+    c = jaxkv.PagedKVCache.create(1, b * pages, page, h, d, b, pages, dtype, "NHD")
+    c, served = c.reserve(n)
+    assert bool(jnp.all(served))
+    c = c.append(0, k, v, n).commit(n)
+    kd, vd = dequantized_reference(k, v, dtype, "per_token_head")
+    q = values((b, 160, h * group, d), jnp.bfloat16, spread=0.5)
+    got = np.asarray(jax.jit(jaxkv.attention.prefill)(q, dataclasses.replace(c, lengths=prefix), 0,
+                                                      q_lengths), np.float32)
+    vd = jnp.where(jnp.isnan(vd), 0.0, vd)  # the reference weighs every key (0 x NaN): none compared reads it
+    want = np.asarray(ref.prefill_attention(q, kd, vd, prefix, q_lengths), np.float32)
+    check = dict(atol=2.0 ** -8 * float(jnp.max(jnp.abs(vd))), rtol=2e-2)
+    np.testing.assert_allclose(got[1, :40], want[1, :40], **check)  # the other row
+    np.testing.assert_allclose(got[0, :, :group], want[0, :, :group], **check)  # KV head 0's q heads
+    np.testing.assert_allclose(got[0, :64, group:], want[0, :64, group:], **check)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8], ids=["e4m3", "int8"])
 @pytest.mark.parametrize("scale", [-0.05, 0.0])
 def test_prefill_with_a_negative_or_zero_softmax_scale(dtype, scale):

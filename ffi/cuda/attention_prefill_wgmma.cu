@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(256) v_max_kernel(const AttentionProblem p) {
     if (kv.holds(entry)) {
       const int64_t at = *p.layer * p.scales.layer_stride + kvh * p.scales.head_stride +
                          entry * p.scales.page_stride + kv.slot(pos) * p.scales.token_stride;
-      top = *reinterpret_cast<const float*>(p.scales.v + at);
+      top = fmaxf(top, *reinterpret_cast<const float*>(p.scales.v + at));  // NaN (a NaN vector's) ignored
     }
   }
   __shared__ float warp_max[8];
