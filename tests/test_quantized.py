@@ -722,8 +722,8 @@ def test_prefill_with_v_scales_growing_along_the_row(dtype, octaves):
 def test_prefill_beside_a_nan_value(dtype):
     """NaN in the V vectors of 32 keys (their scales are stored NaN; checkify reports them)
     spoils no other row, no other KV head, and none of its own row's queries well before them
-    (the first 64, whose keys end 52 before them): on Hopper the wgmma kernel's reference of the row's
-    V scales, found by a pass a key a thread, ignores NaN scales, even those of a whole warp."""
+    (the first 64, whose keys end 52 before them): on Hopper the wgmma kernel's reference of the
+    row's V scales, found by a pass a key a thread, ignores NaN scales, even a whole warp's."""
     b, h, group, page, pages, d = 2, 2, 4, 16, 40, 128
     cap = page * pages
     prefix = jnp.asarray([300, 200], jnp.int32)
