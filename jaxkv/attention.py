@@ -236,7 +236,7 @@ def _multiprocessors() -> int:
 def _call(target, q4, src: _Source, starts, counts, k_scale, v_scale, scale, splits):
     b, t, hq, d = q4.shape
     per_token = src.scaling == "per_token_head"
-    work = (b, t, hq, splits, d + 2) if splits > 1 else (0,)
+    work: tuple[int, ...] = (b, t, hq, splits, d + 2) if splits > 1 else (0,)
     if target == "jaxkv_attention_prefill" and per_token and splits == 1:
         work = (b, src.num_kv_heads)  # the Hopper prefill's largest V scale a row and KV head
     none = jnp.zeros((0,), jnp.float32)
