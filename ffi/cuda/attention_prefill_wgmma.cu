@@ -105,12 +105,9 @@ __global__ void __launch_bounds__(256) v_max_kernel(const AttentionProblem p) {
   if (blockIdx.x * 256 >= n) return;  // the same for the whole block
   float top = 0.f;
   if (pos < n) {
-    const int32_t entry = kv.page_table ? kv.page_table[int64_t{b} * kv.max_pages + kv.column(pos)] : b;
-    if (kv.holds(entry)) {
-      const int64_t at = *p.layer * p.scales.layer_stride + kvh * p.scales.head_stride +
-                         entry * p.scales.page_stride + kv.slot(pos) * p.scales.token_stride;
-      top = fmaxf(top, *reinterpret_cast<const float*>(p.scales.v + at));  // NaN (a NaN vector's) ignored
-    }
+    const int32_t entry = kv.entry(b, pos);
+    if (kv.holds(entry))  // fmaxf: a NaN scale (a NaN vector's) is ignored
+      top = fmaxf(top, p.scales.v_float(p.scales.at_slot(*p.layer, entry, kvh, kv.slot(pos))));
   }
   __shared__ float warp_max[8];
 #pragma unroll
