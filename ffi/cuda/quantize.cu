@@ -93,7 +93,7 @@ struct Geometry {
   static constexpr int kPer = kLaneBytes / kInBytes < kD ? kLaneBytes / kInBytes : kD;
   static constexpr int kGroup = kD / kPer;                              // lanes a vector
   static constexpr int kWords = kPer * kInBytes / 16;                   // 16-byte loads a lane
-  static constexpr int kPerBlock = kWarps * 32 / kGroup;                // vectors a block
+  static constexpr int kPerWarp = 32 / kGroup;                          // vectors a warp
   static constexpr int kOutBytes = kPer < 16 ? kPer : 16;               // bytes a store
   static constexpr int kStores = kPer / kOutBytes;                      // stores a lane
   static_assert(kD % kPer == 0 && kGroup <= 32 && kWords >= 1 && kPer % 4 == 0 && kPer <= 32,
@@ -242,18 +242,24 @@ __device__ __forceinline__ void store_encoded(const Encoded<Geometry<kIn, kD, kL
   }
 }
 
+// Warps a block of the specialized append: 4 for the K-and-V-a-lane path, whose grid is thousands
+// of blocks (a finished warp's place is taken sooner: the 5000-token prefill 1-2% faster than at
+// 8, H200, perf notes item 51), 8 for the smaller appends (a decode step's 4096 vectors: 1% faster
+// at 8).
+constexpr int append_block_warps(bool pair) { return pair ? 4 : kWarps; }
+
 template <Format kIn, Format kOut, int kD, bool kPair>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(append_block_warps(kPair) * 32)
     quantize_kernel_fixed(const QuantAppend p, const VectorDivs divs) {
   using G = Geometry<kIn, kD, kAppendLaneBytes>;
-  constexpr int kGroup = G::kGroup, kWords = G::kWords, kPerWarp = 32 / kGroup;
-  constexpr int kVecs = kPair ? 2 : 1;
+  constexpr int kGroup = G::kGroup, kWords = G::kWords, kPerWarp = G::kPerWarp;
+  constexpr int kVecs = kPair ? 2 : 1, kBlockWarps = append_block_warps(kPair);
   const int lane = threadIdx.x % 32, sub = lane % kGroup;
   const uint32_t units = static_cast<uint32_t>(kPair ? p.vectors() / 2 : p.vectors());
-  const uint32_t warps = gridDim.x * kWarps;
+  const uint32_t warps = gridDim.x * kBlockWarps;
   // Whole warps go round together (every lane takes part in the shuffles); a lane past the end,
   // or whose vector is not written, computes and writes nothing.
-  for (uint32_t w = blockIdx.x * kWarps + threadIdx.x / 32; w * kPerWarp < units; w += warps) {
+  for (uint32_t w = blockIdx.x * kBlockWarps + threadIdx.x / 32; w * kPerWarp < units; w += warps) {
     const uint32_t i = w * kPerWarp + lane / kGroup;
     const bool in = i < units;
     const uint32_t at_i = in ? i : units - 1;
@@ -304,7 +310,7 @@ template <Format kIn, Format kOut, int kD>
 __global__ void __launch_bounds__(kWarps * 32)
     quantize_prefix_fixed(const __grid_constant__ QuantPrefix p) {
   using G = Geometry<kIn, kD, kPrefixLaneBytes>;
-  constexpr int kGroup = G::kGroup, kWords = G::kWords, kPerWarp = 32 / kGroup;
+  constexpr int kGroup = G::kGroup, kWords = G::kWords, kPerWarp = G::kPerWarp;
   const int lane = threadIdx.x % 32, sub = lane % kGroup;
   const int64_t total = p.first_vector[p.num_layers], warps = int64_t{gridDim.x} * kWarps;
   for (int64_t w = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32; w * kPerWarp < total; w += warps) {
@@ -363,11 +369,12 @@ struct AppendLaunch {
   const VectorDivs& d;
   template <Format kIn, Format kOut, int kD, bool kPair>
   void launch() const {
-    const int64_t per_block = Geometry<kIn, kD, kAppendLaneBytes>::kPerBlock;
+    constexpr int kBlockWarps = append_block_warps(kPair);
+    const int64_t per_block = Geometry<kIn, kD, kAppendLaneBytes>::kPerWarp * kBlockWarps;
     const int64_t units = kPair ? p.vectors() / 2 : p.vectors();
     const int64_t blocks = std::min<int64_t>((units + per_block - 1) / per_block, 1 << 20);
     quantize_kernel_fixed<kIn, kOut, kD, kPair>
-        <<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p, d);
+        <<<static_cast<unsigned>(blocks), kBlockWarps * 32, 0, stream>>>(p, d);
   }
   template <Format kIn, Format kOut, int kD>
   void go() const {
@@ -383,7 +390,7 @@ struct PrefixLaunch {
   const QuantPrefix& p;
   template <Format kIn, Format kOut, int kD>
   void go() const {
-    const int64_t per_block = Geometry<kIn, kD, kPrefixLaneBytes>::kPerBlock;
+    const int64_t per_block = Geometry<kIn, kD, kPrefixLaneBytes>::kPerWarp * kWarps;
     const int64_t vectors = p.first_vector[p.num_layers];
     const int64_t blocks = std::min<int64_t>((vectors + per_block - 1) / per_block, 1 << 20);
     quantize_prefix_fixed<kIn, kOut, kD><<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p);
