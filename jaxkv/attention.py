@@ -237,8 +237,10 @@ def _call(target, q4, src: _Source, starts, counts, k_scale, v_scale, scale, spl
     b, t, hq, d = q4.shape
     per_token = src.scaling == "per_token_head"
     work: tuple[int, ...] = (b, t, hq, splits, d + 2) if splits > 1 else (0,)
+    # The Hopper prefill over per-token scales keeps each row and KV head's largest V scale in
+    # [B, H] floats of the workspace; a split-KV workspace, when there is one, is larger and serves.
     if target == "jaxkv_attention_prefill" and per_token and splits == 1:
-        work = (b, src.num_kv_heads)  # the Hopper prefill's largest V scale a row and KV head
+        work = (b, src.num_kv_heads)
     none = jnp.zeros((0,), jnp.float32)
     out, _ = _ffi.call(
         target,
