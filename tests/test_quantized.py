@@ -197,6 +197,53 @@ def test_a_large_append_quantizes_bit_for_bit(kind, dtype, in_dtype, scaling):
                     want_s[r, :, :n[r]]), f"row {r} scales {kv}")
 
 
+NAN_CODE = {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7E, "int8": 0}
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
+@pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_a_nan_value_keeps_its_vectors_scale_and_other_values(size, dtype, in_dtype):
+    """A per-token vector holding a NaN (checkify reports it): its scale is max |x| / QMAX over its
+    finite values, its other values are quantized by it, and the NaN is stored as the format's
+    NaN (int8: 0), on the host and the device alike. Of either sign: on the H200 the NaN bytes'
+    sign did not follow the input's, with main's kernels before this test too (2026-11-29). On
+    the GPU such a vector leaves the common path (its NaN is found by the vector's maximum, not a
+    test a pair), in a warp whose other vectors stay on it; "large" is the kernel's
+    K-and-V-a-lane split."""
+    b, h, t, d, cap = (4, 2, 8, 64, 16) if size == "small" else (8, 8, 320, 128, 384)
+    n = _rng.integers(1, t + 1, b).astype(np.int32)
+    n[0] = t
+    c = jaxkv.LinearKVCache.create(1, b, h, cap, d, dtype).reset(jnp.zeros((b,), jnp.int32))
+    bits = np.uint32 if in_dtype == jnp.float32 else np.uint16
+    quiet = bits(0x7FC00000) if in_dtype == jnp.float32 else bits(0x7FC0)
+    sign = bits(0x80000000) if in_dtype == jnp.float32 else bits(0x8000)
+    code = NAN_CODE[np.dtype(dtype).name]
+    xs = []
+    for _ in range(2):  # K, V: a NaN in one vector of 16, either sign, anywhere in it
+        x = np.asarray(values((b, h, t, d), in_dtype)).copy()
+        raw = x.view(bits)
+        hit = np.argwhere(_rng.random((b, h, t)) < 1 / 16)
+        for (r, g, tok), at, neg in zip(hit, _rng.integers(0, d, len(hit)),
+                                         _rng.random(len(hit)) < 0.5):
+            raw[r, g, tok, at] = quiet | sign if neg else quiet
+        xs.append(x)
+    k, v = (jnp.asarray(x) for x in xs)
+    out = jax.jit(lambda c: c.append(0, k, v, jnp.asarray(n)))(c)
+    for kv, x in enumerate(xs):
+        nan = np.isnan(x.astype(np.float32))
+        want, want_s = quantize_on_cpu(jnp.asarray(np.where(nan, 0, x).astype(x.dtype)), dtype)
+        want = want.view(np.uint8).copy()
+        want[nan] = code
+        data = np.asarray(out.buffer[0, :, kv, :, :t]).view(np.uint8).copy()
+        if code:  # an fp8 NaN of either sign
+            data[nan & (data == (code | 0x80))] = code
+        scales = np.asarray((out.k_scales, out.v_scales)[kv])[0]
+        for r in range(b):
+            assert_bytes_equal(data[r, :, :n[r]], want[r, :, :n[r]], f"row {r} data {kv}")
+            assert_bytes_equal(scales[r, :, :n[r]], want_s[r, :, :n[r]], f"row {r} scales {kv}")
+
+
 @pytest.mark.parametrize("kind", ["linear", "paged-NHD"])
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
 def test_a_per_tensor_scale_saturates_values_far_past_it(kind, dtype):

@@ -112,9 +112,10 @@ constexpr int64_t kPairFrom = 32768;
 // residual, which is the compiler's own fast path of the division, without its per-value range
 // check (FCHK) and branch. The caller takes this path for a vector's own scale in [2^-64, 2^64]
 // only, so |x| / s <= QMAX and the check could only fail for quotients below 2^-62, which every
-// format stores as a signed zero; copysign keeps the zero's sign (-0 / s is -0, where the
-// residual would give +0). A scale given per tensor bounds nothing (x / s may overflow, which
-// the residual would turn into NaN): it divides.
+// format stores as a signed zero. The residual is taken as q s - x and subtracted, not x - q s
+// added: the same value, but a zero x keeps its sign (-0 / s is -0, where -0 + (+0) is +0),
+// without a copysign a value. A scale given per tensor bounds nothing (x / s may overflow,
+// which the residual would turn into NaN): it divides.
 __device__ __forceinline__ float reciprocal(float s) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
@@ -122,7 +123,7 @@ __device__ __forceinline__ float reciprocal(float s) {
 }
 __device__ __forceinline__ float quotient(float x, float s, float r) {
   const float q = __fmul_rn(x, r);
-  return copysignf(__fmaf_rn(r, __fmaf_rn(q, -s, x), q), x);
+  return __fmaf_rn(-r, __fmaf_rn(q, s, -x), q);
 }
 
 // max |x| over n values as a tree (a chain of n dependent maxima is the lane's longest path).
@@ -133,6 +134,30 @@ __device__ __forceinline__ float abs_max(const float* x) {
   } else {
     return fmaxf(abs_max<n / 2>(x), abs_max<n - n / 2>(x + n / 2));
   }
+}
+
+// max |x| over a lane's kPer values, a NaN among them giving NaN (a vector holding one takes the
+// checked path). |x| of a float is its bits without the sign, and non-negative floats order as
+// their bits, NaN above infinity: 16-bit values go two a word by an unsigned 16-bit maximum, the
+// float widened once at the end (one instruction a value where decoding each value to float and
+// its maximum took two).
+template <Format kIn, int kPer>
+__device__ __forceinline__ float abs_max_nan(const uint4* words) {
+  const uint32_t* u = reinterpret_cast<const uint32_t*>(words);
+  constexpr uint32_t kAbs = kIn == Format::kF32 ? 0x7fffffffu : 0x7fff7fffu;
+  constexpr int kN = kIn == Format::kF32 ? kPer : kPer / 2;
+  uint32_t m[kN];
+#pragma unroll
+  for (int j = 0; j < kN; ++j) m[j] = u[j] & kAbs;
+#pragma unroll
+  for (int n = kN; n > 1; n = (n + 1) / 2)
+#pragma unroll
+    for (int j = 0; j < n / 2; ++j)
+      m[j] = kIn == Format::kF32 ? max(m[j], m[j + (n + 1) / 2]) : __vmaxu2(m[j], m[j + (n + 1) / 2]);
+  if (kIn == Format::kF32) return __uint_as_float(m[0]);
+  if (kIn == Format::kBF16) return __uint_as_float(max(m[0] << 16, m[0] & 0xffff0000u));
+  const uint32_t h = max(m[0] & 0xffffu, m[0] >> 16);
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
 }
 
 // Value j of a lane's words, as float. Decoded where it is used (for the maximum, then for its
@@ -154,6 +179,24 @@ __device__ __forceinline__ uint16_t encode_pair_s8_bounded(float lo, float hi) {
   return static_cast<uint16_t>(__byte_perm(__float2int_rn(lo), __float2int_rn(hi), 0x0040));
 }
 
+// The bytes of two finite values within +-QMAX: fp8 by one conversion (no NaN to take out of
+// line), int8 by encode_pair_s8_bounded.
+template <Format kOut>
+__device__ __forceinline__ uint32_t encode_pair_finite(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t r;
+  if constexpr (kOut == Format::kE4M3) {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+  } else if constexpr (kOut == Format::kE5M2) {
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+#endif
+  if constexpr (kOut == Format::kS8) return encode_pair_s8_bounded(lo, hi);
+  return encode_pair(lo, hi, kOut);
+}
+
 // A lane's share of kVecs vectors' scales and bytes, before it is known where they go.
 template <int kPer, int kVecs>
 struct Encoded {
@@ -172,20 +215,36 @@ __device__ __forceinline__ Encoded<Geometry<kIn, kD, kLaneBytes>::kPer, kVecs> e
   using G = Geometry<kIn, kD, kLaneBytes>;
   constexpr int kPer = G::kPer, kGroup = G::kGroup;
   Encoded<kPer, kVecs> e;
+  bool finite = true;  // no NaN in the lane's vectors (per tensor: not known)
   if (per_token) {  // the same for every lane
+    // The vector's max |x| with NaN kept (as bits: |x| orders as its bits), then, where a warp
+    // holds a NaN, the scale's own maximum, which leaves NaN out (fmaxf): the common case pays no
+    // second reduction, and the encoding below no NaN test a pair.
     float amax[kVecs];
 #pragma unroll
-    for (int v = 0; v < kVecs; ++v) {
-      float x[kPer];
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) x[j] = word_value<kIn>(words[v], j);
-      amax[v] = abs_max<kPer>(x);
-    }
+    for (int v = 0; v < kVecs; ++v) amax[v] = abs_max_nan<kIn, kPer>(words[v]);
 #pragma unroll
     for (int off = kGroup / 2; off > 0; off >>= 1)
 #pragma unroll
       for (int v = 0; v < kVecs; ++v)
-        amax[v] = fmaxf(amax[v], __shfl_xor_sync(0xffffffffu, amax[v], off));
+        amax[v] = __uint_as_float(max(__float_as_uint(amax[v]),
+                                      __shfl_xor_sync(0xffffffffu, __float_as_uint(amax[v]), off)));
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) finite = finite && !(amax[v] != amax[v]);
+    if (__any_sync(0xffffffffu, !finite)) {  // the whole warp: the shuffles
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        float x[kPer];
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) x[j] = word_value<kIn>(words[v], j);
+        amax[v] = abs_max<kPer>(x);
+      }
+#pragma unroll
+      for (int off = kGroup / 2; off > 0; off >>= 1)
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v)
+          amax[v] = fmaxf(amax[v], __shfl_xor_sync(0xffffffffu, amax[v], off));
+    }
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) e.s[v] = amax[v] / format_max(kOut);
   } else {
@@ -193,7 +252,8 @@ __device__ __forceinline__ Encoded<Geometry<kIn, kD, kLaneBytes>::kPer, kVecs> e
     for (int v = 0; v < kVecs; ++v) e.s[v] = given[v];
   }
   if (!ok) return e;
-  // The bytes of x / s (quantize_value); `divide` gives x / s, kBounded: within +-QMAX.
+  // The bytes of x / s (quantize_value); `divide` gives x / s, `bounded`: finite and within
+  // +-QMAX.
   auto encode_all = [&](auto divide, auto bounded) {
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
@@ -201,16 +261,16 @@ __device__ __forceinline__ Encoded<Geometry<kIn, kD, kLaneBytes>::kPer, kVecs> e
       for (int j = 0; j < kPer; j += 2) {
         const float lo = divide(v, word_value<kIn>(words[v], j));
         const float hi = divide(v, word_value<kIn>(words[v], j + 1));
-        const uint32_t pair = kOut == Format::kS8 && decltype(bounded)::value
-                                  ? encode_pair_s8_bounded(lo, hi)
-                                  : encode_pair(lo, hi, kOut);
+        const uint32_t pair = decltype(bounded)::value ? encode_pair_finite<kOut>(lo, hi)
+                                                         : encode_pair(lo, hi, kOut);
         e.packed[v][j / 4] = j % 4 ? e.packed[v][j / 4] | (pair << 16) : pair;
       }
     }
   };
-  // x / s by the reciprocal for every per-token scale of ordinary data (|x| / s <= QMAX), else (a
-  // scale given per tensor; a zero, huge, tiny or non-finite one) by the division itself.
-  bool fast = per_token;
+  // x / s by the reciprocal for every per-token scale of ordinary data (|x| / s <= QMAX, no NaN),
+  // else (a scale given per tensor; a zero, huge, tiny or non-finite one; a NaN value) by the
+  // division itself, a NaN keeping its sign (as it does on the host).
+  bool fast = per_token && finite;
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) fast = fast && e.s[v] >= 0x1p-64f && e.s[v] <= 0x1p64f;
   if (fast) {
@@ -219,7 +279,8 @@ __device__ __forceinline__ Encoded<Geometry<kIn, kD, kLaneBytes>::kPer, kVecs> e
     for (int v = 0; v < kVecs; ++v) r[v] = reciprocal(e.s[v]);
     encode_all([&](int v, float x) { return quotient(x, e.s[v], r[v]); }, std::true_type{});
   } else {
-    encode_all([&](int v, float x) { return e.s[v] > 0.f ? x / e.s[v] : 0.f; }, std::false_type{});
+    encode_all([&](int v, float x) { return e.s[v] > 0.f ? copysignf(x / e.s[v], x) : 0.f; },
+               std::false_type{});
   }
   return e;
 }
@@ -293,18 +354,29 @@ __global__ void __launch_bounds__(append_block_warps(kPair) * 32, append_min_blo
       if (p.counts && __all_sync(0xffffffffu, !in || at.t >= row.count)) continue;
       load(in && at.t < row.count);
     }
-    // Where the vectors go, then their scales and bytes. (Computing those while the page lookup
-    // is in flight cut a decode step's append by 0.1 us and slowed the fp8 prefill by 1.2 us:
-    // perf notes item 33.)
-    QuantTarget t[kVecs];
-    const bool ok = in && quant_target(p, at, row, &t[0]);
-    if (kPair && ok) t[kVecs - 1] = v_target(p, t[0], row.layer + at.n);
     const bool per_token = !p.tensor_k_scale;
-    float given[kVecs];
-#pragma unroll
-    for (int v = 0; v < kVecs; ++v) given[v] = ok ? t[v].given : 0.f;
-    const auto e = encode_words<kIn, kOut, kD, kAppendLaneBytes, kVecs>(words, given, per_token, ok);
-    store_encoded<kIn, kOut, kD, kAppendLaneBytes, kVecs>(e, t, ok, per_token, sub);
+    QuantTarget t[kVecs];
+    if constexpr (kPair) {
+      // Where the vectors go, then their scales and bytes. (Computing those while the page
+      // lookup is in flight slowed the fp8 prefill by 1.2 us: perf notes item 33.)
+      const bool ok = in && quant_target(p, at, row, &t[0]);
+      if (ok) t[1] = v_target(p, t[0], row.layer + at.n);
+      const float given[2] = {ok ? t[0].given : 0.f, ok ? t[1].given : 0.f};
+      const auto e = encode_words<kIn, kOut, kD, kAppendLaneBytes, 2>(words, given, per_token, ok);
+      store_encoded<kIn, kOut, kD, kAppendLaneBytes, 2>(e, t, ok, per_token, sub);
+    } else {
+      // A decode step: the page entry in flight while the scale and bytes are computed (a
+      // vector past its row's count computes nothing), then checked.
+      const int32_t entry = quant_entry(p, at, row);
+      const int64_t layer = int64_t{row.layer} + at.n;
+      const float* tensor = at.is_v ? p.tensor_v_scale : p.tensor_k_scale;
+      const float given[1] = {
+          !per_token && layer >= 0 && layer < p.cache.num_layers ? tensor[layer] : 0.f};
+      const auto e = encode_words<kIn, kOut, kD, kAppendLaneBytes, 1>(words, given, per_token,
+                                                                      in && at.t < row.count);
+      const bool ok = in && quant_target(p, at, row, &t[0], &entry);
+      store_encoded<kIn, kOut, kD, kAppendLaneBytes, 1>(e, t, ok, per_token, sub);
+    }
   }
 }
 

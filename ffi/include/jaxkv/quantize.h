@@ -103,18 +103,28 @@ JAXKV_HD RowFacts row_facts(const QuantAppend& p, int32_t b) {
                   p.active ? *p.active : p.batch};
 }
 
+// The page-table entry of vector `at`'s position, unchecked (a position out of range reads
+// column 0), for a kernel that loads it before it needs it: quant_target checks it.
+JAXKV_HD int32_t quant_entry(const QuantAppend& p, const VectorIndex& at, const RowFacts& row) {
+  const int64_t pos = int64_t{row.length} + at.t;
+  const bool in = pos >= 0 && pos < p.cache.capacity;
+  return p.cache.entry(at.b, in ? static_cast<int32_t>(pos) : 0);
+}
+
 // Where vector `at` goes; false when nothing is written: an inactive row, a layer out of range,
 // a row whose length is negative (as the copying appends: the whole row), a token past the row's
-// count, a position past the capacity or without a page.
+// count, a position past the capacity or without a page. `entry`: quant_entry's, loaded by the
+// caller, or null (loaded here).
 JAXKV_HD bool quant_target(const QuantAppend& p, const VectorIndex& at, const RowFacts& row,
-                           QuantTarget* t) {
+                           QuantTarget* t, const int32_t* entry = nullptr) {
   const int64_t layer = int64_t{row.layer} + at.n;
   if (at.b >= row.active || layer < 0 || layer >= p.cache.num_layers || at.t >= row.count ||
       row.length < 0)
     return false;
   const int64_t pos = int64_t{row.length} + at.t;
   if (pos >= p.cache.capacity) return false;
-  const int32_t page = p.cache.page(at.b, static_cast<int32_t>(pos));
+  const int32_t page = entry ? (p.cache.holds(*entry) ? *entry : -1)
+                             : p.cache.page(at.b, static_cast<int32_t>(pos));
   if (page < 0) return false;
   const int32_t slot = p.cache.slot(static_cast<int32_t>(pos));
   t->src = quant_source(p, at);
