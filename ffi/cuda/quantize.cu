@@ -141,22 +141,30 @@ __device__ __forceinline__ float abs_max(const float* x) {
 // their bits, NaN above infinity: 16-bit values go two a word by an unsigned 16-bit maximum, the
 // float widened once at the end (one instruction a value where decoding each value to float and
 // its maximum took two).
+// m[0] = the largest of m[0, n): halves folded onto each other, n a compile-time constant at
+// every step (a loop over n left the 16-word instantiate's array in local memory).
+template <bool kPacked, int n>
+__device__ __forceinline__ void fold_max(uint32_t* m) {
+  if constexpr (n > 1) {
+#pragma unroll
+    for (int j = 0; j < n / 2; ++j)
+      m[j] = kPacked ? __vmaxu2(m[j], m[j + (n + 1) / 2]) : max(m[j], m[j + (n + 1) / 2]);
+    fold_max<kPacked, (n + 1) / 2>(m);
+  }
+}
 template <Format kIn, int kPer>
 __device__ __forceinline__ float abs_max_nan(const uint4* words) {
   const uint32_t* u = reinterpret_cast<const uint32_t*>(words);
-  constexpr uint32_t kAbs = kIn == Format::kF32 ? 0x7fffffffu : 0x7fff7fffu;
-  constexpr int kN = kIn == Format::kF32 ? kPer : kPer / 2;
+  constexpr bool kPacked = kIn != Format::kF32;
+  constexpr int kN = kPacked ? kPer / 2 : kPer;
   uint32_t m[kN];
 #pragma unroll
-  for (int j = 0; j < kN; ++j) m[j] = u[j] & kAbs;
-#pragma unroll
-  for (int n = kN; n > 1; n = (n + 1) / 2)
-#pragma unroll
-    for (int j = 0; j < n / 2; ++j)
-      m[j] = kIn == Format::kF32 ? max(m[j], m[j + (n + 1) / 2]) : __vmaxu2(m[j], m[j + (n + 1) / 2]);
-  if (kIn == Format::kF32) return __uint_as_float(m[0]);
-  if (kIn == Format::kBF16) return __uint_as_float(max(m[0] << 16, m[0] & 0xffff0000u));
-  const uint32_t h = max(m[0] & 0xffffu, m[0] >> 16);
+  for (int j = 0; j < kN; ++j) m[j] = u[j] & (kPacked ? 0x7fff7fffu : 0x7fffffffu);
+  fold_max<kPacked, kN>(m);
+  const uint32_t top = m[0];
+  if (kIn == Format::kF32) return __uint_as_float(top);
+  if (kIn == Format::kBF16) return __uint_as_float(max(top << 16, top & 0xffff0000u));
+  const uint32_t h = max(top & 0xffffu, top >> 16);
   return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
 }
 
@@ -173,10 +181,15 @@ __device__ __forceinline__ float word_value(const uint4* words, int j) {
   return j % 2 ? f.y : f.x;
 }
 
-// int8 codes of two values known to lie within +-127.5 (a per-token scale's quotients): the
-// conversion rounds to nearest even (NaN to 0), and no clip is needed.
+// int8 codes of two finite values within +-127 and a rounding (a per-token scale's quotients:
+// |x| / s exceeds 127 by at most s's rounding): x + 1.5 * 2^23 rounds x to the integer of
+// nearest even (the sum's step is 1, and 1.5 * 2^23 is even) and holds it in its low mantissa
+// bits, so that its low byte is the code. One addition a value where the conversion to integer
+// (cvt.rni, a quarter of the adds' rate) took one each.
 __device__ __forceinline__ uint16_t encode_pair_s8_bounded(float lo, float hi) {
-  return static_cast<uint16_t>(__byte_perm(__float2int_rn(lo), __float2int_rn(hi), 0x0040));
+  constexpr float kRound = 0x1.8p23f;
+  return static_cast<uint16_t>(__byte_perm(__float_as_uint(__fadd_rn(lo, kRound)),
+                                           __float_as_uint(__fadd_rn(hi, kRound)), 0x0040));
 }
 
 // The bytes of two finite values within +-QMAX: fp8 by one conversion (no NaN to take out of
@@ -365,16 +378,17 @@ __global__ void __launch_bounds__(append_block_warps(kPair) * 32, append_min_blo
       const auto e = encode_words<kIn, kOut, kD, kAppendLaneBytes, 2>(words, given, per_token, ok);
       store_encoded<kIn, kOut, kD, kAppendLaneBytes, 2>(e, t, ok, per_token, sub);
     } else {
-      // A decode step: the page entry in flight while the scale and bytes are computed (a
-      // vector past its row's count computes nothing), then checked.
-      const int32_t entry = quant_entry(p, at, row);
+      // A decode step: the page entry in flight, and the offsets that need no page computed,
+      // while the scale and bytes are computed (a vector past its row's count computes
+      // nothing); then the entry checked.
+      const QuantSlot slot = quant_slot(p, at, row);
       const int64_t layer = int64_t{row.layer} + at.n;
       const float* tensor = at.is_v ? p.tensor_v_scale : p.tensor_k_scale;
       const float given[1] = {
           !per_token && layer >= 0 && layer < p.cache.num_layers ? tensor[layer] : 0.f};
       const auto e = encode_words<kIn, kOut, kD, kAppendLaneBytes, 1>(words, given, per_token,
                                                                       in && at.t < row.count);
-      const bool ok = in && quant_target(p, at, row, &t[0], &entry);
+      const bool ok = in && quant_target(p, at, row, slot, &t[0]);
       store_encoded<kIn, kOut, kD, kAppendLaneBytes, 1>(e, t, ok, per_token, sub);
     }
   }

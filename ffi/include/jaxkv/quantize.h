@@ -103,28 +103,26 @@ JAXKV_HD RowFacts row_facts(const QuantAppend& p, int32_t b) {
                   p.active ? *p.active : p.batch};
 }
 
-// The page-table entry of vector `at`'s position, unchecked (a position out of range reads
-// column 0), for a kernel that loads it before it needs it: quant_target checks it.
-JAXKV_HD int32_t quant_entry(const QuantAppend& p, const VectorIndex& at, const RowFacts& row) {
-  const int64_t pos = int64_t{row.length} + at.t;
-  const bool in = pos >= 0 && pos < p.cache.capacity;
-  return p.cache.entry(at.b, in ? static_cast<int32_t>(pos) : 0);
+// Whether vector `at` is written at all (the checks of quant_target that need no page): an
+// active row, a layer in range, a token within the row's count, a length not negative, a
+// position within the capacity.
+JAXKV_HD bool quant_writes(const QuantAppend& p, const VectorIndex& at, const RowFacts& row) {
+  const int64_t layer = int64_t{row.layer} + at.n;
+  return at.b < row.active && layer >= 0 && layer < p.cache.num_layers && at.t < row.count &&
+         row.length >= 0 && int64_t{row.length} + at.t < p.cache.capacity;
 }
 
-// Where vector `at` goes; false when nothing is written: an inactive row, a layer out of range,
-// a row whose length is negative (as the copying appends: the whole row), a token past the row's
-// count, a position past the capacity or without a page. `entry`: quant_entry's, loaded by the
-// caller, or null (loaded here).
+// Where vector `at` goes; false when nothing is written (quant_writes false, or no page holds
+// its position). (Its own checks, not quant_writes': the pair kernel's code as measured.)
 JAXKV_HD bool quant_target(const QuantAppend& p, const VectorIndex& at, const RowFacts& row,
-                           QuantTarget* t, const int32_t* entry = nullptr) {
+                           QuantTarget* t) {
   const int64_t layer = int64_t{row.layer} + at.n;
   if (at.b >= row.active || layer < 0 || layer >= p.cache.num_layers || at.t >= row.count ||
       row.length < 0)
     return false;
   const int64_t pos = int64_t{row.length} + at.t;
   if (pos >= p.cache.capacity) return false;
-  const int32_t page = entry ? (p.cache.holds(*entry) ? *entry : -1)
-                             : p.cache.page(at.b, static_cast<int32_t>(pos));
+  const int32_t page = p.cache.page(at.b, static_cast<int32_t>(pos));
   if (page < 0) return false;
   const int32_t slot = p.cache.slot(static_cast<int32_t>(pos));
   t->src = quant_source(p, at);
@@ -135,6 +133,38 @@ JAXKV_HD bool quant_target(const QuantAppend& p, const VectorIndex& at, const Ro
   } else {
     const int64_t s = p.scales.at_slot(layer, page, at.h, slot);
     t->scale = reinterpret_cast<float*>((at.is_v ? p.scales.v : p.scales.k) + s);
+  }
+  return true;
+}
+
+// quant_target in two steps, for a kernel that has work to do while the page entry is loaded:
+// the entry's load and everything that needs no page (the offsets at page 0: an offset is linear
+// in the page), then the check of the entry and one multiply-add a pointer.
+struct QuantSlot {
+  int32_t entry;            // the page-table entry (dense: the row), unchecked
+  int64_t data, scale;      // byte offsets of the vector and its scale were it on page 0
+};
+
+JAXKV_HD QuantSlot quant_slot(const QuantAppend& p, const VectorIndex& at, const RowFacts& row) {
+  const int64_t layer = int64_t{row.layer} + at.n;
+  const int64_t at_pos = int64_t{row.length} + at.t;
+  const int32_t pos = at_pos >= 0 && at_pos < p.cache.capacity ? static_cast<int32_t>(at_pos) : 0;
+  const int32_t slot = p.cache.slot(pos);
+  return QuantSlot{p.cache.entry(at.b, pos), p.cache.at_slot(layer, 0, at.h, slot),
+                   p.scales.at_slot(layer, 0, at.h, slot)};
+}
+
+JAXKV_HD bool quant_target(const QuantAppend& p, const VectorIndex& at, const RowFacts& row,
+                           const QuantSlot& s, QuantTarget* t) {
+  if (!quant_writes(p, at, row) || !p.cache.holds(s.entry)) return false;
+  t->src = quant_source(p, at);
+  t->dst = (at.is_v ? p.cache.v : p.cache.k) + s.data + s.entry * p.cache.page_stride;
+  if (p.tensor_k_scale) {
+    t->scale = nullptr;
+    t->given = (at.is_v ? p.tensor_v_scale : p.tensor_k_scale)[row.layer + at.n];
+  } else {
+    t->scale = reinterpret_cast<float*>((at.is_v ? p.scales.v : p.scales.k) + s.scale +
+                                        s.entry * p.scales.page_stride);
   }
   return true;
 }
