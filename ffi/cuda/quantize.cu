@@ -136,11 +136,6 @@ __device__ __forceinline__ float abs_max(const float* x) {
   }
 }
 
-// max |x| over a lane's kPer values, a NaN among them giving NaN (a vector holding one takes the
-// checked path). |x| of a float is its bits without the sign, and non-negative floats order as
-// their bits, NaN above infinity: 16-bit values go two a word by an unsigned 16-bit maximum, the
-// float widened once at the end (one instruction a value where decoding each value to float and
-// its maximum took two).
 // m[0] = the largest of m[0, n): halves folded onto each other, n a compile-time constant at
 // every step (a loop over n left the 16-word instantiate's array in local memory).
 template <bool kPacked, int n>
@@ -152,6 +147,11 @@ __device__ __forceinline__ void fold_max(uint32_t* m) {
     fold_max<kPacked, (n + 1) / 2>(m);
   }
 }
+// max |x| over a lane's kPer values, a NaN among them giving NaN (a vector holding one takes the
+// checked path). |x| of a float is its bits without the sign, and non-negative floats order as
+// their bits, NaN above infinity: 16-bit values go two a word by an unsigned 16-bit maximum, the
+// float widened once at the end (one instruction a value where decoding each value to float and
+// its maximum took two).
 template <Format kIn, int kPer>
 __device__ __forceinline__ float abs_max_nan(const uint4* words) {
   const uint32_t* u = reinterpret_cast<const uint32_t*>(words);
@@ -282,7 +282,7 @@ __device__ __forceinline__ Encoded<Geometry<kIn, kD, kLaneBytes>::kPer, kVecs> e
   };
   // x / s by the reciprocal for every per-token scale of ordinary data (|x| / s <= QMAX, no NaN),
   // else (a scale given per tensor; a zero, huge, tiny or non-finite one; a NaN value) by the
-  // division itself, a NaN keeping its sign (as it does on the host).
+  // division itself, a NaN keeping the sign it arrives with (as on the host).
   bool fast = per_token && finite;
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) fast = fast && e.s[v] >= 0x1p-64f && e.s[v] <= 0x1p64f;
