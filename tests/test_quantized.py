@@ -209,10 +209,9 @@ def test_a_nan_value_keeps_its_vectors_scale_and_other_values(size, dtype, in_dt
     NaN (int8: 0), on the host and the device alike. Of either sign: on the H200 (2026-11-29)
     the NaN bytes' sign did not follow the input's, for the kernels before this test as for these,
     when read through an fp8 slice, which may itself rewrite a NaN (token_view's reason; the bytes
-    are now read as bytes), so which of the two dropped it is not settled. On
-    the GPU such a vector leaves the common path (its NaN is found by the vector's maximum, not a
-    test a pair), in a warp whose other vectors stay on it; "large" is the kernel's
-    K-and-V-a-lane split."""
+    are now read as bytes), so which of the two dropped it is not settled. On the GPU such a
+    vector leaves the common path (its NaN is found by the vector's maximum, not a test a pair),
+    in a warp whose other vectors stay on it; "large" is the kernel's K-and-V-a-lane split."""
     b, h, t, d, cap = (4, 2, 8, 64, 16) if size == "small" else (8, 8, 320, 128, 384)
     n = _rng.integers(1, t + 1, b).astype(np.int32)
     n[0] = t
@@ -232,13 +231,13 @@ def test_a_nan_value_keeps_its_vectors_scale_and_other_values(size, dtype, in_dt
         xs.append(x)
     k, v = (jnp.asarray(x) for x in xs)
     out = jax.jit(lambda c: c.append(0, k, v, jnp.asarray(n)))(c)
+    stored = np.asarray(jax.lax.bitcast_convert_type(out.buffer, jnp.uint8))  # bytes, as written
     for kv, x in enumerate(xs):
         nan = np.isnan(x.astype(np.float32))
         want, want_s = quantize_on_cpu(jnp.asarray(np.where(nan, 0, x).astype(x.dtype)), dtype)
         want = want.view(np.uint8).copy()
         want[nan] = code
-        raw_out = np.asarray(jax.lax.bitcast_convert_type(out.buffer, jnp.uint8))
-        data = raw_out[0, :, kv, :, :t].copy()
+        data = stored[0, :, kv, :, :t].copy()
         if code:  # an fp8 NaN of either sign
             data[nan & (data == (code | 0x80))] = code
         scales = np.asarray((out.k_scales, out.v_scales)[kv])[0]
