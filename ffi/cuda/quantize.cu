@@ -378,17 +378,14 @@ __global__ void __launch_bounds__(append_block_warps(kPair) * 32, append_min_blo
       const auto e = encode_words<kIn, kOut, kD, kAppendLaneBytes, 2>(words, given, per_token, ok);
       store_encoded<kIn, kOut, kD, kAppendLaneBytes, 2>(e, t, ok, per_token, sub);
     } else {
-      // A decode step: the page entry in flight, and the offsets that need no page computed,
-      // while the scale and bytes are computed (a vector past its row's count computes
-      // nothing); then the entry checked.
+      // A decode step: the page entry in flight, and everything that needs no page computed,
+      // while the scale and bytes are computed (a vector not written computes none); then the
+      // entry checked.
       const QuantSlot slot = quant_slot(p, at, row);
-      const int64_t layer = int64_t{row.layer} + at.n;
-      const float* tensor = at.is_v ? p.tensor_v_scale : p.tensor_k_scale;
-      const float given[1] = {
-          !per_token && layer >= 0 && layer < p.cache.num_layers ? tensor[layer] : 0.f};
-      const auto e = encode_words<kIn, kOut, kD, kAppendLaneBytes, 1>(words, given, per_token,
-                                                                      in && at.t < row.count);
-      const bool ok = in && quant_target(p, at, row, slot, &t[0]);
+      const bool writes = in && slot.writes;
+      const float given[1] = {slot.given};
+      const auto e = encode_words<kIn, kOut, kD, kAppendLaneBytes, 1>(words, given, per_token, writes);
+      const bool ok = writes && quant_target(p, slot, &t[0]);
       store_encoded<kIn, kOut, kD, kAppendLaneBytes, 1>(e, t, ok, per_token, sub);
     }
   }

@@ -138,11 +138,16 @@ JAXKV_HD bool quant_target(const QuantAppend& p, const VectorIndex& at, const Ro
 }
 
 // quant_target in two steps, for a kernel that has work to do while the page entry is loaded:
-// the entry's load and everything that needs no page (the offsets at page 0: an offset is linear
-// in the page), then the check of the entry and one multiply-add a pointer.
+// first the entry's load and everything that needs no page (the checks of quant_writes, the
+// places were the vector on page 0: an offset is linear in the page, the scale given per tensor),
+// then the entry's check and one multiply-add a pointer.
 struct QuantSlot {
-  int32_t entry;            // the page-table entry (dense: the row), unchecked
-  int64_t data, scale;      // byte offsets of the vector and its scale were it on page 0
+  int32_t entry;      // the page-table entry (dense: the row), unchecked
+  bool writes;        // quant_writes
+  float given;        // per tensor: the scale to use (0 where nothing is written)
+  const char* src;    // the vector's first value
+  char* dst;          // its first byte, were it on page 0
+  char* scale;        // where its scale goes, were it on page 0 (null per tensor)
 };
 
 JAXKV_HD QuantSlot quant_slot(const QuantAppend& p, const VectorIndex& at, const RowFacts& row) {
@@ -150,22 +155,23 @@ JAXKV_HD QuantSlot quant_slot(const QuantAppend& p, const VectorIndex& at, const
   const int64_t at_pos = int64_t{row.length} + at.t;
   const int32_t pos = at_pos >= 0 && at_pos < p.cache.capacity ? static_cast<int32_t>(at_pos) : 0;
   const int32_t slot = p.cache.slot(pos);
-  return QuantSlot{p.cache.entry(at.b, pos), p.cache.at_slot(layer, 0, at.h, slot),
-                   p.scales.at_slot(layer, 0, at.h, slot)};
+  const bool writes = quant_writes(p, at, row);
+  QuantSlot s{p.cache.entry(at.b, pos), writes, 0.f, quant_source(p, at),
+              (at.is_v ? p.cache.v : p.cache.k) + p.cache.at_slot(layer, 0, at.h, slot), nullptr};
+  if (p.tensor_k_scale) {
+    if (writes) s.given = (at.is_v ? p.tensor_v_scale : p.tensor_k_scale)[layer];
+  } else {
+    s.scale = (at.is_v ? p.scales.v : p.scales.k) + p.scales.at_slot(layer, 0, at.h, slot);
+  }
+  return s;
 }
 
-JAXKV_HD bool quant_target(const QuantAppend& p, const VectorIndex& at, const RowFacts& row,
-                           const QuantSlot& s, QuantTarget* t) {
-  if (!quant_writes(p, at, row) || !p.cache.holds(s.entry)) return false;
-  t->src = quant_source(p, at);
-  t->dst = (at.is_v ? p.cache.v : p.cache.k) + s.data + s.entry * p.cache.page_stride;
-  if (p.tensor_k_scale) {
-    t->scale = nullptr;
-    t->given = (at.is_v ? p.tensor_v_scale : p.tensor_k_scale)[row.layer + at.n];
-  } else {
-    t->scale = reinterpret_cast<float*>((at.is_v ? p.scales.v : p.scales.k) + s.scale +
-                                        s.entry * p.scales.page_stride);
-  }
+JAXKV_HD bool quant_target(const QuantAppend& p, const QuantSlot& s, QuantTarget* t) {
+  if (!s.writes || !p.cache.holds(s.entry)) return false;
+  t->src = s.src;
+  t->dst = s.dst + s.entry * p.cache.page_stride;
+  t->scale = s.scale ? reinterpret_cast<float*>(s.scale + s.entry * p.scales.page_stride) : nullptr;
+  t->given = s.given;
   return true;
 }
 
