@@ -246,6 +246,40 @@ def test_a_nan_value_keeps_its_vectors_scale_and_other_values(size, dtype, in_dt
             assert_bytes_equal(scales[r, :, :n[r]], want_s[r, :, :n[r]], f"row {r} scales {kv}")
 
 
+@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
+@pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_vectors_from_2_to_the_minus_95_to_2_to_the_100_match_the_reference(size, dtype, in_dtype):
+    """Per-token vectors whose magnitudes span float32's normal range (2^-105 to 2^101, scales
+    2^-112 to 2^86; no subnormal anywhere, which XLA's CPU flushes): the kernels take their common
+    path for scales in [2^-64, 2^64] and divide outside it, vectors of both kinds side by side in
+    a warp; every byte and scale as the reference has it."""
+    b, h, t, d, cap = (4, 2, 8, 64, 16) if size == "small" else (8, 8, 320, 128, 384)
+    n = _rng.integers(1, t + 1, b).astype(np.int32)
+    n[0] = t
+    c = jaxkv.LinearKVCache.create(1, b, h, cap, d, dtype).reset(jnp.zeros((b,), jnp.int32))
+    xs = []
+    for _ in range(2):
+        mag = (1 + _rng.random((b, h, t, d))) * 2.0 ** -_rng.integers(0, 10, (b, h, t, d))
+        sign = np.where(_rng.random((b, h, t, d)) < 0.5, -1.0, 1.0)
+        e = _rng.integers(-95, 101, (b, h, t, 1))
+        e[0, 0, :3, 0] = -90, 0, 95  # both paths in every case (row 0 holds t tokens)
+        x = sign * mag * 2.0**e
+        xs.append(jnp.asarray(x.astype(np.float32)).astype(in_dtype))
+    k, v = xs
+    out = jax.jit(lambda c: c.append(0, k, v, jnp.asarray(n)))(c)
+    stored = np.asarray(jax.lax.bitcast_convert_type(out.buffer, jnp.uint8))
+    for kv, x in enumerate(xs):
+        want, want_s = quantize_on_cpu(x, dtype)
+        want = want.view(np.uint8)
+        scales = np.asarray((out.k_scales, out.v_scales)[kv])[0]
+        common = (want_s >= 2.0**-64) & (want_s <= 2.0**64)
+        assert np.any(common) and np.any(want_s < 2.0**-64) and np.any(want_s > 2.0**64)
+        for r in range(b):
+            assert_bytes_equal(stored[0, r, kv, :, :n[r]], want[r, :, :n[r]], f"row {r} data {kv}")
+            assert_bytes_equal(scales[r, :, :n[r]], want_s[r, :, :n[r]], f"row {r} scales {kv}")
+
+
 @pytest.mark.parametrize("kind", ["linear", "paged-NHD"])
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
 def test_a_per_tensor_scale_saturates_values_far_past_it(kind, dtype):

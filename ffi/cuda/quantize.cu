@@ -15,6 +15,7 @@
 #include "jaxkv/quantize.h"
 #include "jaxkv/quantize_prefix.h"
 #include "jaxkv/registry.h"
+#include "quotient.cuh"
 
 namespace jaxkv {
 namespace {
@@ -106,25 +107,6 @@ constexpr int kAppendLaneBytes = 32, kPrefixLaneBytes = 64;
 // for 256 rows x 8 heads, H100); above, sharing the setup wins (a 5000-token prefill 13.6 us
 // against 14.1, 32 layers of a decode step 0.64 us a layer against 0.67; perf notes item 33).
 constexpr int64_t kPairFrom = 32768;
-
-// x / s rounded to nearest even, from r, s's reciprocal refined as div.rn.f32 refines it (one
-// Newton step from the hardware's approximation): the quotient and one correction by the exact
-// residual, which is the compiler's own fast path of the division, without its per-value range
-// check (FCHK) and branch. The caller takes this path for a vector's own scale in [2^-64, 2^64]
-// only, so |x| / s <= QMAX and the check could only fail for quotients below 2^-62, which every
-// format stores as a signed zero. The residual is taken as q s - x and subtracted, not x - q s
-// added: the same value, but a zero x keeps its sign (-0 / s is -0, where -0 + (+0) is +0),
-// without a copysign a value. A scale given per tensor bounds nothing (x / s may overflow,
-// which the residual would turn into NaN): it divides.
-__device__ __forceinline__ float reciprocal(float s) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
-  return __fmaf_rn(r, __fmaf_rn(r, -s, 1.f), r);
-}
-__device__ __forceinline__ float quotient(float x, float s, float r) {
-  const float q = __fmul_rn(x, r);
-  return __fmaf_rn(-r, __fmaf_rn(q, s, -x), q);
-}
 
 // max |x| over n values as a tree (a chain of n dependent maxima is the lane's longest path).
 template <int n>
@@ -228,23 +210,25 @@ __device__ __forceinline__ Encoded<Geometry<kIn, kD, kLaneBytes>::kPer, kVecs> e
   using G = Geometry<kIn, kD, kLaneBytes>;
   constexpr int kPer = G::kPer, kGroup = G::kGroup;
   Encoded<kPer, kVecs> e;
-  bool finite = true;  // no NaN in the lane's vectors (per tensor: not known)
+  bool finite = true;  // no NaN among the lane's values (per tensor: not known)
+  float amax[kVecs];   // per token: the vectors' max |x|
   if (per_token) {  // the same for every lane
     // The vector's max |x| with NaN kept (as bits: |x| orders as its bits), then, where a warp
     // holds a NaN, the scale's own maximum, which leaves NaN out (fmaxf): the common case pays no
-    // second reduction, and the encoding below no NaN test a pair.
-    float amax[kVecs];
+    // second reduction, and the encoding below no NaN test a pair. The warp's vote is on each
+    // lane's own values, so that it runs beside the shuffles.
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) amax[v] = abs_max_nan<kIn, kPer>(words[v]);
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) finite = finite && !(amax[v] != amax[v]);
+    const bool any_nan = __any_sync(0xffffffffu, !finite);
 #pragma unroll
     for (int off = kGroup / 2; off > 0; off >>= 1)
 #pragma unroll
       for (int v = 0; v < kVecs; ++v)
         amax[v] = __uint_as_float(max(__float_as_uint(amax[v]),
                                       __shfl_xor_sync(0xffffffffu, __float_as_uint(amax[v]), off)));
-#pragma unroll
-    for (int v = 0; v < kVecs; ++v) finite = finite && !(amax[v] != amax[v]);
-    if (__any_sync(0xffffffffu, !finite)) {  // the whole warp: the shuffles
+    if (any_nan) {  // the whole warp: the shuffles
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
         float x[kPer];
@@ -258,8 +242,9 @@ __device__ __forceinline__ Encoded<Geometry<kIn, kD, kLaneBytes>::kPer, kVecs> e
         for (int v = 0; v < kVecs; ++v)
           amax[v] = fmaxf(amax[v], __shfl_xor_sync(0xffffffffu, amax[v], off));
     }
+    constexpr int kQmax = static_cast<int>(format_max(kOut));
 #pragma unroll
-    for (int v = 0; v < kVecs; ++v) e.s[v] = amax[v] / format_max(kOut);
+    for (int v = 0; v < kVecs; ++v) e.s[v] = scale_quotient<kQmax>(amax[v]);  // in range: below
   } else {
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) e.s[v] = given[v];
@@ -281,11 +266,16 @@ __device__ __forceinline__ Encoded<Geometry<kIn, kD, kLaneBytes>::kPer, kVecs> e
     }
   };
   // x / s by the reciprocal for every per-token scale of ordinary data (|x| / s <= QMAX, no NaN),
-  // else (a scale given per tensor; a zero, huge, tiny or non-finite one; a NaN value) by the
-  // division itself, a NaN keeping the sign it arrives with (as on the host).
+  // else (a scale given per tensor; a zero, huge, tiny or non-finite one; a NaN among the lane's
+  // own values, where its vector's other lanes stay on this path) by the division itself, a NaN
+  // keeping the sign it arrives with (as on the host).
   bool fast = per_token && finite;
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) fast = fast && e.s[v] >= 0x1p-64f && e.s[v] <= 0x1p64f;
+  if (!fast && per_token) {  // a scale out of scale_quotient's range: the division itself
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) e.s[v] = amax[v] / format_max(kOut);
+  }
   if (fast) {
     float r[kVecs];
 #pragma unroll

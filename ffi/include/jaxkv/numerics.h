@@ -97,7 +97,7 @@ JAXKV_HD float load_float(const char* base, int64_t i, Format f) {
 }
 
 // The largest magnitude of an 8-bit format: what a scale maps a vector's max |x| to.
-JAXKV_HD float format_max(Format f) {
+JAXKV_HD constexpr float format_max(Format f) {
   return f == Format::kE4M3 ? 448.f : f == Format::kE5M2 ? 57344.f : 127.f;
 }
 
