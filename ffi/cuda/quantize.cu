@@ -374,7 +374,8 @@ __global__ void __launch_bounds__(append_block_warps(kPair) * 32, append_min_blo
       const QuantSlot slot = quant_slot(p, at, row);
       const bool writes = in && slot.writes;
       const float given[1] = {slot.given};
-      const auto e = encode_words<kIn, kOut, kD, kAppendLaneBytes, 1>(words, given, per_token, writes);
+      const auto e =
+          encode_words<kIn, kOut, kD, kAppendLaneBytes, 1>(words, given, per_token, writes);
       const bool ok = writes && quant_target(p, slot, &t[0]);
       store_encoded<kIn, kOut, kD, kAppendLaneBytes, 1>(e, t, ok, per_token, sub);
     }

@@ -25,9 +25,9 @@ __device__ __forceinline__ float quotient(float x, float s, float r) {
 }
 
 // max |x| / qmax (448, 57344 or 127) by the same quotient, from qmax's reciprocal rounded at
-// compile time: the division's own fast path without its range check (FCHK) and branch. Equal to the
-// division wherever the result lies in [2^-64, 2^64], which tools/scale_quotient_check.cu checks
-// for every float; callers divide wherever it does not.
+// compile time: the division's own fast path without its range check (FCHK) and branch. Equal
+// to the division wherever the result lies in [2^-64, 2^64], which tools/scale_quotient_check.cu
+// checks for every float; callers divide wherever it does not.
 template <int kQmax>
 __device__ __forceinline__ float scale_quotient(float amax) {
   constexpr float q = static_cast<float>(kQmax);
