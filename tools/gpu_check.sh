@@ -72,6 +72,16 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     tests_rc=${PIPESTATUS[0]}
     grep -E "^(FAILED|ERROR) |^=* ?[0-9]+ (passed|failed)" "$OUT/tests.log" >>"$OUT/summary.log"
   fi
+  # The quantizing kernels' scale quotient against the division, for every float (seconds).
+  command -v nvcc >/dev/null || export PATH="$PATH:/usr/local/cuda/bin"
+  cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+  if nvcc -O3 -std=c++17 -arch="sm_$cap" -Iffi/cuda tools/scale_quotient_check.cu \
+      -o /tmp/scale_quotient_check >"$OUT/scale_quotient.log" 2>&1; then
+    /tmp/scale_quotient_check >>"$OUT/scale_quotient.log" 2>&1 || tests_rc=1
+  else
+    tests_rc=1
+  fi
+  tail -1 "$OUT/scale_quotient.log" | tee -a "$OUT/summary.log"
 fi
 
 # compute-sanitizer over the kernel tests. Every buffer its own cudaMalloc (the platform
