@@ -1,8 +1,10 @@
 // Every float amax against scale_quotient (ffi/cuda/quotient.cuh): where the quantizing kernels
-// take it (its result in [2^-64, 2^64]), it must equal the division amax / qmax bit for bit, for
-// each format's qmax. Prints, per qmax, the floats checked and the mismatches in range (must be 0)
-// and out of range (the kernels divide there). Not part of the build:
-//   nvcc -O3 -std=c++17 -arch=sm_90a -Iffi/cuda tools/scale_quotient_check.cu -o /tmp/sqc && /tmp/sqc
+// take it (its result in [kQuotientMin, kQuotientMax], the range they test), it must equal the
+// division amax / qmax bit for bit, for each format's qmax. Prints, per qmax, the floats checked
+// and the mismatches in range (must be 0) and out of range (the kernels divide there). Not part
+// of the build; tools/gpu_check.sh runs it:
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/cuda tools/scale_quotient_check.cu -o /tmp/sqc
+//   /tmp/sqc
 #include <cstdio>
 #include <cuda_runtime.h>
 
@@ -17,7 +19,11 @@ __global__ void check(unsigned long long* counts) {
     const float fast = jaxkv::scale_quotient<kQmax>(amax);
     const float exact = __fdiv_rn(amax, static_cast<float>(kQmax));
     if (__float_as_uint(fast) != __float_as_uint(exact)) {
-      if (fast >= 0x1p-64f && fast <= 0x1p64f) ++in_range; else ++outside;
+      if (fast >= jaxkv::kQuotientMin && fast <= jaxkv::kQuotientMax) {
+        ++in_range;
+      } else {
+        ++outside;
+      }
     }
   }
   atomicAdd(&counts[0], in_range);
@@ -43,6 +49,7 @@ bool run() {
 
 int main() {
   const bool ok = run<448>() & run<57344>() & run<127>();
-  std::printf(ok ? "scale_quotient: equal to the division in range\n" : "scale_quotient: MISMATCH\n");
+  std::printf(ok ? "scale_quotient: equal to the division in range\n"
+                  : "scale_quotient: MISMATCH\n");
   return ok ? 0 : 1;
 }

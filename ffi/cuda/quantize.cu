@@ -271,7 +271,7 @@ __device__ __forceinline__ Encoded<Geometry<kIn, kD, kLaneBytes>::kPer, kVecs> e
   // keeping the sign it arrives with (as on the host).
   bool fast = per_token && finite;
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) fast = fast && e.s[v] >= 0x1p-64f && e.s[v] <= 0x1p64f;
+  for (int v = 0; v < kVecs; ++v) fast = fast && e.s[v] >= kQuotientMin && e.s[v] <= kQuotientMax;
   if (!fast && per_token) {  // a scale out of scale_quotient's range: the division itself
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) e.s[v] = amax[v] / format_max(kOut);

@@ -14,6 +14,7 @@ namespace jaxkv {
 // added: the same value, but a zero x keeps its sign (-0 / s is -0, where -0 + (+0) is +0),
 // without a copysign a value. A scale given per tensor bounds nothing (x / s may overflow,
 // which the residual would turn into NaN): it divides.
+constexpr float kQuotientMin = 0x1p-64f, kQuotientMax = 0x1p64f;  // the scales it takes
 __device__ __forceinline__ float reciprocal(float s) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
@@ -26,8 +27,8 @@ __device__ __forceinline__ float quotient(float x, float s, float r) {
 
 // max |x| / qmax (448, 57344 or 127) by the same quotient, from qmax's reciprocal rounded at
 // compile time: the division's own fast path without its range check (FCHK) and branch. Equal
-// to the division wherever the result lies in [2^-64, 2^64], which tools/scale_quotient_check.cu
-// checks for every float; callers divide wherever it does not.
+// to the division wherever the result lies in [kQuotientMin, kQuotientMax], which
+// tools/scale_quotient_check.cu checks for every float; callers divide wherever it does not.
 template <int kQmax>
 __device__ __forceinline__ float scale_quotient(float amax) {
   constexpr float q = static_cast<float>(kQmax);
