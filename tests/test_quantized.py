@@ -200,6 +200,22 @@ def test_a_large_append_quantizes_bit_for_bit(kind, dtype, in_dtype, scaling):
 NAN_CODE = {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7E, "int8": 0}
 
 
+def appended_to_a_new_linear_cache(size, dtype, make):
+    """K and V from make(shape) (called once each, shape (b, h, t, d)) appended under jit to a new
+    one-layer LinearKVCache, ragged counts with row 0 full; "large" is the kernel's K-and-V-a-lane
+    split. Returns the counts, K and V, layer 0's bytes as written ([b, 2, h, cap, d], read as
+    bytes: an fp8 slice may rewrite a NaN) and its K and V scales ([b, h, cap])."""
+    b, h, t, d, cap = (4, 2, 8, 64, 16) if size == "small" else (8, 8, 320, 128, 384)
+    n = _rng.integers(1, t + 1, b).astype(np.int32)
+    n[0] = t
+    c = jaxkv.LinearKVCache.create(1, b, h, cap, d, dtype).reset(jnp.zeros((b,), jnp.int32))
+    xs = [make((b, h, t, d)) for _ in range(2)]
+    k, v = (jnp.asarray(x) for x in xs)
+    out = jax.jit(lambda c: c.append(0, k, v, jnp.asarray(n)))(c)
+    stored = np.asarray(jax.lax.bitcast_convert_type(out.buffer, jnp.uint8))[0]
+    return n, xs, stored, [np.asarray(sc)[0] for sc in (out.k_scales, out.v_scales)]
+
+
 @pytest.mark.parametrize("size", ["small", "large"])
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
 @pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
@@ -212,38 +228,33 @@ def test_a_nan_value_keeps_its_vectors_scale_and_other_values(size, dtype, in_dt
     are now read as bytes), so which of the two dropped it is not settled. On the GPU such a
     vector leaves the common path (its NaN is found by the vector's maximum, not a test a pair),
     in a warp whose other vectors stay on it; "large" is the kernel's K-and-V-a-lane split."""
-    b, h, t, d, cap = (4, 2, 8, 64, 16) if size == "small" else (8, 8, 320, 128, 384)
-    n = _rng.integers(1, t + 1, b).astype(np.int32)
-    n[0] = t
-    c = jaxkv.LinearKVCache.create(1, b, h, cap, d, dtype).reset(jnp.zeros((b,), jnp.int32))
     bits = np.uint32 if in_dtype == jnp.float32 else np.uint16
     quiet = bits(0x7FC00000) if in_dtype == jnp.float32 else bits(0x7FC0)
     sign = bits(0x80000000) if in_dtype == jnp.float32 else bits(0x8000)
     code = NAN_CODE[np.dtype(dtype).name]
-    xs = []
-    for _ in range(2):  # K, V: a NaN in one vector of 16, either sign, anywhere in it
-        x = np.asarray(values((b, h, t, d), in_dtype)).copy()
+
+    def with_nans(shape):  # a NaN in one vector of 16, either sign, anywhere in it
+        x = np.asarray(values(shape, in_dtype)).copy()
         raw = x.view(bits)
-        hit = np.argwhere(_rng.random((b, h, t)) < 1 / 16)
-        for (r, g, tok), at, neg in zip(hit, _rng.integers(0, d, len(hit)),
+        hit = np.argwhere(_rng.random(shape[:-1]) < 1 / 16)
+        for (r, g, tok), at, neg in zip(hit, _rng.integers(0, shape[-1], len(hit)),
                                          _rng.random(len(hit)) < 0.5):
             raw[r, g, tok, at] = quiet | sign if neg else quiet
-        xs.append(x)
-    k, v = (jnp.asarray(x) for x in xs)
-    out = jax.jit(lambda c: c.append(0, k, v, jnp.asarray(n)))(c)
-    stored = np.asarray(jax.lax.bitcast_convert_type(out.buffer, jnp.uint8))  # bytes, as written
+        return x
+
+    n, xs, stored, scales = appended_to_a_new_linear_cache(size, dtype, with_nans)
+    t = xs[0].shape[2]
     for kv, x in enumerate(xs):
         nan = np.isnan(x.astype(np.float32))
         want, want_s = quantize_on_cpu(jnp.asarray(np.where(nan, 0, x).astype(x.dtype)), dtype)
         want = want.view(np.uint8).copy()
         want[nan] = code
-        data = stored[0, :, kv, :, :t].copy()
+        data = stored[:, kv, :, :t].copy()
         if code:  # an fp8 NaN of either sign
             data[nan & (data == (code | 0x80))] = code
-        scales = np.asarray((out.k_scales, out.v_scales)[kv])[0]
-        for r in range(b):
+        for r in range(len(n)):
             assert_bytes_equal(data[r, :, :n[r]], want[r, :, :n[r]], f"row {r} data {kv}")
-            assert_bytes_equal(scales[r, :, :n[r]], want_s[r, :, :n[r]], f"row {r} scales {kv}")
+            assert_bytes_equal(scales[kv][r, :, :n[r]], want_s[r, :, :n[r]], f"row {r} scales {kv}")
 
 
 @pytest.mark.parametrize("size", ["small", "large"])
@@ -254,30 +265,23 @@ def test_vectors_from_2_to_the_minus_95_to_2_to_the_100_match_the_reference(size
     2^-112 to 2^86; no subnormal anywhere, which XLA's CPU flushes): the kernels take their common
     path for scales in [2^-64, 2^64] and divide outside it, vectors of both kinds side by side in
     a warp; every byte and scale as the reference has it."""
-    b, h, t, d, cap = (4, 2, 8, 64, 16) if size == "small" else (8, 8, 320, 128, 384)
-    n = _rng.integers(1, t + 1, b).astype(np.int32)
-    n[0] = t
-    c = jaxkv.LinearKVCache.create(1, b, h, cap, d, dtype).reset(jnp.zeros((b,), jnp.int32))
-    xs = []
-    for _ in range(2):
-        mag = (1 + _rng.random((b, h, t, d))) * 2.0 ** -_rng.integers(0, 10, (b, h, t, d))
-        sign = np.where(_rng.random((b, h, t, d)) < 0.5, -1.0, 1.0)
-        e = _rng.integers(-95, 101, (b, h, t, 1))
+
+    def spread(shape):
+        mag = (1 + _rng.random(shape)) * 2.0 ** -_rng.integers(0, 10, shape)
+        sign = np.where(_rng.random(shape) < 0.5, -1.0, 1.0)
+        e = _rng.integers(-95, 101, shape[:-1] + (1,))
         e[0, 0, :3, 0] = -90, 0, 95  # both paths in every case (row 0 holds t tokens)
-        x = sign * mag * 2.0**e
-        xs.append(jnp.asarray(x.astype(np.float32)).astype(in_dtype))
-    k, v = xs
-    out = jax.jit(lambda c: c.append(0, k, v, jnp.asarray(n)))(c)
-    stored = np.asarray(jax.lax.bitcast_convert_type(out.buffer, jnp.uint8))
+        return jnp.asarray((sign * mag * 2.0**e).astype(np.float32)).astype(in_dtype)
+
+    n, xs, stored, scales = appended_to_a_new_linear_cache(size, dtype, spread)
     for kv, x in enumerate(xs):
         want, want_s = quantize_on_cpu(x, dtype)
         want = want.view(np.uint8)
-        scales = np.asarray((out.k_scales, out.v_scales)[kv])[0]
         common = (want_s >= 2.0**-64) & (want_s <= 2.0**64)
         assert np.any(common) and np.any(want_s < 2.0**-64) and np.any(want_s > 2.0**64)
-        for r in range(b):
-            assert_bytes_equal(stored[0, r, kv, :, :n[r]], want[r, :, :n[r]], f"row {r} data {kv}")
-            assert_bytes_equal(scales[r, :, :n[r]], want_s[r, :, :n[r]], f"row {r} scales {kv}")
+        for r in range(len(n)):
+            assert_bytes_equal(stored[r, kv, :, :n[r]], want[r, :, :n[r]], f"row {r} data {kv}")
+            assert_bytes_equal(scales[kv][r, :, :n[r]], want_s[r, :, :n[r]], f"row {r} scales {kv}")
 
 
 @pytest.mark.parametrize("kind", ["linear", "paged-NHD"])
