@@ -168,10 +168,10 @@ __device__ __forceinline__ float word_value(const uint4* words, int j) {
 // nearest even (the sum's step is 1, and 1.5 * 2^23 is even) and holds it in its low mantissa
 // bits, so that its low byte is the code. One addition a value where the conversion to integer
 // (cvt.rni, a quarter of the adds' rate) took one each.
-__device__ __forceinline__ uint16_t encode_pair_s8_bounded(float lo, float hi) {
-  constexpr float kRound = 0x1.8p23f;
-  return static_cast<uint16_t>(__byte_perm(__float_as_uint(__fadd_rn(lo, kRound)),
-                                           __float_as_uint(__fadd_rn(hi, kRound)), 0x0040));
+__device__ __forceinline__ uint32_t encode_pair_s8_bounded(float lo, float hi) {
+  constexpr float kRound = 0x1.8p23f;  // the codes in bytes 0-1; bytes 2-3 are not cleared
+  return __byte_perm(__float_as_uint(__fadd_rn(lo, kRound)), __float_as_uint(__fadd_rn(hi, kRound)),
+                     0x0040);
 }
 
 // The bytes of two finite values within +-QMAX: fp8 by one conversion (no NaN to take out of
@@ -261,7 +261,11 @@ __device__ __forceinline__ Encoded<Geometry<kIn, kD, kLaneBytes>::kPer, kVecs> e
         const float hi = divide(v, word_value<kIn>(words[v], j + 1));
         const uint32_t pair = decltype(bounded)::value ? encode_pair_finite<kOut>(lo, hi)
                                                          : encode_pair(lo, hi, kOut);
-        e.packed[v][j / 4] = j % 4 ? e.packed[v][j / 4] | (pair << 16) : pair;
+        if (kOut == Format::kS8 && decltype(bounded)::value) {  // its pair's bytes 0-1 only
+          e.packed[v][j / 4] = j % 4 ? __byte_perm(e.packed[v][j / 4], pair, 0x5410) : pair;
+        } else {
+          e.packed[v][j / 4] = j % 4 ? e.packed[v][j / 4] | (pair << 16) : pair;
+        }
       }
     }
   };

@@ -112,31 +112,6 @@ JAXKV_HD bool quant_writes(const QuantAppend& p, const VectorIndex& at, const Ro
          row.length >= 0 && int64_t{row.length} + at.t < p.cache.capacity;
 }
 
-// Where vector `at` goes; false when nothing is written (quant_writes false, or no page holds
-// its position). (Its own checks, not quant_writes': the pair kernel's code as measured.)
-JAXKV_HD bool quant_target(const QuantAppend& p, const VectorIndex& at, const RowFacts& row,
-                           QuantTarget* t) {
-  const int64_t layer = int64_t{row.layer} + at.n;
-  if (at.b >= row.active || layer < 0 || layer >= p.cache.num_layers || at.t >= row.count ||
-      row.length < 0)
-    return false;
-  const int64_t pos = int64_t{row.length} + at.t;
-  if (pos >= p.cache.capacity) return false;
-  const int32_t page = p.cache.page(at.b, static_cast<int32_t>(pos));
-  if (page < 0) return false;
-  const int32_t slot = p.cache.slot(static_cast<int32_t>(pos));
-  t->src = quant_source(p, at);
-  t->dst = (at.is_v ? p.cache.v : p.cache.k) + p.cache.at_slot(layer, page, at.h, slot);
-  if (p.tensor_k_scale) {
-    t->scale = nullptr;
-    t->given = (at.is_v ? p.tensor_v_scale : p.tensor_k_scale)[layer];
-  } else {
-    const int64_t s = p.scales.at_slot(layer, page, at.h, slot);
-    t->scale = reinterpret_cast<float*>((at.is_v ? p.scales.v : p.scales.k) + s);
-  }
-  return true;
-}
-
 // quant_target in two steps, for a kernel that has work to do while the page entry is loaded:
 // first the entry's load and everything that needs no page (the checks of quant_writes, the
 // places were the vector on page 0: an offset is linear in the page, the scale given per tensor),
@@ -173,6 +148,13 @@ JAXKV_HD bool quant_target(const QuantAppend& p, const QuantSlot& s, QuantTarget
   t->scale = s.scale ? reinterpret_cast<float*>(s.scale + s.entry * p.scales.page_stride) : nullptr;
   t->given = s.given;
   return true;
+}
+
+// Where vector `at` goes; false when nothing is written (quant_writes false, or no page holds
+// its position): the two steps at once.
+JAXKV_HD bool quant_target(const QuantAppend& p, const VectorIndex& at, const RowFacts& row,
+                           QuantTarget* t) {
+  return quant_target(p, quant_slot(p, at, row), t);
 }
 
 // The V vector of the (layer, row, head, token) whose K vector goes to `k` (quant_target with
