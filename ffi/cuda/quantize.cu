@@ -174,8 +174,8 @@ __device__ __forceinline__ uint32_t encode_pair_s8_bounded(float lo, float hi) {
                      0x0040);
 }
 
-// The bytes of two finite values within +-QMAX: fp8 by one conversion (no NaN to take out of
-// line), int8 by encode_pair_s8_bounded.
+// The bytes of two finite values within +-QMAX, in bytes 0-1: fp8 by one conversion (no NaN to
+// take out of line), int8 by encode_pair_s8_bounded (whose bytes 2-3 are not cleared).
 template <Format kOut>
 __device__ __forceinline__ uint32_t encode_pair_finite(float lo, float hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
