@@ -367,9 +367,14 @@ def test_memory_probe_pads_to_the_peak(monkeypatch):
         return dict(bytes_in_use=used, peak_bytes_in_use=peak, bytes_limit=1 << 40)
 
     monkeypatch.setattr(T, "memory_stats", fake_stats)
+    monkeypatch.setattr(T, "PAD_PIECE", 1000)  # the pad in pieces: 4 of 1000 bytes and one of 96
+    pads = []
+    real_pad = T.pad_device_memory
+    monkeypatch.setattr(T, "pad_device_memory", lambda n: pads.append(real_pad(n)) or pads[-1])
     x = jnp.ones((8,), jnp.float32)
     out, measured = T.peak_extra(lambda: x * 2, 0)
     assert measured == 123 and len(seen) == 3
+    assert [p.size for p in pads[0]] == [1000] * 4 + [96]
     np.testing.assert_array_equal(out, 2 * np.ones(8, np.float32))
 
     # No room for the pad and the call: no measurement, the call still ran once.
@@ -385,6 +390,23 @@ def test_memory_probe_pads_to_the_peak(monkeypatch):
                                                        memory=True)
     assert measured is None and static is not None and static >= 0 and len(seconds) == 2
     np.testing.assert_array_equal(out, 4 * 2**9 * np.ones(8, np.float32))
+
+
+def test_memory_probe_without_a_place_for_its_pad_runs_the_call_unmeasured(monkeypatch):
+    """Where the allocator cannot place the pad (its free bytes in holes smaller than a piece, as
+    after a full GPU run's largest cases), the call runs once, unmeasured, instead of failing."""
+    monkeypatch.setattr(T, "memory_stats", lambda: dict(bytes_in_use=1000, peak_bytes_in_use=5096,
+                                                        bytes_limit=1 << 40))
+
+    def exhausted(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+
+    x = jnp.ones((8,), jnp.float32)
+    calls = []
+    monkeypatch.setattr(T.jnp, "zeros", exhausted)
+    out, measured = T.peak_extra(lambda: calls.append(1) or x * 2, 0)
+    assert measured is None and calls == [1]
+    np.testing.assert_array_equal(out, 2 * np.ones(8, np.float32))
 
 
 def test_a_hoisted_op_is_detected():
