@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# SASS of jaxkv's kernels on a machine without a GPU: compiles one CUDA file for sm_90 and prints
+# SASS of jaxkv's kernels on a machine without a GPU: compiles one CUDA file for sm_90a, with the
+# flags and definitions CMakeLists.txt gives the kernels, and prints
 # the machine code of the kernels whose mangled name contains PATTERN (with instruction counts),
 # so that a kernel change can be read at the instruction level before it costs device time.
 # cuobjdump is not in this machine's CUDA toolkit; the first call fetches NVIDIA's
@@ -19,7 +20,12 @@ if [ ! -x "$tool" ]; then
 fi
 inc=$(python3 -c "import jax.ffi as f; print(f.include_dir())")
 obj=build/sass.o
-nvcc -std=c++17 -O3 -arch=sm_90 -Iffi/include -I"$inc" -c "$src" -o "$obj" 2>/dev/null
+# The build's flags (CMakeLists.txt); a compile error stops here with its messages.
+if ! nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DJAXKV_WITH_CUDA=1 -DJAXKV_SM90A=1 \
+    -Iffi/include -isystem "$inc" -c "$src" -o "$obj" 2> build/sass.log; then
+  grep -v "warning #\|^ *^\|^$\|Remark" build/sass.log >&2 || true
+  exit 1
+fi
 "$tool" -sass "$obj" | awk -v p="$pattern" '
   function done() { if (show) print "  (" n " instructions)"; show = 0 }
   /Function :/ { done(); show = index($0, p) > 0; n = 0; if (show) print; next }

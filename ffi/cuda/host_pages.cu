@@ -51,10 +51,11 @@ __global__ void __launch_bounds__(kThreads) host_transfer_kernel(const HostTrans
 
 // Blocks of a launch: JAXKV_HOST_COPY_BLOCKS when set (to measure), else enough to keep PCIe
 // busy alone (2 per multiprocessor), or as few as reach the bandwidth beside compute: a block
-// moves ~25 GB/s to the host and ~12 GB/s from it, whatever its depth, and slows the share of
-// a kernel that runs on its multiprocessor. H100, 2026-11-26, a 2 GiB swap beside a decode
-// longer than it: to the host, 2 blocks kept 94% of the decode's speed at 51 GB/s (4: 81%);
-// from it, 4 blocks kept 89-91% at 47-50 GB/s (2: 25 GB/s; 8: 85%; 16: 82%; 64: 65%).
+// moves ~25 GB/s to the host and ~12 GB/s from it, whatever its depth (Hopper's bulk copies,
+// 64-192 KiB in flight a block, move the same: perf notes item 55), and slows a kernel beside
+// it. H100, 2026-11-26, a 2 GiB swap beside a decode longer than it: to the host, 2 blocks
+// kept 94% of the decode's speed at 51 GB/s (4: 81%); from it, 4 blocks kept 89-91% at 47-50
+// GB/s (2: 25 GB/s; 8: 85%; 16: 82%; 64: 65%).
 int transfer_blocks(const HostTransfer& t, bool overlap) {
   static const int forced = [] {
     const char* s = std::getenv("JAXKV_HOST_COPY_BLOCKS");
