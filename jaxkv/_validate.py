@@ -45,6 +45,19 @@ def int32(op: str, name: str, x) -> None:
         raise TypeError(f"{op}: {name} must be int32, got {x.dtype}")
 
 
+def new_cache_dtype(op: str, dtype) -> np.dtype:
+    """A cache dtype given to ``create``: one of CACHE_DTYPES, or a TypeError naming op."""
+    try:
+        d = np.dtype(dtype)
+    except TypeError:
+        d = None
+    if d not in CACHE_DTYPES:
+        names = ", ".join(c.name for c in CACHE_DTYPES)
+        raise TypeError(f"{op}: unsupported dtype {d if d is not None else repr(dtype)}; "
+                        f"supported: {names}")
+    return d
+
+
 def cache_dtype(op: str, name: str, x) -> None:
     if np.dtype(x.dtype) not in CACHE_DTYPES:
         names = ", ".join(d.name for d in CACHE_DTYPES)

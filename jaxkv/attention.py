@@ -56,6 +56,7 @@ from .sharding import Role, per_shard
 # Head dims the kernels are built for (ffi/cuda/attention_decode.cu instantiates these; the CPU
 # handler accepts the same so that a program behaves alike on both).
 HEAD_DIMS = (16, 32, 64, 128, 256)
+"""The head dims attention takes (another is a trace-time ``ValueError``)."""
 QUERY_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 EIGHT_BIT_DTYPES = quantization.QUANTIZED_DTYPES  # fp8 e4m3fn, e5m2, int8
 
@@ -253,6 +254,9 @@ def _call(target, q4, src: _Source, starts, counts, k_scale, v_scale, scale, spl
 
 
 IMPLEMENTATIONS = (None, "jaxkv", "cudnn")
+"""``implementation=`` of ``decode`` / ``prefill``: None picks the faster of the two that can
+serve the call, ``"jaxkv"`` jaxkv's kernels, ``"cudnn"`` JAX's cuDNN path (an error where it
+cannot serve the call)."""
 
 
 def _implementation(op: str, implementation, cache, q, k_scale, v_scale, src: _Source) -> str:
@@ -311,14 +315,16 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
       KV heads (grouped-query attention: q head ``h`` reads KV head ``h // (num_q_heads / H)``).
     - ``cache``: a ``LinearKVCache``, ``KVCacheManager`` or ``PagedKVCache`` (HND or NHD).
     - ``layer_idx``: the layer; an int or an int32 scalar (traced, e.g. in a ``scan`` over layers),
-      a Python int for a ``KVCacheManager``. Out of range gives zeros (reported through checkify).
+      a Python int for a ``KVCacheManager``. A Python int out of range is a ``ValueError``; a
+      traced one out of range gives zeros (reported through checkify).
     - ``kv_lengths``: int32 ``[max_batch]``: row ``b`` attends to tokens ``[0, kv_lengths[b])``;
       default ``cache.lengths`` (append, commit, then attend).
     - ``scale``: softmax scale (a Python float), default ``1/sqrt(head_dim)``.
-    - ``k_scale``, ``v_scale``: dequantization scales (float or float32 scalar) of an 8-bit cache
-      without scales of its own: keys are read as ``k_scale * k``, values as ``v_scale * v``. An
-      8-bit cache made by ``create`` keeps its scales (``jaxkv.quantization``) and is read with
-      them, per token and head or per tensor; passing these then is a ``ValueError``.
+    - ``k_scale``, ``v_scale``: scales (float or float32 scalar) of a cache without scales of its
+      own: keys are read as ``k_scale * k``, values as ``v_scale * v``. Required for an 8-bit
+      cache constructed from raw bytes; optional for a float cache (default 1). An 8-bit cache
+      made by ``create`` keeps its scales (``jaxkv.quantization``) and is read with them, per
+      token and head or per tensor; passing these then is a ``ValueError``.
     - ``implementation``: ``None`` (default: the fastest that can serve the call), ``"jaxkv"``
       (jaxkv's own kernel, every cache kind) or ``"cudnn"`` (cuDNN's paged flash attention through
       jax's private binding: on a GPU, for a ``PagedKVCache`` (HND or NHD) in bfloat16 or

@@ -57,6 +57,7 @@ class HostPages:
 
     @property
     def num_pages(self) -> int:
+        """Pages of the host pool (``create``'s ``host_pages``)."""
         return self.ref_counts.shape[0]
 
     @property

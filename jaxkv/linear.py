@@ -7,12 +7,12 @@ from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import _lifecycle as lifecycle
 from . import _validate as validate
 from . import quantization
 from . import reuse
+from ._checks import check
 from .layout import COUNT, KV, LINEAR_BUFFER, REPLICATED, ROWS
 from .sharding import (CacheSharding, Combined, Count, Destinations, FromOwner, Role, create,
                        per_shard, row_ids)
@@ -93,8 +93,7 @@ class LinearKVCache:
                     max_seq_len=max_seq_len, head_dim=head_dim)
         for name, value in dims.items():
             validate.static_int(op, name, value, lo=1, hi=validate.CREATE_LIMITS.get(name))
-        if np.dtype(dtype) not in validate.CACHE_DTYPES:
-            raise TypeError(f"{op}: unsupported dtype {np.dtype(dtype)}")
+        validate.new_cache_dtype(op, dtype)
         shape = (num_layers, max_batch, 2, num_kv_heads, max_seq_len, head_dim)
         leaves = dict(buffer=(shape, dtype, 0), lengths=((max_batch,), jnp.int32, 0),
                       active_batch_size=((), jnp.int32, 0))
@@ -119,16 +118,23 @@ class LinearKVCache:
         return quantization.with_scales(self, "LinearKVCache.with_scales", k_scale, v_scale)
 
     def layer(self, i: IntOrArray) -> jax.Array:
-        """``[max_batch, 2, H, S, D]`` of layer ``i`` (a view under ``jit``)."""
-        return self.buffer[i]
+        """``[max_batch, 2, H, S, D]`` of layer ``i`` (a view under ``jit``). A Python int out of
+        range is a ``ValueError``; a traced one is reported through ``checkify`` (and clamped,
+        as JAX indexes)."""
+        return self.buffer[self._layer("LinearKVCache.layer", i)]
 
     def keys(self, i: IntOrArray) -> jax.Array:
-        """``[max_batch, H, S, D]``."""
-        return self.buffer[i, :, 0]
+        """``[max_batch, H, S, D]`` of layer ``i`` (checked as in ``layer``)."""
+        return self.buffer[self._layer("LinearKVCache.keys", i), :, 0]
 
     def values(self, i: IntOrArray) -> jax.Array:
-        """``[max_batch, H, S, D]``."""
-        return self.buffer[i, :, 1]
+        """``[max_batch, H, S, D]`` of layer ``i`` (checked as in ``layer``)."""
+        return self.buffer[self._layer("LinearKVCache.values", i), :, 1]
+
+    def _layer(self, op: str, i: IntOrArray) -> jax.Array:
+        layer = validate.layer_index(op, i, self.num_layers)
+        check((layer >= 0) & (layer < self.num_layers), f"{op}: layer_idx out of range")
+        return layer
 
     @property
     @per_shard(out=Combined("all"))
@@ -213,8 +219,9 @@ class LinearKVCache:
     def instantiate(self, saved, batch_idx: IntOrArray) -> "LinearKVCache":
         """Writes a ``jaxkv.SavedKV`` into tokens ``[0, T)`` of row ``batch_idx`` (an int, an int32
         scalar or an int32 ``[n]`` array of rows), every layer in one launch. Lengths are
-        unchanged: pass ``saved.length`` to ``reset``. An 8-bit cache takes a float prefix too,
-        quantized as ``append`` would store it."""
+        unchanged: give the rows ``saved.length`` through ``reset`` (e.g. ``reset(jnp.full((n,),
+        saved.length))`` for rows ``0..n-1``). An 8-bit cache takes a float prefix too, quantized
+        as ``append`` would store it."""
         (buffer,), scales = reuse.instantiate_saved_kv(
             "LinearKVCache.instantiate", [self.buffer], ["buffer"], saved, batch_idx,
             quantization.scales_of(self))

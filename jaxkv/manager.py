@@ -8,7 +8,6 @@ from typing import Any, Sequence, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import _lifecycle as lifecycle
 from . import _validate as validate
@@ -98,8 +97,7 @@ class KVCacheManager:
         op = "KVCacheManager.create"
         validate.static_int(op, "max_batch", max_batch, lo=1, hi=validate.MAX_COMPACT_ROWS)
         validate.static_int(op, "max_seq_len", max_seq_len, lo=1)
-        if np.dtype(dtype) not in validate.CACHE_DTYPES:
-            raise TypeError(f"{op}: unsupported dtype {np.dtype(dtype)}")
+        validate.new_cache_dtype(op, dtype)
         configs = list(layer_configs)
         if not 1 <= len(configs) <= validate.MAX_LAYERS:
             raise ValueError(f"{op}: 1 to {validate.MAX_LAYERS} layer configs needed, got {len(configs)}")
@@ -271,8 +269,9 @@ class KVCacheManager:
     def instantiate(self, saved: SavedKV, batch_idx: IntOrArray) -> "KVCacheManager":
         """Writes ``saved`` into tokens ``[0, T)`` of row ``batch_idx`` (an int, an int32 scalar or
         an int32 ``[n]`` array of rows), every layer in one launch (see
-        ``jaxkv.instantiate_kv_cache``). Lengths are unchanged: pass ``saved.length`` to ``reset``.
-        An 8-bit cache takes a float prefix too, quantized as ``append`` would store it.
+        ``jaxkv.instantiate_kv_cache``). Lengths are unchanged: give the rows ``saved.length``
+        through ``reset`` (e.g. ``reset(jnp.full((n,), saved.length))`` for rows ``0..n-1``). An
+        8-bit cache takes a float prefix too, quantized as ``append`` would store it.
         """
         layers, scales = reuse.instantiate_saved_kv(
             "KVCacheManager.instantiate", list(self.layers), self._names(), saved, batch_idx,

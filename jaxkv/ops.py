@@ -219,7 +219,7 @@ def increment_lengths(lengths: jax.Array, increment) -> jax.Array:
     op = "increment_lengths"
     validate_lengths(op, lengths)
     if isinstance(increment, (bool,)) or not isinstance(increment, int):
-        validate.array(op, "increment", increment)
+        validate.array(op, "increment", increment, "a Python int or an int32 [batch] array")
         validate.int32(op, "increment", increment)
         validate.shape(op, "increment", increment, lengths.shape, "[batch]")
     else:

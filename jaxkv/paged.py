@@ -139,8 +139,7 @@ class PagedKVCache:
             validate.static_int(op, name, value, lo=1, hi=INT32_MAX)
         if layout not in LAYOUTS:
             raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
-        if np.dtype(dtype) not in validate.CACHE_DTYPES:
-            raise TypeError(f"{op}: unsupported dtype {np.dtype(dtype)}")
+        validate.new_cache_dtype(op, dtype)
         if max_pages_per_seq * page_size > INT32_MAX:
             raise ValueError(f"{op}: max_pages_per_seq * page_size must fit in int32 positions")
         if num_layers * max_batch * num_kv_heads > INT32_MAX:
@@ -249,8 +248,14 @@ class PagedKVCache:
         return quantization.with_scales(self, "PagedKVCache.with_scales", k_scale, v_scale)
 
     def cache_length(self, b: IntOrArray) -> jax.Array:
-        """int32 ``[]``: tokens stored for sequence ``b``."""
-        return self.lengths[b]
+        """int32 ``[]``: tokens stored for sequence ``b`` (a Python int out of ``[0, max_batch)`` is
+        a ``ValueError``; a traced one is reported through ``checkify``, and clamped)."""
+        op = "PagedKVCache.cache_length"
+        if isinstance(b, (int, np.integer)) and not isinstance(b, (bool, np.bool_)):
+            validate.static_int(op, "b", b, 0, self.max_batch - 1)
+        row = validate.int_scalar(op, "b", b)
+        check((row >= 0) & (row < self.max_batch), f"{op}: b out of range")
+        return self.lengths[row]
 
     @property
     def block_tables(self) -> jax.Array:
@@ -445,6 +450,14 @@ class PagedKVCache:
     def copy_pages(self, src_pages: jax.Array, dst_pages: jax.Array) -> "PagedKVCache":
         """Copies physical pages ``src_pages[i]`` -> ``dst_pages[i]`` (every layer, K and V, one
         launch); see ``jaxkv.paged_ops.copy_pages``. The page table is not changed."""
+        op = "PagedKVCache.copy_pages"
+        for name, x in (("src_pages", src_pages), ("dst_pages", dst_pages)):
+            validate.array(op, name, x)
+            validate.int32(op, name, x)
+            validate.rank(op, name, x, 1, "[n]")
+        if src_pages.shape != dst_pages.shape:
+            raise ValueError(f"{op}: src_pages {tuple(src_pages.shape)} and dst_pages "
+                             f"{tuple(dst_pages.shape)} differ")
         return self._copied(src_pages, dst_pages)
 
     def _copied(self, src_pages, dst_pages) -> "PagedKVCache":
@@ -732,6 +745,9 @@ class PagedKVCache:
         (``float32(q) * scale``), in float32 unless ``dtype`` names another float dtype; any
         other cache gives its own dtype, converted to ``dtype`` if given."""
         op = "PagedKVCache.gather"
+        layer = validate.layer_index(op, layer_idx, self.num_layers)
+        validate.static_int(op, "max_len", max_len, lo=1, hi=INT32_MAX)
+        check((layer >= 0) & (layer < self.num_layers), f"{op}: layer_idx out of range")
         gathered = paged_ops.paged_gather(
             self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, max_len,
             layout=self.layout, split=split or self.scaling is not None,

@@ -20,9 +20,13 @@ from . import _validate as validate
 from ._checks import check
 
 QUANTIZED_DTYPES = tuple(np.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8))
+"""The 8-bit cache dtypes: ``create(..., dtype=...)`` gives such a cache its scales."""
 SCALINGS = ("per_token_head", "per_tensor")
+"""``create``'s ``scaling`` of an 8-bit cache (``"per_token_head"`` the default)."""
 INPUT_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
-MAX_HEAD_DIM = 256  # of values quantized on the way in: a kernel's warp holds a vector, 8 a lane
+"""The K/V dtypes an 8-bit cache quantizes on the way in (append, instantiate)."""
+MAX_HEAD_DIM = 256  # a kernel's warp holds a vector, 8 values a lane
+"""The largest ``head_dim`` of values quantized on the way in (a trace-time error past it)."""
 
 
 def scaling_of(op: str, dtype, scaling) -> str | None:
@@ -110,8 +114,12 @@ def scale_leaves(op: str, scaling, num_layers: int, token_shape, k_scale, v_scal
     """The scale leaves of a new cache (``sharding.create``'s (shape, dtype, fill)): per token
     and head ``token_shape`` (a list of shapes: one leaf per layer), per tensor ``[num_layers]``."""
     given = k_scale is not None or v_scale is not None
+    if scaling is None and given:
+        raise ValueError(f"{op}: k_scale / v_scale are for an 8-bit cache (float8_e4m3fn, "
+                         "float8_e5m2, int8) with scaling='per_tensor'")
     if scaling != "per_tensor" and given:
-        raise ValueError(f"{op}: k_scale / v_scale are for scaling='per_tensor'")
+        raise ValueError(f"{op}: k_scale / v_scale are for scaling='per_tensor' (this cache: "
+                         f"{scaling!r})")
     if scaling is None:
         return {}
     if scaling == "per_token_head":

@@ -17,11 +17,14 @@ def _targets(batch_mapping: jax.Array, rows: int) -> jax.Array:
 
 
 def compact_tensor_batch(x: jax.Array, batch_mapping: jax.Array) -> jax.Array:
+    """``x`` with old row ``i`` moved to row ``batch_mapping[i]`` (rows ``i < len(batch_mapping)``;
+    an entry outside ``[0, rows)`` evicts the row); rows no survivor targets keep their values."""
     n = batch_mapping.shape[0]
     return x.at[_targets(batch_mapping, x.shape[0])].set(x[:n], mode="drop")
 
 
 def compact_lengths(lengths: jax.Array, batch_mapping: jax.Array) -> jax.Array:
+    """The lengths after ``compact_tensor_batch``: each survivor's at its new row, 0 elsewhere."""
     n = batch_mapping.shape[0]
     zeros = jnp.zeros_like(lengths)
     return zeros.at[_targets(batch_mapping, lengths.shape[0])].set(lengths[:n], mode="drop")
@@ -35,6 +38,7 @@ def compact_kv_cache(layers, lengths: jax.Array, batch_mapping: jax.Array):
 
 
 def increment_lengths(lengths: jax.Array, increment) -> jax.Array:
+    """``lengths + increment`` in int32 (two's complement: it wraps where the sum does)."""
     return lengths + increment
 
 
@@ -244,6 +248,7 @@ def prefill_attention(q, k, v, lengths, q_lengths, scale=None, k_scale=1.0, v_sc
 
 # 8-bit caches (jaxkv.quantization): the definition the quantizing kernels match bit for bit.
 QMAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "int8": 127.0}
+"""The largest magnitude each 8-bit dtype stores (by its numpy name): a scale is ``max|x| / QMAX``."""
 
 
 def quantize(x: jax.Array, dtype, scale=None):
@@ -254,6 +259,8 @@ def quantize(x: jax.Array, dtype, scale=None):
     ``x / scale`` in float32, clipped to ``[-QMAX, QMAX]`` and rounded to nearest even into
     ``dtype``; a zero scale stores zeros."""
     dtype = jnp.dtype(dtype)
+    if dtype.name not in QMAX:
+        raise ValueError(f"reference.quantize: dtype must be one of {tuple(QMAX)}, got {dtype}")
     qmax = jnp.float32(QMAX[dtype.name])
     x = x.astype(jnp.float32)
     if scale is None:

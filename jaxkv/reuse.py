@@ -80,7 +80,8 @@ def _slots(op: str, batch_idx, rows: int, allow_many: bool) -> jax.Array:
         return jnp.asarray(batch_idx, jnp.int32)
     if isinstance(batch_idx, (bool, np.bool_)):
         raise TypeError(f"{op}: batch_idx must be an int or an int32 array, got bool")
-    validate.array(op, "batch_idx", batch_idx)
+    validate.array(op, "batch_idx", batch_idx,
+                   "an int or an int32 array" if allow_many else "an int or an int32 scalar")
     validate.int32(op, "batch_idx", batch_idx)
     if batch_idx.ndim != 0 and not (allow_many and batch_idx.ndim == 1):
         layout = "[] or [n]" if allow_many else "[]"

@@ -72,8 +72,35 @@ def test_a_static_layer_index_out_of_range_is_a_trace_time_error_everywhere():
     paged = jaxkv.PagedKVCache.create(2, 4, 4, 1, 4, 2, 2, dtype=jnp.float32)
     with pytest.raises(ValueError, match=r"PagedKVCache.append: layer_idx must be in \[0, 1\], got -1"):
         paged.append(-1, k, k)
-    with pytest.raises(ValueError, match=r"paged_gather: layer_idx must be in \[0, 1\], got 2"):
+    with pytest.raises(ValueError, match=r"PagedKVCache.gather: layer_idx must be in \[0, 1\], got 2"):
         paged.gather(2, 4)
+    for accessor in (linear.layer, linear.keys, linear.values):
+        with pytest.raises(ValueError, match=r"LinearKVCache.\w+: layer_idx must be in \[0, 1\], got 5"):
+            accessor(5)
+    with pytest.raises(ValueError, match=r"PagedKVCache.cache_length: b must be in \[0, 1\], got 9"):
+        paged.cache_length(9)
+
+
+def test_a_traced_accessor_index_out_of_range_is_reported():
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import checkify
+
+    linear = jaxkv.LinearKVCache.create(2, 2, 1, 8, 4, dtype=jnp.float32)
+    paged = jaxkv.PagedKVCache.create(2, 4, 4, 1, 4, 2, 2, dtype=jnp.float32)
+    for fn, bad, good, what in ((linear.keys, 2, 1, "LinearKVCache.keys: layer_idx"),
+                                (paged.cache_length, -1, 0, "PagedKVCache.cache_length: b")):
+        checked = checkify.checkify(jax.jit(fn))
+        err, _ = checked(jnp.int32(bad))
+        assert what in str(err.get())
+        err, _ = checked(jnp.int32(good))
+        assert err.get() is None
+    with pytest.raises(TypeError, match="PagedKVCache.gather: max_len must be a Python int"):
+        paged.gather(0, 4.0)
+    with pytest.raises(TypeError, match="PagedKVCache.copy_pages: src_pages must be int32"):
+        paged.copy_pages(jnp.zeros((2,), jnp.float32), jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match=r"PagedKVCache.copy_pages: src_pages \(2,\) and dst_pages"):
+        paged.copy_pages(jnp.zeros((2,), jnp.int32), jnp.zeros((3,), jnp.int32))
 
 
 def test_commit_names_what_it_accepts():

@@ -279,6 +279,8 @@ def test_create_and_argument_errors():
         PagedKVCache.create(1, 4, 0, 1, 8, 2, 2)
     with pytest.raises(TypeError, match="PagedKVCache.create: unsupported dtype"):
         PagedKVCache.create(1, 4, 4, 1, 8, 2, 2, dtype=jnp.int64)
+    with pytest.raises(TypeError, match="PagedKVCache.create: unsupported dtype 'foo'; supported"):
+        PagedKVCache.create(1, 4, 4, 1, 8, 2, 2, dtype="foo")
     cache = make()
     with pytest.raises(ValueError, match=r"PagedKVCache.reserve: num_new_tokens must have shape \(4,\)"):
         cache.reserve(jnp.zeros((3,), jnp.int32))

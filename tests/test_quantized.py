@@ -328,6 +328,11 @@ def test_reference_quantize_matches_the_format(dtype):
         assert np.all(np.abs(back - np.asarray(x)) <= rel * np.abs(np.asarray(x)) + tiny * 1.0001)
 
 
+def test_reference_quantize_names_the_dtypes_it_takes():
+    with pytest.raises(ValueError, match="reference.quantize: dtype must be one of"):
+        reference.quantize(jnp.ones((2, 8), jnp.float32), jnp.bfloat16)
+
+
 def test_zero_vectors_store_scale_zero_and_zeros():
     c = started("linear", jnp.float8_e4m3fn, [0, 0, 0, 0])
     k = jnp.zeros((B, H, 2, D), jnp.bfloat16)
@@ -908,6 +913,8 @@ def test_bad_arguments_are_refused_naming_them():
         jaxkv.PagedKVCache.create(1, 4, 2, 1, 8, 2, 2, jnp.int8, scaling="per_row")
     with pytest.raises(ValueError, match="k_scale / v_scale are for scaling='per_tensor'"):
         jaxkv.LinearKVCache.create(1, 2, 1, 4, 8, jnp.int8, k_scale=0.1)
+    with pytest.raises(ValueError, match=r"k_scale / v_scale are for an 8-bit cache \(float8"):
+        jaxkv.LinearKVCache.create(1, 2, 1, 4, 8, jnp.bfloat16, k_scale=0.1)
     with pytest.raises(ValueError, match="k_scale must be finite and > 0"):
         jaxkv.LinearKVCache.create(1, 2, 1, 4, 8, jnp.int8, scaling="per_tensor", k_scale=0.0)
     c = jaxkv.LinearKVCache.create(1, 2, 1, 4, 8, jnp.int8).reset(jnp.zeros((2,), jnp.int32))

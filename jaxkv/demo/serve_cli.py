@@ -74,7 +74,7 @@ def parse_args(argv):
     add("--preempt", choices=S.PREEMPT, default="swap",
         help="what the paged engines do with a preempted request: swap its pages to host "
              "memory and back (default: measured faster, 1.07x recomputation's output tokens/s "
-             "on an H100 and 1.04x on an H200, 8B, 4k-token prompts; docs/host-tier.md) or "
+             "on an H100 and 1.05x on an H200, 8B, 4k-token prompts; docs/host-tier.md) or "
              "recompute its prompt (no pinned host memory); engine paged-swap always swaps")
     add("--host-kv-gib", type=float,
         help="the host tier of a swapping engine, GiB (default: the KV budget); given, the "
