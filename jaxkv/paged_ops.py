@@ -110,6 +110,13 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_len
 
     With ``sharding`` (a ``jaxkv.CacheSharding``): pools, table and tokens split as a
     PagedKVCache's; each shard's table holds page ids local to its share (docs/sharding.md).
+
+    >>> pool = jnp.zeros((1, 2, 4, 4, 8), jnp.float32)     # HND: 1 layer, 2 heads, 4 pages of 4
+    >>> table = jnp.array([[2, 0], [1, -1]], jnp.int32)    # row 0: pages 2, 0; row 1: page 1
+    >>> k = jnp.ones((2, 2, 3, 8), jnp.float32)            # 3 tokens a row
+    >>> kp, vp = paged_append(pool, pool, table, jnp.array([2, 0], jnp.int32), 0, k, k)
+    >>> [int(kp[0, 0, page].any(-1).sum()) for page in range(4)]  # tokens written a page
+    [1, 3, 2, 0]
     """
     out = append_tokens("paged_append", k_pages, v_pages, page_table, lengths, layer_idx, k, v,
                         new_lengths, layout)

@@ -257,19 +257,27 @@ def quantize(x: jax.Array, dtype, scale=None):
     ``scale=None``: one float32 scale per vector over the last axis, ``max|x| / QMAX``;
     otherwise the given float32 scale (broadcast against ``x[..., 0]``). The stored value is
     ``x / scale`` in float32, clipped to ``[-QMAX, QMAX]`` and rounded to nearest even into
-    ``dtype``; a zero scale stores zeros."""
+    ``dtype``; a zero scale stores zeros. A NaN is left out of its vector's scale and stored as
+    the format's NaN under a scale > 0 (its sign unspecified; int8, which has none: 0), as the
+    kernels store it.
+
+    >>> q, s = quantize(jnp.array([[0.5, -1.0, 0.25]]), jnp.int8)
+    >>> q.tolist(), s.tolist()                           # scale 1 / 127; 63.5 rounds to even
+    ([[64, -127, 32]], [0.007874015718698502])
+    """
     dtype = jnp.dtype(dtype)
     if dtype.name not in QMAX:
         raise ValueError(f"reference.quantize: dtype must be one of {tuple(QMAX)}, got {dtype}")
     qmax = jnp.float32(QMAX[dtype.name])
     x = x.astype(jnp.float32)
+    nan = jnp.isnan(x)
     if scale is None:
-        scale = _divide(jnp.max(jnp.abs(x), axis=-1), qmax)
+        scale = _divide(jnp.max(jnp.where(nan, 0, jnp.abs(x)), axis=-1), qmax)
     scale = jnp.asarray(scale, jnp.float32)
     s = jnp.broadcast_to(scale, x.shape[:-1])[..., None]
     v = jnp.clip(jnp.where(s > 0, _divide(x, jnp.where(s > 0, s, 1)), 0), -qmax, qmax)
     if dtype == jnp.int8:
-        v = jnp.round(v)  # to nearest even, as the float formats round
+        v = jnp.where(nan, 0, jnp.round(v))  # to nearest even, as the float formats round
     return v.astype(dtype), jnp.broadcast_to(scale, x.shape[:-1])
 
 

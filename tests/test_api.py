@@ -49,6 +49,7 @@ def test_docstring_examples_run(module):
     """Every ``>>>`` example in the public modules runs and prints what it shows."""
     mod = importlib.import_module(module)
     result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0, f"{module} shows no example"
     assert result.failed == 0
 
 

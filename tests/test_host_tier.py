@@ -232,30 +232,38 @@ def test_settle_is_ordered_after_the_transfer_in_one_jit():
     per_row = pages // 2
     cache = PagedKVCache.create(num_layers=layers, num_kv_heads=heads, head_dim=dim,
                                 num_pages=pages, page_size=size, max_batch=2,
-                                max_pages_per_seq=per_row, dtype=jnp.bfloat16, host_pages=per_row)
+                                max_pages_per_seq=per_row, dtype=jnp.bfloat16, layout="HND",
+                                host_pages=per_row)
+    shape = (layers, 2, heads, per_row * size, dim)  # [L, B, H, T, D]: row 0's, then row 1's
+    k0, v0, k1, v1 = (random_array(shape, jnp.bfloat16) for _ in range(4))
 
-    def put(c, row, value):
+    def put(c, row, k, v):
         n = jnp.array([per_row * size if r == row else 0 for r in range(2)], jnp.int32)
         c, _ = c.reserve(n)
-        x = jnp.full((layers, 2, heads, per_row * size, dim), value, jnp.bfloat16)
-        return c.append_layers(x, x, n).commit(n)
+        return c.append_layers(k, v, n).commit(n)
 
-    def swap_settle_and_reuse(c):
+    def swap_settle_and_reuse(c, k, v):
         c, _ = c.swap_out(jnp.array([True, False]), per_row, overlap=True)
-        return put(c.settle_swaps(), 1, 2.0)
+        return put(c.settle_swaps(), 1, k, v)
 
-    cache = jax.jit(lambda c: put(c, 0, 1.0), donate_argnums=0)(cache)
+    cache = jax.jit(lambda c, k, v: put(c, 0, k, v), donate_argnums=0)(cache, k0, v0)
     step = jax.jit(swap_settle_and_reuse, donate_argnums=0)
-    hlo = step.lower(cache).compile().as_text()
+    hlo = step.lower(cache, k1, v1).compile().as_text()
     out = re.search(r"(%\S+) = .*custom_call_target=\"jaxkv_pages_to_host\"", hlo).group(1)
     fence = re.search(r"= .*custom-call\(([^)]*)\).*custom_call_target=\"jaxkv_host_fence\"", hlo)
     operands = fence.group(1)  # "%a, %b" (or with types before the names)
     assert re.search(re.escape(out) + r"(?![\w.])", operands), \
         "the fence does not read the transfer's output"
-    cache = jax.jit(PagedKVCache.settle_swaps, donate_argnums=0)(step(cache))
-    host = np.asarray(jax.device_put(cache.host.pages, jax.memory.Space.Device), np.float32)
-    assert np.all(host == 1.0), f"{int(np.sum(np.any(host.reshape(per_row, -1) != 1, 1)))} " \
-        "host pages overwritten"
+    cache = jax.jit(PagedKVCache.settle_swaps, donate_argnums=0)(step(cache, k1, v1))
+    # Host page table[0, j] holds row 0's page j: K then V, [L, H, page_size, D] each (HND).
+    host = np.asarray(jax.device_put(cache.host.pages, jax.memory.Space.Device))
+    table = np.asarray(cache.host.table[0])
+    assert sorted(table.tolist()) == list(range(per_row))
+    want = np.stack([np.asarray(x[:, 0]) for x in (k0, v0)])  # [2, L, H, T, D]
+    want = want.reshape(2, layers, heads, per_row, size, dim).transpose(3, 0, 1, 2, 4, 5)
+    bad = [j for j in range(per_row) if not np.array_equal(host[table[j]].view(np.uint16),
+                                                          want[j].view(np.uint16))]
+    assert not bad, f"{len(bad)} of {per_row} host pages do not hold row 0's page (first {bad[0]})"
     assert bool(jnp.all(cache.page_table[1] >= 0))
 
 

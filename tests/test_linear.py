@@ -148,11 +148,11 @@ def test_append_and_compact_in_place_under_donation():
 def test_scan_of_64_decode_steps_stays_in_place():
     cache = jaxkv.LinearKVCache.create(2, 4, 2, 80, 32, jnp.bfloat16).reset(
         jnp.zeros((4,), jnp.int32))
-    tokens = random_array((64, 2, 4, 2, 1, 32), jnp.bfloat16)  # [step, layer, B, H, 1, D]
+    tokens = random_array((64, 2, 2, 4, 2, 1, 32), jnp.bfloat16)  # [step, K/V, layer, B, H, 1, D]
 
     def decode(cache, kv_step):
         def layer_step(cache, i):
-            return cache.append(i, kv_step[i], kv_step[i]), None
+            return cache.append(i, kv_step[0, i], kv_step[1, i]), None
         cache, _ = jax.lax.scan(layer_step, cache, jnp.arange(2, dtype=jnp.int32))
         return cache.commit(1), None
 
@@ -162,9 +162,9 @@ def test_scan_of_64_decode_steps_stays_in_place():
     out = run(cache, tokens)
     assert out.buffer.unsafe_buffer_pointer() == before
     np.testing.assert_array_equal(out.lengths, [64] * 4)
-    expected = jnp.moveaxis(tokens[:, :, :, :, 0], 0, 3)  # [layer, B, H, step, D]
-    assert_bytes_equal(out.buffer[:, :, 0, :, :64], expected)
-    assert_bytes_equal(out.buffer[:, :, 1, :, :64], expected)
+    for kv in (0, 1):
+        expected = jnp.moveaxis(tokens[:, kv, :, :, :, 0], 0, 3)  # [layer, B, H, step, D]
+        assert_bytes_equal(out.buffer[:, :, kv, :, :64], expected)
 
 
 def test_decode_loop_with_evictions_matches_reference_loop():

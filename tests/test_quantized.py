@@ -173,28 +173,45 @@ def test_a_large_append_quantizes_bit_for_bit(kind, dtype, in_dtype, scaling):
         c, served = c.reserve(jnp.asarray(start + t))
         assert bool(jnp.all(served))
         c = dataclasses.replace(c, lengths=jnp.asarray(start))
+    # Poison: random bytes and scales everywhere, so that a byte written past a row's count, or
+    # anywhere else, shows.
+    data_fields = ("buffer",) if kind == "linear" else ("k_pages", "v_pages")
+    fields = {f: random_array(getattr(c, f).shape, getattr(c, f).dtype) for f in data_fields}
+    if not per_tensor:
+        fields.update({f: jnp.abs(random_array(getattr(c, f).shape, jnp.float32))
+                       for f in ("k_scales", "v_scales")})
+    c = dataclasses.replace(c, **fields)
+    as_bytes = lambda x: np.array(jax.lax.bitcast_convert_type(x, jnp.uint8))  # noqa: E731
     k, v = values((b, h, t, d), in_dtype), values((b, h, t, d), in_dtype)
     out = jax.jit(lambda c: c.append(0, k, v, jnp.asarray(n)))(c)
     table = None if kind == "linear" else np.asarray(out.page_table)
     for kv, x in ((0, k), (1, v)):
-        want, want_s = quantize_on_cpu(x, dtype, given[kv])
-        data = np.asarray(out.buffer[0, :, kv]) if kind == "linear" else \
-            np.asarray((out.k_pages, out.v_pages)[kv][0])  # [B, H, S, D] or [P, page, H, D]
-        scales = np.asarray((out.k_scales, out.v_scales)[kv])
-        if per_tensor:
-            assert_bytes_equal(scales, np.asarray((c.k_scales, c.v_scales)[kv]), "scales kept")
+        q, q_s = quantize_on_cpu(x, dtype, given[kv])
+        q = q.view(np.uint8)
+        scales = (c.k_scales, c.v_scales)[kv]
+        if kind == "linear":  # [B, H, S, D] and [B, H, S]
+            want, got = as_bytes(c.buffer)[0, :, kv], as_bytes(out.buffer)[0, :, kv]
+        else:  # [P, page, H, D] and [P, page, H]
+            want, got = (as_bytes(p)[0] for p in ((c.k_pages, c.v_pages)[kv],
+                                                   (out.k_pages, out.v_pages)[kv]))
+        want_s = np.array(scales)[0] if not per_tensor else None
         for r in range(b):
             pos = np.arange(start[r], start[r] + n[r])
             if kind == "linear":
-                got, got_s = data[r][:, pos], scales[0, r][:, pos] if not per_tensor else None
+                want[r][:, pos] = q[r, :, :n[r]]
+                if want_s is not None:
+                    want_s[r][:, pos] = q_s[r, :, :n[r]]
             else:
                 pages, slots = table[r, pos // page], pos % page
-                got = data[pages, slots].transpose(1, 0, 2)
-                got_s = None if per_tensor else scales[0][pages, slots].T
-            assert_bytes_equal(np.ascontiguousarray(got), want[r, :, :n[r]], f"row {r} data {kv}")
-            if got_s is not None:
-                assert_bytes_equal(np.ascontiguousarray(got_s), np.ascontiguousarray(
-                    want_s[r, :, :n[r]]), f"row {r} scales {kv}")
+                want[pages, slots] = q[r, :, :n[r]].transpose(1, 0, 2)
+                if want_s is not None:
+                    want_s[pages, slots] = q_s[r, :, :n[r]].T
+        assert_bytes_equal(got, want, f"data {kv}: the rows' tokens, every other byte untouched")
+        got_s = np.asarray((out.k_scales, out.v_scales)[kv])
+        if per_tensor:
+            assert_bytes_equal(got_s, np.asarray(scales), "per-tensor scales kept")
+        else:
+            assert_bytes_equal(got_s[0], want_s, f"scales {kv}: the rows' tokens, the rest kept")
 
 
 NAN_CODE = {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7E, "int8": 0}
@@ -204,16 +221,30 @@ def appended_to_a_new_linear_cache(size, dtype, make):
     """K and V from make(shape) (called once each, shape (b, h, t, d)) appended under jit to a new
     one-layer LinearKVCache, ragged counts with row 0 full; "large" is the kernel's K-and-V-a-lane
     split. Returns the counts, K and V, layer 0's bytes as written ([b, 2, h, cap, d], read as
-    bytes: an fp8 slice may rewrite a NaN) and its K and V scales ([b, h, cap])."""
+    bytes: an fp8 slice may rewrite a NaN) and its K and V scales ([b, h, cap]). The cache starts
+    as poison (random bytes and scales), and every byte and scale past a row's count is checked
+    here to be the poison still."""
     b, h, t, d, cap = (4, 2, 8, 64, 16) if size == "small" else (8, 8, 320, 128, 384)
     n = _rng.integers(1, t + 1, b).astype(np.int32)
     n[0] = t
     c = jaxkv.LinearKVCache.create(1, b, h, cap, d, dtype).reset(jnp.zeros((b,), jnp.int32))
+    c = dataclasses.replace(c, buffer=random_array(c.buffer.shape, c.buffer.dtype),
+                            k_scales=jnp.abs(random_array(c.k_scales.shape, jnp.float32)),
+                            v_scales=jnp.abs(random_array(c.v_scales.shape, jnp.float32)))
+    as_bytes = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8))  # noqa: E731
+    before = as_bytes(c.buffer)[0]
+    before_s = [np.asarray(sc)[0] for sc in (c.k_scales, c.v_scales)]
     xs = [make((b, h, t, d)) for _ in range(2)]
     k, v = (jnp.asarray(x) for x in xs)
     out = jax.jit(lambda c: c.append(0, k, v, jnp.asarray(n)))(c)
-    stored = np.asarray(jax.lax.bitcast_convert_type(out.buffer, jnp.uint8))[0]
-    return n, xs, stored, [np.asarray(sc)[0] for sc in (out.k_scales, out.v_scales)]
+    stored = as_bytes(out.buffer)[0]
+    scales = [np.asarray(sc)[0] for sc in (out.k_scales, out.v_scales)]
+    for r in range(b):
+        assert_bytes_equal(stored[r, :, :, n[r]:], before[r, :, :, n[r]:], f"row {r} past its count")
+        for kv in (0, 1):
+            assert_bytes_equal(scales[kv][r, :, n[r]:], before_s[kv][r, :, n[r]:],
+                               f"row {r} scales {kv} past its count")
+    return n, xs, stored, scales
 
 
 @pytest.mark.parametrize("size", ["small", "large"])
@@ -246,12 +277,13 @@ def test_a_nan_value_keeps_its_vectors_scale_and_other_values(size, dtype, in_dt
     t = xs[0].shape[2]
     for kv, x in enumerate(xs):
         nan = np.isnan(x.astype(np.float32))
-        want, want_s = quantize_on_cpu(jnp.asarray(np.where(nan, 0, x).astype(x.dtype)), dtype)
+        want, want_s = quantize_on_cpu(jnp.asarray(x), dtype)
         want = want.view(np.uint8).copy()
-        want[nan] = code
         data = stored[:, kv, :, :t].copy()
-        if code:  # an fp8 NaN of either sign
+        assert np.all(np.isfinite(want_s)) and np.all((want[nan] & 0x7F) == code)
+        if code:  # an fp8 NaN of either sign, in the kernels' bytes as in the reference's
             data[nan & (data == (code | 0x80))] = code
+            want[nan] = code
         for r in range(len(n)):
             assert_bytes_equal(data[r, :, :n[r]], want[r, :, :n[r]], f"row {r} data {kv}")
             assert_bytes_equal(scales[kv][r, :, :n[r]], want_s[r, :, :n[r]], f"row {r} scales {kv}")
@@ -373,7 +405,7 @@ def test_compaction_moves_scales_with_their_rows(kind):
                 n = int(c.lengths[old])
                 assert_bytes_equal(got[new, :, :n], data[old, :, :n], "data")
                 assert_bytes_equal(got_s[new, :, :n], scales[old, :, :n], "scales")
-    np.testing.assert_array_equal(out.lengths, [5, 2, 0, 0])
+    np.testing.assert_array_equal(out.lengths, reference.compact_lengths(c.lengths, mapping))
 
 
 @pytest.mark.parametrize("kind", ["linear", "manager"])
@@ -517,13 +549,21 @@ def test_quantizing_instantiate_takes_as_many_layers_as_a_launch():
     layers, in one call (the scales are described per kind, each within the 256 layers)."""
     n = 130
     c = jaxkv.LinearKVCache.create(n, 2, 1, 4, 8, jnp.int8).reset(jnp.zeros((2,), jnp.int32))
+    c = dataclasses.replace(c, buffer=random_array(c.buffer.shape, c.buffer.dtype),
+                            k_scales=jnp.abs(random_array(c.k_scales.shape, jnp.float32)),
+                            v_scales=jnp.abs(random_array(c.v_scales.shape, jnp.float32)))
+    want = np.array(c.buffer)  # poison: row 0 and position 3 stay as they are
+    want_s = [np.array(c.k_scales), np.array(c.v_scales)]
     layers = tuple(values((2, 1, 3, 8)) for _ in range(n))
+    for i, x in enumerate(layers):
+        for kv in (0, 1):
+            want[i, 1, kv, :, :3], want_s[kv][i, 1, :, :3] = quantize_on_cpu(x[kv], jnp.int8)
     run = jax.jit(lambda c: c.instantiate(jaxkv.SavedKV(layers, jnp.asarray(3, jnp.int32)), 1),
                   donate_argnums=0)
     out = run(c)
-    want, want_s = quantize_on_cpu(layers[n - 1][1], jnp.int8)
-    assert_bytes_equal(out.buffer[n - 1, 1, 1, :, :3], want, "the last layer's V")
-    assert_bytes_equal(out.v_scales[n - 1, 1, :, :3], want_s, "its scales")
+    assert_bytes_equal(out.buffer, want, "every layer's K and V, the rest untouched")
+    assert_bytes_equal(out.k_scales, want_s[0], "every layer's K scales")
+    assert_bytes_equal(out.v_scales, want_s[1], "every layer's V scales")
 
 
 def test_values_quantized_on_the_way_in_have_head_dims_a_warp_holds():

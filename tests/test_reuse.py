@@ -244,8 +244,15 @@ def test_scan_over_slots_in_place():
         return jaxkv.instantiate_kv_cache(layers, saved, slot), None
 
     slots = jnp.asarray([3, 1], jnp.int32)
-    out, _ = jax.jit(lambda d: jax.lax.scan(step, d, slots))(tuple(dst))
     expected = ref_instantiate(dst, saved, slots)
+    fn = jax.jit(lambda d: jax.lax.scan(step, d, slots), donate_argnums=0)
+    hlo = fn.lower(tuple(dst)).compile().as_text()
+    for x in dst:
+        assert copies_of(hlo, x) == [], copies_of(hlo, x)
+    before = [x.unsafe_buffer_pointer() for x in dst]
+    out, _ = fn(tuple(dst))
+    assert [o.unsafe_buffer_pointer() for o in out] == before
+    assert all(x.is_deleted() for x in dst)
     for o, e in zip(out, expected):
         assert_bytes_equal(o, e)
 
