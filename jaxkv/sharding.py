@@ -319,6 +319,9 @@ class Destinations(Role):
         share = _rows(args[self.rows])
         local, here = s.local_ids(x, share)
         survivor = (x >= 0) & (x < share * s.batch_shards)
+        # The body sees in-range local rows only, so the range is checked here, as unsharded.
+        check((x >= -1) & (x < share * s.batch_shards),
+              f"{ctx['op']}: batch_mapping entries outside [-1, rows) (they count as evictions)")
         check(~survivor | here, f"{ctx['op']}: batch_mapping sends a row to another batch shard: "
               "it is evicted (compaction never moves data across shards)")
         return jnp.where(here, local, -1)

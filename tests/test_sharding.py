@@ -434,6 +434,21 @@ def test_cross_shard_compaction_is_reported_and_moves_nothing_across(mesh):
     np.testing.assert_array_equal(out.active_batch_size, [1, 0])
 
 
+@pytest.mark.parametrize("kind", ["linear", "manager", "paged"])
+@pytest.mark.parametrize("bad", [B, 2**31 - 1, -5])
+def test_a_mapping_entry_out_of_range_is_reported_on_a_sharded_cache(mesh, kind, bad):
+    """As unsharded: an entry outside [-1, rows) is reported, and counts as an eviction."""
+    s = jaxkv.CacheSharding(mesh, heads="tp", batch="dp")
+    c = jaxkv.PagedKVCache.create(L, PAGES, PAGE, H, D, B, 4, F32, sharding=s) \
+        if kind == "paged" else create(kind, s)
+    mapping = jnp.asarray([1, bad, -1, -1], jnp.int32)
+    err, out = jax.jit(checkify.checkify(lambda c, m: c.compact(m)))(c, mapping)
+    assert "outside [-1" in (err.get() or ""), err.get()
+    err, _ = jax.jit(checkify.checkify(lambda c, m: c.compact(m)))(
+        c, jnp.asarray([1, 0, -1, -1], jnp.int32))
+    assert err.get() is None
+
+
 def test_checks_inside_a_shard_are_reported(mesh):
     s = jaxkv.CacheSharding(mesh, heads="tp", batch="dp")
     c = create("linear", s).reset(jnp.asarray([0, S - 1, 0, 0], jnp.int32))
