@@ -471,3 +471,10 @@ def test_serve_prefix_cache_flag_reports_reuse(tmp_path, capsys, monkeypatch):
     assert on["prefill_requested"] == off["prefill_requested"]
     assert off["prefill_matched"] == 0 and on["reuse_of_oracle"] > 0.5
     assert "prefix tokens reused / oracle's best" in out
+
+
+@pytest.mark.parametrize("preset", sorted(M.PRESETS))
+def test_every_preset_the_command_offers_parses(preset):
+    """`--preset` offers every model preset; each has the serving defaults it needs."""
+    args = serve_cli.parse_args(["--preset", preset])
+    assert args.kv_gib > 0 and args.max_seq_len > 0 and args.requests > 0

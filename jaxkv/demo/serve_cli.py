@@ -32,6 +32,7 @@ DEFAULTS = {
                  decode_steps=8, mixed_steps=2, layers="scan"),
     "1b": dict(kv_gib=8, **_BIG),
     "8b": dict(kv_gib=16, **_BIG),
+    "70b": dict(kv_gib=16, **_BIG),  # its 140 GB of weights need --mesh tp=N
 }
 
 
