@@ -21,7 +21,7 @@ ffi::Error append_cpu(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_append_cpu, append_cpu, bind_append(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_append_cpu, NoThrow<append_cpu>::call, bind_append(ffi::Ffi::Bind()));
 JAXKV_REGISTER_TARGET("jaxkv_append", "cpu", jaxkv_append_cpu);
 
 }  // namespace jaxkv

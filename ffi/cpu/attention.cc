@@ -174,7 +174,7 @@ ffi::Error attention_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 }  // namespace
 
 // Decode and prefill are one problem on the CPU (the GPU splits their work differently).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_attention_cpu, attention_cpu, bind_attention(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_attention_cpu, NoThrow<attention_cpu>::call, bind_attention(ffi::Ffi::Bind()));
 JAXKV_REGISTER_TARGET("jaxkv_attention_decode", "cpu", jaxkv_attention_cpu);
 JAXKV_REGISTER_TARGET("jaxkv_attention_prefill", "cpu", jaxkv_attention_cpu);
 

@@ -72,7 +72,7 @@ ffi::Error compact_cpu(ffi::Buffer<ffi::S32> mapping, ffi::Buffer<ffi::S32> leng
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_compact_cpu, compact_cpu, bind_compact(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_compact_cpu, NoThrow<compact_cpu>::call, bind_compact(ffi::Ffi::Bind()));
 JAXKV_REGISTER_TARGET("jaxkv_compact", "cpu", jaxkv_compact_cpu);
 
 }  // namespace jaxkv

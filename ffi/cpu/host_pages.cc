@@ -39,11 +39,11 @@ ffi::Error host_fence_cpu(ffi::RemainingArgs, ffi::RemainingRets) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_pages_to_host_cpu, pages_to_host_cpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_pages_to_host_cpu, NoThrow<pages_to_host_cpu>::call,
                               bind_pages_to_host(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_pages_from_host_cpu, pages_from_host_cpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_pages_from_host_cpu, NoThrow<pages_from_host_cpu>::call,
                               bind_pages_from_host(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_host_fence_cpu, host_fence_cpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_host_fence_cpu, NoThrow<host_fence_cpu>::call,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets());
 JAXKV_REGISTER_TARGET("jaxkv_pages_to_host", "cpu", jaxkv_pages_to_host_cpu);
 JAXKV_REGISTER_TARGET("jaxkv_pages_from_host", "cpu", jaxkv_pages_from_host_cpu);

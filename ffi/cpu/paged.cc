@@ -66,11 +66,11 @@ ffi::Error paged_copy_cpu(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_paged_append_cpu, paged_append_cpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_paged_append_cpu, NoThrow<paged_append_cpu>::call,
                               bind_paged_append(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_paged_gather_cpu, paged_gather_cpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_paged_gather_cpu, NoThrow<paged_gather_cpu>::call,
                               bind_paged_gather(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_paged_copy_cpu, paged_copy_cpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_paged_copy_cpu, NoThrow<paged_copy_cpu>::call,
                               bind_paged_copy(ffi::Ffi::Bind()));
 JAXKV_REGISTER_TARGET("jaxkv_paged_append", "cpu", jaxkv_paged_append_cpu);
 JAXKV_REGISTER_TARGET("jaxkv_paged_gather", "cpu", jaxkv_paged_gather_cpu);

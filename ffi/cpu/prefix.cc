@@ -29,7 +29,7 @@ ffi::Error copy_prefix_cpu(ffi::Buffer<ffi::S32> slots, ffi::RemainingArgs args,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_copy_prefix_cpu, copy_prefix_cpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_copy_prefix_cpu, NoThrow<copy_prefix_cpu>::call,
                               bind_copy_prefix(ffi::Ffi::Bind()));
 JAXKV_REGISTER_TARGET("jaxkv_copy_prefix", "cpu", jaxkv_copy_prefix_cpu);
 

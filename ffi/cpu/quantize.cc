@@ -60,13 +60,13 @@ ffi::Error quantize_prefix_cpu(ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_quantize_prefix_cpu, quantize_prefix_cpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_quantize_prefix_cpu, NoThrow<quantize_prefix_cpu>::call,
                               bind_quantize_prefix(ffi::Ffi::Bind()));
 JAXKV_REGISTER_TARGET("jaxkv_quantize_prefix", "cpu", jaxkv_quantize_prefix_cpu);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_append_quantized_cpu, append_quantized_cpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_append_quantized_cpu, NoThrow<append_quantized_cpu>::call,
                               bind_append_quantized(ffi::Ffi::Bind()));
 JAXKV_REGISTER_TARGET("jaxkv_append_quantized", "cpu", jaxkv_append_quantized_cpu);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_paged_append_quantized_cpu, paged_append_quantized_cpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_paged_append_quantized_cpu, NoThrow<paged_append_quantized_cpu>::call,
                               bind_paged_append_quantized(ffi::Ffi::Bind()));
 JAXKV_REGISTER_TARGET("jaxkv_paged_append_quantized", "cpu", jaxkv_paged_append_quantized_cpu);
 

@@ -89,7 +89,7 @@ ffi::Error append_cuda(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_append_cuda, append_cuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_append_cuda, NoThrow<append_cuda>::call,
                               bind_append(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               JAXKV_CUDA_TRAITS);
 JAXKV_REGISTER_TARGET("jaxkv_append", "CUDA", jaxkv_append_cuda);

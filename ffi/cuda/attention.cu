@@ -44,10 +44,10 @@ ffi::Error attention_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
 // over its dtype or an 8-bit cache, head dims 64, 128, 256, groups up to its row tile), else the
 // split-KV kernels, a query row per token.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxkv_attention_decode_cuda, attention_cuda<false>,
+    jaxkv_attention_decode_cuda, NoThrow<attention_cuda<false>>::call,
     bind_attention(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JAXKV_CUDA_TRAITS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxkv_attention_prefill_cuda, attention_cuda<true>,
+    jaxkv_attention_prefill_cuda, NoThrow<attention_cuda<true>>::call,
     bind_attention(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JAXKV_CUDA_TRAITS);
 JAXKV_REGISTER_TARGET("jaxkv_attention_decode", "CUDA", jaxkv_attention_decode_cuda);
 JAXKV_REGISTER_TARGET("jaxkv_attention_prefill", "CUDA", jaxkv_attention_prefill_cuda);

@@ -142,7 +142,7 @@ ffi::Error compact_cuda(cudaStream_t stream, ffi::Buffer<ffi::S32> mapping,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_compact_cuda, compact_cuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_compact_cuda, NoThrow<compact_cuda>::call,
                               bind_compact(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               JAXKV_CUDA_TRAITS);
 JAXKV_REGISTER_TARGET("jaxkv_compact", "CUDA", jaxkv_compact_cuda);

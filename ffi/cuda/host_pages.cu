@@ -191,12 +191,12 @@ ffi::Error host_fence_cuda(cudaStream_t stream, ffi::RemainingArgs, ffi::Remaini
 // Not marked command-buffer compatible: a CUDA graph would capture the side stream's work into
 // the graph and serialize it with the compute.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxkv_pages_to_host_cuda, pages_to_host_cuda,
+    jaxkv_pages_to_host_cuda, NoThrow<pages_to_host_cuda>::call,
     bind_pages_to_host(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxkv_pages_from_host_cuda, pages_from_host_cuda,
+    jaxkv_pages_from_host_cuda, NoThrow<pages_from_host_cuda>::call,
     bind_pages_from_host(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_host_fence_cuda, host_fence_cuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxkv_host_fence_cuda, NoThrow<host_fence_cuda>::call,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .RemainingArgs()

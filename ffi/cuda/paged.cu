@@ -305,15 +305,15 @@ ffi::Error paged_copy_cuda(cudaStream_t stream, ffi::Buffer<ffi::S32> src,
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxkv_paged_append_cuda, paged_append_cuda,
+    jaxkv_paged_append_cuda, NoThrow<paged_append_cuda>::call,
     bind_paged_append(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     JAXKV_CUDA_TRAITS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxkv_paged_gather_cuda, paged_gather_cuda,
+    jaxkv_paged_gather_cuda, NoThrow<paged_gather_cuda>::call,
     bind_paged_gather(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     JAXKV_CUDA_TRAITS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxkv_paged_copy_cuda, paged_copy_cuda,
+    jaxkv_paged_copy_cuda, NoThrow<paged_copy_cuda>::call,
     bind_paged_copy(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     JAXKV_CUDA_TRAITS);
 JAXKV_REGISTER_TARGET("jaxkv_paged_append", "CUDA", jaxkv_paged_append_cuda);

@@ -108,7 +108,7 @@ ffi::Error copy_prefix_cuda(cudaStream_t stream, ffi::Buffer<ffi::S32> slots,
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxkv_copy_prefix_cuda, copy_prefix_cuda,
+    jaxkv_copy_prefix_cuda, NoThrow<copy_prefix_cuda>::call,
     bind_copy_prefix(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     JAXKV_CUDA_TRAITS);
 JAXKV_REGISTER_TARGET("jaxkv_copy_prefix", "CUDA", jaxkv_copy_prefix_cuda);

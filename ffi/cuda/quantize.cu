@@ -542,17 +542,17 @@ ffi::Error quantize_prefix_cuda(cudaStream_t stream, ffi::Buffer<ffi::S32> slots
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxkv_quantize_prefix_cuda, quantize_prefix_cuda,
+    jaxkv_quantize_prefix_cuda, NoThrow<quantize_prefix_cuda>::call,
     bind_quantize_prefix(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     JAXKV_CUDA_TRAITS);
 JAXKV_REGISTER_TARGET("jaxkv_quantize_prefix", "CUDA", jaxkv_quantize_prefix_cuda);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxkv_append_quantized_cuda, append_quantized_cuda,
+    jaxkv_append_quantized_cuda, NoThrow<append_quantized_cuda>::call,
     bind_append_quantized(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     JAXKV_CUDA_TRAITS);
 JAXKV_REGISTER_TARGET("jaxkv_append_quantized", "CUDA", jaxkv_append_quantized_cuda);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxkv_paged_append_quantized_cuda, paged_append_quantized_cuda,
+    jaxkv_paged_append_quantized_cuda, NoThrow<paged_append_quantized_cuda>::call,
     bind_paged_append_quantized(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     JAXKV_CUDA_TRAITS);
 JAXKV_REGISTER_TARGET("jaxkv_paged_append_quantized", "CUDA", jaxkv_paged_append_quantized_cuda);

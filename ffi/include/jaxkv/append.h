@@ -96,6 +96,8 @@ inline ffi::ErrorOr<AppendParams> make_append_params(
       (new_lengths.element_count() != 0 &&
        static_cast<int64_t>(new_lengths.element_count()) != cd[1]))
     return ffi::Unexpected(invalid(op, "lengths must have one entry per row"));
+  if (active.element_count() != 1 || layer.element_count() != 1)
+    return ffi::Unexpected(invalid(op, "active_batch_size and layer_idx must be scalars"));
   AppendParams p;
   p.cache = static_cast<char*>(cache->untyped_data());
   p.k = static_cast<const char*>(k.untyped_data());

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
+#include <new>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -62,6 +64,27 @@ struct FastDiv {
 inline ffi::Error invalid(const char* op, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
 }
+
+// A handler with no exception crossing the FFI boundary (XLA's handler symbol has no try: an
+// exception there is std::terminate): host memory running out in a handler's scratch, or any
+// other exception, becomes an error of the call. Every handler is registered through it:
+// XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, NoThrow<handler>::call, binding).
+template <auto F>
+struct NoThrow;
+template <class... Args, ffi::Error (*F)(Args...)>
+struct NoThrow<F> {
+  static ffi::Error call(Args... args) noexcept {
+    try {
+      return F(args...);
+    } catch (const std::bad_alloc&) {
+      return ffi::Error::Internal("jaxkv: a handler ran out of host memory");
+    } catch (const std::exception& e) {
+      return ffi::Error::Internal(std::string("jaxkv: a handler failed: ") + e.what());
+    } catch (...) {
+      return ffi::Error::Internal("jaxkv: a handler failed");
+    }
+  }
+};
 
 // Largest access width (16, 8, 4, 2 or 1 bytes) that divides every given byte count, so that a
 // kernel can use that width for whole tokens whatever the dtype and head_dim.

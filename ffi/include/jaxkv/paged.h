@@ -217,6 +217,7 @@ inline ffi::ErrorOr<TokenMove> make_append(ffi::AnyBuffer k, ffi::AnyBuffer v,
                                            ffi::Result<ffi::AnyBuffer> k_pages,
                                            ffi::Result<ffi::AnyBuffer> v_pages, bool nhd) {
   constexpr const char* op = "paged_append";
+  if (layer.element_count() != 1) return ffi::Unexpected(invalid(op, "layer_idx must be a scalar"));
   const int64_t batch = static_cast<int64_t>(lengths.element_count());
   auto c = make_view(op, *k_pages, *v_pages, table.typed_data(),
                      static_cast<int64_t>(table.element_count()), batch, nhd);
@@ -270,6 +271,7 @@ inline ffi::ErrorOr<TokenMove> make_gather(ffi::AnyBuffer k_pages, ffi::AnyBuffe
                                            ffi::Buffer<ffi::S32> layer, ffi::RemainingRets outs,
                                            bool nhd) {
   constexpr const char* op = "paged_gather";
+  if (layer.element_count() != 1) return ffi::Unexpected(invalid(op, "layer_idx must be a scalar"));
   const int64_t batch = static_cast<int64_t>(lengths.element_count());
   auto c = make_view(op, k_pages, v_pages, table.typed_data(),
                      static_cast<int64_t>(table.element_count()), batch, nhd);
