@@ -94,12 +94,17 @@ def int_scalar(op: str, name: str, x) -> jax.Array:
     return x
 
 
-def layer_index(op: str, x, num_layers: int) -> jax.Array:
-    """A layer index: a Python int in ``[0, num_layers)`` (checked now) or an int32 scalar (traced
-    is fine; the caller reports it through checkify when out of range)."""
+def index(op: str, name: str, x, size: int) -> jax.Array:
+    """An index into ``size`` entries: a Python int in ``[0, size)`` (checked now) or an int32
+    scalar (traced is fine; the caller reports it through checkify when out of range)."""
     if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
-        static_int(op, "layer_idx", x, 0, num_layers - 1)
-    return int_scalar(op, "layer_idx", x)
+        static_int(op, name, x, 0, size - 1)
+    return int_scalar(op, name, x)
+
+
+def layer_index(op: str, x, num_layers: int) -> jax.Array:
+    """``index`` of a layer (argument ``layer_idx``)."""
+    return index(op, "layer_idx", x, num_layers)
 
 
 def kv_geometry(op: str, name: str, heads: int, capacity: int, token_bytes: int) -> None:

@@ -251,9 +251,7 @@ class PagedKVCache:
         """int32 ``[]``: tokens stored for sequence ``b`` (a Python int out of ``[0, max_batch)`` is
         a ``ValueError``; a traced one is reported through ``checkify``, and clamped)."""
         op = "PagedKVCache.cache_length"
-        if isinstance(b, (int, np.integer)) and not isinstance(b, (bool, np.bool_)):
-            validate.static_int(op, "b", b, 0, self.max_batch - 1)
-        row = validate.int_scalar(op, "b", b)
+        row = validate.index(op, "b", b, self.max_batch)
         check((row >= 0) & (row < self.max_batch), f"{op}: b out of range")
         return self.lengths[row]
 
@@ -431,7 +429,7 @@ class PagedKVCache:
         last = src_row[jnp.clip(full, 0, self.max_pages_per_seq - 1)]
         copy_src = jnp.where(new_page >= 0, last, NO_PAGE)
         cache = dataclasses.replace(
-            dataclasses.replace(cache, prefix_cache=index)._copied(copy_src, new_page),
+            dataclasses.replace(cache, prefix_cache=index)._copied(op, copy_src, new_page),
             page_table=page_table,
             lengths=jnp.where(served, length, cache.lengths),
             ref_counts=ref_counts,
@@ -450,27 +448,18 @@ class PagedKVCache:
     def copy_pages(self, src_pages: jax.Array, dst_pages: jax.Array) -> "PagedKVCache":
         """Copies physical pages ``src_pages[i]`` -> ``dst_pages[i]`` (every layer, K and V, one
         launch); see ``jaxkv.paged_ops.copy_pages``. The page table is not changed."""
-        op = "PagedKVCache.copy_pages"
-        for name, x in (("src_pages", src_pages), ("dst_pages", dst_pages)):
-            validate.array(op, name, x)
-            validate.int32(op, name, x)
-            validate.rank(op, name, x, 1, "[n]")
-        if src_pages.shape != dst_pages.shape:
-            raise ValueError(f"{op}: src_pages {tuple(src_pages.shape)} and dst_pages "
-                             f"{tuple(dst_pages.shape)} differ")
-        return self._copied(src_pages, dst_pages)
+        return self._copied("PagedKVCache.copy_pages", src_pages, dst_pages)
 
-    def _copied(self, src_pages, dst_pages) -> "PagedKVCache":
+    def _copied(self, op, src_pages, dst_pages) -> "PagedKVCache":
         """Pages copied with their per-token scales (a pool of one-value tokens: a second launch
         of the same kernel, on a view of the scales with D = 1). A page written leaves the
         prefix index, with the pages indexed below it."""
-        k_pages, v_pages = paged_ops.copy_pages(
-            self.k_pages, self.v_pages, src_pages, dst_pages, layout=self.layout
-        )
+        k_pages, v_pages = paged_ops.copy_pairs(
+            op, self.k_pages, self.v_pages, src_pages, dst_pages, self.layout)
         fields = {}
         if self.scaling == "per_token_head":
-            ks, vs = paged_ops.copy_pages(self.k_scales[..., None], self.v_scales[..., None],
-                                          src_pages, dst_pages, layout=self.layout)
+            ks, vs = paged_ops.copy_pairs(op, self.k_scales[..., None], self.v_scales[..., None],
+                                          src_pages, dst_pages, self.layout)
             fields = dict(k_scales=ks[..., 0], v_scales=vs[..., 0])
         if self.prefix_cache is not None:
             written = page_index.mask_of(self.prefix_cache, dst_pages,
@@ -745,13 +734,9 @@ class PagedKVCache:
         (``float32(q) * scale``), in float32 unless ``dtype`` names another float dtype; any
         other cache gives its own dtype, converted to ``dtype`` if given."""
         op = "PagedKVCache.gather"
-        layer = validate.layer_index(op, layer_idx, self.num_layers)
-        validate.static_int(op, "max_len", max_len, lo=1, hi=INT32_MAX)
-        check((layer >= 0) & (layer < self.num_layers), f"{op}: layer_idx out of range")
-        gathered = paged_ops.paged_gather(
-            self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, max_len,
-            layout=self.layout, split=split or self.scaling is not None,
-        )
+        gathered = paged_ops.gather_tokens(
+            op, self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, max_len,
+            self.layout, split or self.scaling is not None)
         if self.scaling is None:
             if dtype is None:
                 return gathered
@@ -767,9 +752,9 @@ def _dequantized(op: str, cache, gathered, layer_idx, max_len: int, dtype):
     dtype = quantization.float_dtype(op, jnp.float32 if dtype is None else dtype)
     k, v = gathered
     if cache.scaling == "per_token_head":
-        ks, vs = paged_ops.paged_gather(cache.k_scales[..., None], cache.v_scales[..., None],
-                                        cache.page_table, cache.lengths, layer_idx, max_len,
-                                        layout=cache.layout, split=True)
+        ks, vs = paged_ops.gather_tokens(op, cache.k_scales[..., None], cache.v_scales[..., None],
+                                         cache.page_table, cache.lengths, layer_idx, max_len,
+                                         cache.layout, True)
         ks, vs = ks[..., 0], vs[..., 0]
     else:
         layer = jnp.clip(jnp.asarray(layer_idx, jnp.int32), 0, cache.num_layers - 1)

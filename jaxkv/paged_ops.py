@@ -183,7 +183,12 @@ def paged_gather(k_pages, v_pages, page_table, lengths, layer_idx, max_len: int,
     ``t < lengths[b]`` and zeros after it (also where no page is assigned). The pools are read,
     not copied. With ``sharding``: split as in ``paged_append``; the result by batch and heads.
     """
-    op = "paged_gather"
+    return gather_tokens("paged_gather", k_pages, v_pages, page_table, lengths, layer_idx,
+                         max_len, layout, split)
+
+
+def gather_tokens(op, k_pages, v_pages, page_table, lengths, layer_idx, max_len, layout, split):
+    """``paged_gather``'s checks, under ``op``'s name, and its one FFI call."""
     g = _check_pools(op, k_pages, v_pages, layout)
     batch = _check_table(op, page_table, lengths)
     layer_idx = validate.layer_index(op, layer_idx, g["num_layers"])
@@ -221,7 +226,11 @@ def copy_pages(k_pages, v_pages, src_pages, dst_pages, *, layout: str = "HND", s
     With ``sharding``: pools split as a PagedKVCache's; page ids are global (shard ``s`` owns
     ``[s * P/k, (s + 1) * P/k)``) and a pair straddling two shards is skipped (``checkify``).
     """
-    op = "copy_pages"
+    return copy_pairs("copy_pages", k_pages, v_pages, src_pages, dst_pages, layout)
+
+
+def copy_pairs(op, k_pages, v_pages, src_pages, dst_pages, layout):
+    """``copy_pages``' checks, under ``op``'s name, and its one FFI call."""
     g = _check_pools(op, k_pages, v_pages, layout)
     for name, x in (("src_pages", src_pages), ("dst_pages", dst_pages)):
         validate.array(op, name, x)
