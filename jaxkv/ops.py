@@ -62,6 +62,9 @@ def _check_one_launch(buffers, *, kv: bool, rows: int, op: str) -> None:
         if kv:
             h, s, d = (*b.shape[-2:], 1) if b.ndim in (3, 4) else b.shape[-3:]
             validate.kv_geometry(op, f"layer {i}", h, s, d * b.dtype.itemsize)
+        elif rows and b.size // rows * b.dtype.itemsize > validate.INT32_MAX:
+            raise ValueError(f"{op}: a row of x has {b.size // rows * b.dtype.itemsize} bytes, "
+                             f"more than int32 holds (the kernel moves a row as one span)")
 
 
 def compact_buffers(

@@ -328,6 +328,8 @@ HANDLER_ERRORS = {
     # the int32 fields of LayerSpan / PagedView / AppendParams
     "a token past int32 bytes": (lambda kp, t, n: jaxkv.paged_gather(kp, kp, t, n, 0, 1),
                                  pools(d=2**29, dtype=F32), S((1, 1), i32), S((1,), i32)),
+    "a compacted row past int32 bytes": (jaxkv.compact_tensor_batch, S((2, 2**29 + 1), F32),
+                                         S((2,), i32)),
     "a dimension past int32": (lambda kp, t, n: jaxkv.paged_gather(kp, kp, t, n, 0, 1),
                                pools(pages=2**31), S((1, 1), i32), S((1,), i32)),
 }

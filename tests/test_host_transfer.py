@@ -16,9 +16,10 @@ from helpers import assert_bytes_equal, copies_of, random_array
 SHAPES = [((2, 9, 4, 2, 8), 1), ((2, 2, 9, 4, 8), 2), ((3, 9, 4, 2), 1), ((2, 9, 3), 1)]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.int8]
 HOST_PAGES = 6
-# pairs: live ones, then out of range on either side (skipped), then the padding a call uses
-SRC = [4, 0, 8, -1, 3, 9, 2, 0]
-DST = [5, 1, 0, 2, 7, 3, -2, 6]
+# pairs: live ones, out of range on either side (skipped), a live one after them, then the
+# padding a call uses (the kernels stop after the last live pair, and skip the holes before it)
+SRC = [4, 0, 8, -1, 3, 9, 2, 5, 0, 1]
+DST = [5, 1, 0, 2, 7, 3, -2, 4, 6, 6]
 
 
 def host_array(x):

@@ -10,7 +10,9 @@ namespace {
 
 ffi::Error transfer(const ffi::ErrorOr<HostTransfer>& t) {
   if (t.has_error()) return t.error();
-  for (int64_t u = 0; u < t->units(); ++u) {
+  int64_t n = t->pairs;
+  while (n > 0 && !t->live(n - 1)) --n;  // the padding after the last live pair
+  for (int64_t u = 0; u < t->units_of(n); ++u) {
     char *device, *host;
     if (!t->unit(u, &device, &host)) continue;
     if (t->to_host) std::memcpy(host, device, t->inner_bytes);

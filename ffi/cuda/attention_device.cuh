@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -225,20 +226,23 @@ struct PrefillTile {
 
 // Shared memory of `kernel` past the 48 KiB default: the opt-in. Setting the attribute costs a
 // driver call, so each (kernel, device) is configured once (kernels of one signature share a
-// function type, so the record is keyed by the kernel's address).
+// function type, so the record is keyed by the kernel's address). The record is atomic: XLA may
+// call handlers from several threads, and a slot lost to another thread's kernel only means the
+// attribute is set again next time.
 template <class Kernel>
 void allow_shared_memory(Kernel kernel, size_t bytes) {
   if (bytes <= 48 * 1024) return;
   constexpr int kMaxDevices = 64, kSlots = 64;
-  static const void* configured[kMaxDevices][kSlots] = {};
+  static std::atomic<const void*> configured[kMaxDevices][kSlots] = {};
   int device = 0;
   cudaGetDevice(&device);
   const void* key = reinterpret_cast<const void*>(kernel);
-  for (const void*& slot : configured[device % kMaxDevices]) {
-    if (slot == key) return;
-    if (slot == nullptr) {
+  for (std::atomic<const void*>& slot : configured[device % kMaxDevices]) {
+    const void* seen = slot.load(std::memory_order_acquire);
+    if (seen == key) return;
+    if (seen == nullptr) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-      slot = key;
+      slot.compare_exchange_strong(seen, key, std::memory_order_release);
       return;
     }
   }

@@ -628,16 +628,17 @@ bool wgmma_device() {
 #if defined(JAXKV_SM90A)
   static const bool disabled = std::getenv("JAXKV_NO_WGMMA") != nullptr;
   constexpr int kMaxDevices = 64;
-  static signed char known[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
+  static std::atomic<signed char> known[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
   int device = 0;
   cudaGetDevice(&device);
-  signed char& k = known[device % kMaxDevices];
-  if (k == 0) {
+  signed char k = known[device % kMaxDevices].load(std::memory_order_relaxed);
+  if (k == 0) {  // two threads asking at once both find the same answer
     int major = 0, minor = 0, limit = 0;
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
     cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     k = major == 9 && minor == 0 && WgLayout<true>::kBytes <= static_cast<size_t>(limit) ? 1 : -1;
+    known[device % kMaxDevices].store(k, std::memory_order_relaxed);
   }
   return k > 0 && !disabled;
 #else

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <string>
 
 #include "jaxkv/common.h"
@@ -26,14 +27,17 @@ inline ffi::Error cuda_status(const char* op, cudaError_t err = cudaGetLastError
   return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
 }
 
-// Multiprocessors of the current device, read once per device.
+// Multiprocessors of the current device, read once per device (atomics: XLA may call handlers
+// from several threads; two that both read the attribute store the same value).
 inline int multiprocessor_count() {
   constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
+  static std::atomic<int> cached[kMaxDevices] = {};
   int device = 0;
   cudaGetDevice(&device);
-  int& sms = cached[device % kMaxDevices];
-  if (sms == 0) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  std::atomic<int>& slot = cached[device % kMaxDevices];
+  int sms = slot.load(std::memory_order_relaxed);
+  if (sms == 0 && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess)
+    slot.store(sms, std::memory_order_relaxed);
   return sms;
 }
 

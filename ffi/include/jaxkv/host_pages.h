@@ -5,7 +5,9 @@
 // page of K and then of V, every layer, contiguous: [2, outer..., inner...]. So pair i moves, for
 // K and V and each of `outer` runs of `inner_bytes`, device run (o * P + src[i]) to host run
 // ((dst[i] * 2 + kv) * outer + o) (or back). A pair naming a page out of range is skipped: the
-// caller pads its pairs with such, so that their count stays on the device.
+// caller pads its pairs with such, so that their count stays on the device. The padding is the
+// tail of the pairs (a call's static size, most of it unused in a small swap or an eviction's
+// spill), so the handlers stop after the last live pair rather than test every unit past it.
 #pragma once
 
 #include <cstdint>
@@ -28,16 +30,25 @@ struct HostTransfer {
   bool to_host = true;
 
   JAXKV_HD int64_t units() const { return int64_t{pairs} * 2 * outer; }
+  // The units of pairs [0, n).
+  JAXKV_HD int64_t units_of(int64_t n) const { return n * 2 * outer; }
 
-  // Unit u (pair, K or V, run): false when its pair is past the live ones or names a page out
-  // of range; else the run's device and host addresses.
+  // Does pair i name a page of each pool?
+  JAXKV_HD bool live(int64_t i) const {
+    const int64_t d = to_host ? src[i] : dst[i];
+    const int64_t h = to_host ? dst[i] : src[i];
+    return d >= 0 && d < device_pages && h >= 0 && h < host_pages;
+  }
+
+  // Unit u (pair, K or V, run): false when its pair names a page out of range; else the run's
+  // device and host addresses.
   JAXKV_HD bool unit(int64_t u, char** device, char** host_run) const {
     const int64_t o = u % outer;
     const int64_t kv = (u / outer) % 2;
     const int64_t i = u / (2 * outer);
+    if (!live(i)) return false;
     const int64_t d = to_host ? src[i] : dst[i];
     const int64_t h = to_host ? dst[i] : src[i];
-    if (d < 0 || d >= device_pages || h < 0 || h >= host_pages) return false;
     *device = (kv ? v : k) + (o * device_pages + d) * inner_bytes;
     *host_run = host + ((h * 2 + kv) * outer + o) * inner_bytes;
     return true;

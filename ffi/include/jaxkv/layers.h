@@ -71,6 +71,9 @@ ffi::ErrorOr<int> describe_layers(const char* op, const Buffers& buffers, size_t
       if (dims.size() < 1 || dims[0] != rows) return ffi::Unexpected(invalid(op, "buffer rows do not match"));
       if (n >= kMaxLayers) return ffi::Unexpected(invalid(op, "too many buffers"));
       const int64_t row_bytes = rows ? static_cast<int64_t>(b.size_bytes()) / rows : 0;
+      // The row is one "token" here, and a token's bytes are an int32 (the kernels pick their
+      // word width from it): a row of 2 GiB or more is refused, not truncated.
+      if (row_bytes > INT32_MAX) return ffi::Unexpected(invalid(op, "a row of a compacted tensor has 2 GiB or more"));
       out[n++] = LayerSpan{base, row_bytes, row_bytes, 1, 1, static_cast<int32_t>(row_bytes)};
       continue;
     }
