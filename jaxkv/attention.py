@@ -165,6 +165,13 @@ def _check_query(op: str, q, src: _Source, rank: int, hint: str, cache_dtype) ->
     return q_heads
 
 
+def _check_home(op: str, cache, reading: jax.Array) -> None:
+    """A row on the host tier holds no device page: reading it is reported by name (the kernels
+    read nothing for it and give zeros)."""
+    if isinstance(cache, PagedKVCache) and cache.host is not None:
+        check(jnp.all(~cache.on_host | ~reading), f"{op}: a row is on the host (swap_in first)")
+
+
 def _dequant_scale(op: str, name: str, value, cache_dtype) -> jax.Array:
     if value is None:
         if np.dtype(cache_dtype) in EIGHT_BIT_DTYPES:
@@ -354,6 +361,7 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     use = _implementation(op, implementation, cache, q, k_scale, v_scale, src)
     k_scale, v_scale, scale = _scales(op, src, k_scale, v_scale, scale)
     check((src.layer >= 0) & (src.layer < src.num_layers), f"{op}: layer_idx out of range")
+    _check_home(op, cache, kv_lengths > 0)
     check(jnp.all((kv_lengths >= 0) & (kv_lengths <= src.readable)),
           f"{op}: kv_lengths outside [0, capacity] (paged: past the pages a row holds)")
     if use == "cudnn":
@@ -393,6 +401,7 @@ def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale
     check((src.layer >= 0) & (src.layer < src.num_layers), f"{op}: layer_idx out of range")
     check(jnp.all((q_lengths >= 0) & (q_lengths <= q.shape[1])),
           f"{op}: q_lengths outside [0, T]")
+    _check_home(op, cache, q_lengths > 0)
     check(jnp.all((q_lengths == 0) | ((lengths >= 0) & (lengths + q_lengths <= src.readable))),
           f"{op}: lengths + q_lengths past the capacity (paged: past the pages a row holds)")
     if use == "cudnn":

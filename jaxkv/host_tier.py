@@ -49,9 +49,10 @@ class HostPages:
     # int32 [max_batch, max_pages_per_seq]: a swapped row's host pages at the positions of the
     # pages it moved; the shared pages it kept on the device (a prefix) stay in its page table
     table: jax.Array
-    # Overlapped transfers (``overlap=True``), until ``settle``: bool [num_pages] device pages a
-    # swap_out still reads (held meanwhile), and int32 [max_batch, max_pages_per_seq] the device
-    # pages a swap_in writes, at the row's positions (the row stays on the host meanwhile)
+    # Overlapped transfers (``overlap=True``), until ``settle``: int32 [num_pages] the holds of
+    # swap_outs still reading each device page (a count: a page matched into another row while in
+    # flight can go out again), and int32 [max_batch, max_pages_per_seq] the device pages a
+    # swap_in writes, at the row's positions (the row stays on the host meanwhile)
     outgoing: jax.Array
     incoming: jax.Array
 
@@ -104,7 +105,7 @@ def empty(num_pages: int, device_pool: jax.Array, layout: str, scaled: bool, max
                      scales=host("scales", page[:3], jnp.float32) if scaled else None,
                      ref_counts=state("ref_counts", (num_pages,), 0),
                      table=state("table", rows, NO_PAGE),
-                     outgoing=state("outgoing", (num_device_pages,), False, jnp.bool_),
+                     outgoing=state("outgoing", (num_device_pages,), 0),
                      incoming=state("incoming", rows, NO_PAGE))
 
 
@@ -141,27 +142,45 @@ def _fence(arrays, after):
                            *after, input_output_aliases={i: i for i in range(len(arrays))}))
 
 
-def _move_to_host(cache, host: HostPages, src, dst, overlap: bool = False) -> dict:
-    """``HostPages`` fields with device pages ``src`` copied to host pages ``dst``: K and V, and
-    the per-token-head scales of an 8-bit cache."""
+def _move_to_host(cache, host: HostPages, src, dst, overlap: bool = False):
+    """Device pages ``src`` copied to host pages ``dst``: K and V, and the per-token-head scales
+    of an 8-bit cache. Returns ``(cache, host)`` with the new host pools.
+
+    The device pools are only read, but a later in-place write of them (an append in the same
+    ``jit``) would have XLA copy them unless it is ordered after the read: done, they pass
+    through a fence that reads the new host pools. Overlapped, the transfer is still running
+    when the call returns; the pages it reads are held until ``settle`` instead."""
     axis = PAGE_AXIS[cache.layout]
-    fields = {"pages": _to_host(axis, host.pages, cache.k_pages, cache.v_pages, src, dst,
-                                overlap)}
+    pools = [("pages", "k_pages", "v_pages")]
     if host.scales is not None:
-        fields["scales"] = _to_host(axis, host.scales, cache.k_scales, cache.v_scales, src, dst,
-                                    overlap)
-    return fields
+        pools.append(("scales", "k_scales", "v_scales"))
+    for to, k, v in pools:
+        host = dataclasses.replace(host, **{to: _to_host(
+            axis, getattr(host, to), getattr(cache, k), getattr(cache, v), src, dst, overlap)})
+    if not overlap:
+        for to, k, v in pools:
+            read = _fence((getattr(cache, k), getattr(cache, v)), (getattr(host, to),))
+            cache = dataclasses.replace(cache, **dict(zip((k, v), read)))
+    return cache, host
 
 
-def _move_to_device(cache, src, dst, overlap: bool = False) -> dict:
-    """Cache fields with host pages ``src`` copied to device pages ``dst``."""
+def _move_to_device(cache, src, dst, overlap: bool = False):
+    """Host pages ``src`` copied to device pages ``dst``: returns the cache with its new device
+    pools. As in ``_move_to_host``, the pools only read (here the host's) pass through a fence
+    that reads the transfer's result when it is done, so that a later write of them in the same
+    ``jit`` (a spill, a swap_out) is ordered after the read instead of copying them."""
     axis, host = PAGE_AXIS[cache.layout], cache.host
-    k, v = _from_host(axis, cache.k_pages, cache.v_pages, host.pages, src, dst, overlap)
-    fields = {"k_pages": k, "v_pages": v}
+    pools = [("pages", "k_pages", "v_pages")]
     if host.scales is not None:
-        fields["k_scales"], fields["v_scales"] = _from_host(
-            axis, cache.k_scales, cache.v_scales, host.scales, src, dst, overlap)
-    return fields
+        pools.append(("scales", "k_scales", "v_scales"))
+    for frm, k, v in pools:
+        cache = dataclasses.replace(cache, **dict(zip((k, v), _from_host(
+            axis, getattr(cache, k), getattr(cache, v), getattr(host, frm), src, dst, overlap))))
+    if not overlap:
+        for frm, k, v in pools:
+            read, = _fence((getattr(host, frm),), (getattr(cache, k), getattr(cache, v)))
+            host = dataclasses.replace(host, **{frm: read})
+    return dataclasses.replace(cache, host=host)
 
 
 def _moves(table: jax.Array, start: jax.Array, counts: jax.Array, moved: jax.Array,
@@ -210,12 +229,12 @@ def swap_out(op: str, cache, rows: jax.Array, max_pages: int, overlap: bool):
     moved = jnp.where(gone, table, cache.num_pages)
     ref_counts, outgoing = cache.ref_counts, host.outgoing
     if overlap:
-        outgoing = outgoing.at[moved].set(True, mode="drop")
+        outgoing = outgoing.at[moved].add(1, mode="drop")
     else:
         ref_counts = ref_counts.at[moved].add(-1, mode="drop")
+    cache, host = _move_to_host(cache, host, src, dst, overlap)
     host = dataclasses.replace(host, ref_counts=host_counts, outgoing=outgoing,
-                               table=jnp.where(swapped[:, None], host_rows, host.table),
-                               **_move_to_host(cache, host, src, dst, overlap))
+                               table=jnp.where(swapped[:, None], host_rows, host.table))
     return dataclasses.replace(
         cache, host=host, prefix_cache=index, ref_counts=ref_counts,
         page_table=jnp.where(gone, NO_PAGE, table),
@@ -240,18 +259,20 @@ def swap_in(op: str, cache, rows: jax.Array, max_pages: int, overlap: bool):
           f"{op}: a selected row is not on the host, or is already coming back (nothing moved)")
     held = host.held
     eligible = _budget(held, rows & waiting, max_pages)
-    ref_counts, served, first, free_ids, index = cache._allocate(held, eligible)
+    cache, ref_counts, served, first, free_ids = cache._allocate(held, eligible)
+    index, host = cache.prefix_cache, cache.host  # an eviction's spill wrote the host pool
     src, dst, device_rows = _moves(host.table, cache.pages_held, held, served, first, free_ids,
                                    max_pages, cache.num_pages)
-    moved = _move_to_device(cache, src, dst, overlap)
+    cache = _move_to_device(cache, src, dst, overlap)
+    host = cache.host
     if overlap:
         host = dataclasses.replace(host, incoming=jnp.where(served[:, None], device_rows,
                                                             host.incoming))
-        return dataclasses.replace(cache, host=host, ref_counts=ref_counts, prefix_cache=index,
-                                   **moved), served
+        return dataclasses.replace(cache, host=host, ref_counts=ref_counts,
+                                   prefix_cache=index), served
     cache = dataclasses.replace(
         cache, host=released(host, served), ref_counts=ref_counts, prefix_cache=index,
-        page_table=jnp.where(device_rows >= 0, device_rows, cache.page_table), **moved)
+        page_table=jnp.where(device_rows >= 0, device_rows, cache.page_table))
     return cache, served
 
 
@@ -270,7 +291,7 @@ def settle(cache):
                                outgoing=jnp.zeros_like(outgoing))
     return dataclasses.replace(
         cache, host=released(host, arrived),
-        ref_counts=ref_counts - outgoing.astype(jnp.int32),
+        ref_counts=ref_counts - outgoing,
         page_table=jnp.where(incoming >= 0, incoming, page_table))
 
 
@@ -279,8 +300,8 @@ def released(host: HostPages, mask: jax.Array) -> HostPages:
     an overlapped swap_in is still writing for them are freed by ``settle``, after it."""
     freed = jnp.where(mask[:, None] & (host.table >= 0), host.table, host.num_pages)
     coming = mask[:, None] & (host.incoming >= 0)
-    outgoing = host.outgoing.at[jnp.where(coming, host.incoming, host.outgoing.shape[0])].set(
-        True, mode="drop")
+    outgoing = host.outgoing.at[jnp.where(coming, host.incoming, host.outgoing.shape[0])].add(
+        1, mode="drop")
     return dataclasses.replace(host, ref_counts=host.ref_counts.at[freed].set(0, mode="drop"),
                                table=jnp.where(mask[:, None], NO_PAGE, host.table),
                                incoming=jnp.where(mask[:, None], NO_PAGE, host.incoming),
@@ -288,75 +309,104 @@ def released(host: HostPages, mask: jax.Array) -> HostPages:
 
 
 # --- the prefix cache's host tier --------------------------------------------------------------
-def spill(cache, max_pages: int):
-    """``PagedKVCache.spill_prefix``'s body: up to ``max_pages`` cached free device pages, least
-    recently used first, move to host pages free of rows and of cached pages (one transfer); their
-    index entries move with them and the device pages become never-cached free pages."""
+def spill(cache, max_pages: int, ref_counts=None, wanted=None):
+    """``PagedKVCache.spill_prefix``'s body: up to ``max_pages`` (and ``wanted``, if given)
+    cached free device pages (free in ``ref_counts``, default the cache's), least recently used
+    first, move to host pages free of rows and of cached pages (one transfer); their index
+    entries move with them and the device pages become never-cached free pages."""
     p, host, index = cache.num_pages, cache.host, cache.prefix_cache
     n_host = host.num_pages
     device = page_index.part(index, 0, p)
-    cached_free = device.indexed & (cache.ref_counts == 0)
+    counts = cache.ref_counts if ref_counts is None else ref_counts
+    cached_free = device.indexed & (counts == 0)
     order = page_index.eviction_order(device, cached_free)  # the cached free ones, LRU first
     room = (host.ref_counts == 0) & ~page_index.part(index, p, index.entries).indexed
     host_ids = jnp.nonzero(room, size=n_host, fill_value=n_host)[0].astype(jnp.int32)
     n = jnp.minimum(jnp.minimum(jnp.sum(cached_free), jnp.sum(room)), max_pages)
+    if wanted is not None:
+        n = jnp.minimum(n, wanted)
     i = jnp.arange(max_pages, dtype=jnp.int32)
     live = i < n
     src = jnp.where(live, order[jnp.clip(i, 0, p - 1)], 0)
     dst = jnp.where(live, host_ids[jnp.clip(i, 0, n_host - 1)], n_host)
     index = page_index.move(index, jnp.where(live, src, -1), jnp.where(live, p + dst, -1))
-    return dataclasses.replace(
-        cache, prefix_cache=index,
-        host=dataclasses.replace(host, **_move_to_host(cache, host, src, dst))), n.astype(jnp.int32)
+    cache, host = _move_to_host(cache, host, src, dst)
+    return dataclasses.replace(cache, prefix_cache=index, host=host), n.astype(jnp.int32)
+
+
+def spill_evicted(cache, ref_counts: jax.Array, need: jax.Array, eligible: jax.Array):
+    """The cached pages an allocation of ``need`` pages for the ``eligible`` rows (``allocate``'s
+    rule, over ``ref_counts``) is about to evict, spilled to the host first while it has room:
+    they stay findable there, and the allocation takes their device pages as never-cached ones.
+    One transfer, its size the most one allocation can take; nothing moves when the
+    never-cached free pages suffice (the transfer's padding costs the kernel no loop)."""
+    p = cache.num_pages
+    free = ref_counts == 0
+    want = jnp.where(eligible, need, 0)
+    served = eligible & ((need == 0) | (jnp.cumsum(want) <= jnp.sum(free, dtype=jnp.int32)))
+    taken = jnp.sum(jnp.where(served, need, 0), dtype=jnp.int32)
+    never = jnp.sum(free & ~page_index.part(cache.prefix_cache, 0, p).indexed, dtype=jnp.int32)
+    budget = min(p, cache.host.num_pages, cache.max_batch * cache.max_pages_per_seq)
+    cache, _ = spill(cache, budget, ref_counts, jnp.maximum(taken - never, 0))
+    return cache
 
 
 def bring_back(cache, found: jax.Array, run: jax.Array, budget: int):
     """``match_prefix``'s pages on the host brought to device pages.
 
     ``found`` int32 ``[B, K]`` (entry ids: a host page ``h`` is ``num_pages + h``), ``run``
-    int32 ``[B]``: each row's match (``page_index.lookup``). Rows in slot order while their host
-    pages fit in ``budget`` (one transfer) and device pages last; a row past them keeps its match
-    up to its first host page. **Returns** ``(cache, found, run)``: the pages moved (data and
-    index entries), ``found`` naming device pages only within ``run``, and the reference counts
-    of every page in the runs raised by one."""
+    int32 ``[B]``: each row's match (``page_index.lookup``). A host page comes back once, for the
+    first row that found it (its owner); rows in slot order bring theirs while they fit in
+    ``budget`` (one transfer) and device pages last, and every row that found a page brought back
+    shares it. A row keeps its match up to its first host page that does not come back.
+    **Returns** ``(cache, found, run)``: the pages moved (data and index entries), ``found``
+    naming device pages within ``run``, and the reference counts of every page in the runs
+    raised by one."""
     p = cache.num_pages
     b, k = found.shape
     level = jnp.arange(k, dtype=jnp.int32)[None, :]
     on_host = (level < run[:, None]) & (found >= p)
-    # A host page two rows found in one call comes back once: the first row brings it, and a
-    # later row's match stops before it (it finds the page on the device next time).
-    n_entries = cache.prefix_cache.entries
-    at = jnp.arange(b * k, dtype=jnp.int32).reshape(b, k)
-    owner = jnp.full((n_entries + 1,), b * k, jnp.int32).at[
-        jnp.where(on_host, found, n_entries)].min(at)
-    foreign = on_host & (owner[jnp.clip(found, 0, n_entries)] != at)
-    run = jnp.minimum(run, jnp.min(jnp.where(foreign, level, k), axis=1))
-    taken = level < run[:, None]
-    on_host = taken & (found >= p)
-    count = jnp.sum(on_host, axis=1, dtype=jnp.int32)
     before_host = jnp.minimum(run, jnp.min(jnp.where(on_host, level, k), axis=1))
     if budget == 0:  # nothing comes back: each row matches up to its first host page
         device = (level < before_host[:, None]) & (found >= 0)
         counts = cache.ref_counts.at[jnp.where(device, found, p)].add(1, mode="drop")
         return dataclasses.replace(cache, ref_counts=counts), found, before_host
+    # A host page's owner is the first (row, level) that found it: an entry sits at one depth of
+    # every chain, so a later finder is a later row. Only owners take device pages for it.
+    n_entries = cache.prefix_cache.entries
+    at = jnp.arange(b * k, dtype=jnp.int32).reshape(b, k)
+    entry = jnp.where(on_host, found, n_entries)
+    owner = jnp.full((n_entries + 1,), b * k, jnp.int32).at[entry].min(at)[entry]
+    owned = on_host & (owner == at)
+    count = jnp.sum(owned, axis=1, dtype=jnp.int32)
     fits = jnp.cumsum(count) <= budget
     need = jnp.where(fits, count, 0)
-    runs = jnp.where(fits, run, before_host)
     # The device pages of every run are held while pages are taken for the host ones, so that
     # the allocator cannot evict them.
-    device = (level < runs[:, None]) & (found >= 0) & (found < p)
+    device = (level < run[:, None]) & (found >= 0) & (found < p)
     held = cache.ref_counts.at[jnp.where(device, found, p)].add(1, mode="drop")
-    ref_counts, served, first, free_ids, index = cache._allocate(need, need > 0, held)
-    runs = jnp.where((need > 0) & ~served, before_host, runs)
+    cache, ref_counts, served, first, free_ids = cache._allocate(need, need > 0, held)
+    index = cache.prefix_cache
+    # Rows bring theirs back in slot order, first come first served in both the transfer and the
+    # pool, so a row that brings pages back finds every earlier owner's pages back too.
+    brings = served & (need > 0)
+    back = on_host & brings[jnp.clip(owner // k, 0, b - 1)]
+    runs = jnp.minimum(run, jnp.min(jnp.where(on_host & ~back, level, k), axis=1))
     ref_counts = ref_counts.at[jnp.where(device & (level >= runs[:, None]), found, p)].add(
         -1, mode="drop")
-    moving = on_host & (served & (need > 0))[:, None]
-    j = jnp.cumsum(on_host, axis=1, dtype=jnp.int32) - 1
+    moving = owned & brings[:, None]
+    j = jnp.cumsum(owned, axis=1, dtype=jnp.int32) - 1
     slot = jnp.where(moving, first[:, None] + j, budget)
     new = jnp.where(moving, free_ids[jnp.clip(slot, 0, p - 1)], -1)
+    # Every finder within its run maps the owner's new page; the owner's count (1) is the
+    # allocator's, each other finder adds one.
+    new_of = jnp.full((n_entries + 1,), -1, jnp.int32).at[jnp.where(moving, found, n_entries)].set(
+        new)[entry]
+    sharing = back & ~owned & (level < runs[:, None])
+    ref_counts = ref_counts.at[jnp.where(sharing, new_of, p)].add(1, mode="drop")
     src = jnp.zeros((budget,), jnp.int32).at[slot].set(found - p, mode="drop")
     dst = jnp.full((budget,), p, jnp.int32).at[slot].set(new, mode="drop")
     index = page_index.move(index, jnp.where(dst < p, src + p, -1), jnp.where(dst < p, dst, -1))
-    cache = dataclasses.replace(cache, ref_counts=ref_counts, prefix_cache=index,
-                                **_move_to_device(cache, src, dst))
-    return cache, jnp.where(moving, new, found), runs
+    cache = dataclasses.replace(_move_to_device(cache, src, dst), ref_counts=ref_counts,
+                                prefix_cache=index)
+    return cache, jnp.where(back, new_of, found), runs

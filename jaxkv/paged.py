@@ -167,9 +167,16 @@ class PagedKVCache:
         cache = create(cls, op, sharding, leaves, divides, layout=layout, scaling=scaling)
         if not host_pages:
             return cache
-        return dataclasses.replace(cache, host=host_tier.empty(
+        cache = dataclasses.replace(cache, host=host_tier.empty(
             host_pages, cache.k_pages, layout, scaling == "per_token_head", max_batch,
             max_pages_per_seq, num_pages, sharding))
+        if sharding is None and not isinstance(cache.k_pages, jax.core.Tracer):
+            # The host pools are committed to their device (placed in its host memory), and a
+            # jit's outputs are committed when an input is: the other leaves committed too, the
+            # cache a step returns has the signature of the one it took (one compile, not two).
+            device = cache.k_pages.sharding
+            cache = jax.tree.map(lambda x: x if x.committed else jax.device_put(x, device), cache)
+        return cache
 
     # Static configuration, read off the shapes.
     def _geometry(self) -> dict:
@@ -274,7 +281,10 @@ class PagedKVCache:
         asks for more than its own room (``max_pages_per_seq * page_size`` tokens) is not served
         either, but it takes nothing from the pool and holds back no one: it could never be
         served, and holding the queue behind it would stall every later sequence for good.
-        Pages are taken lowest index first, so the result is deterministic.
+        Pages are taken lowest index first, so the result is deterministic. With a prefix
+        index, never-cached free pages go first, then cached ones least recently used, which
+        leave the index; with a host tier too, those spill to free host pages first and stay
+        findable there (docs/host-tier.md).
 
         **Returns:** ``(cache, served)``, ``served`` bool ``[max_batch]``. A shortage is reported
         through ``checkify``; ``max_prompt_length`` then reads the served sequences' counts.
@@ -294,7 +304,7 @@ class PagedKVCache:
         want = end // self.page_size + (end % self.page_size != 0).astype(jnp.int32)
         eligible = fits & ~(parked & (n > 0))  # a row on the host asking nothing is served
         need = jnp.where(eligible & ~parked, jnp.maximum(want - held, 0), 0).astype(jnp.int32)
-        ref_counts, served, first, free_ids, index = self._allocate(need, eligible)
+        cache, ref_counts, served, first, free_ids = self._allocate(need, eligible)
         check(
             jnp.all(fits), f"{op}: a sequence would pass max_pages_per_seq * page_size tokens"
         )
@@ -305,8 +315,8 @@ class PagedKVCache:
         pick = jnp.clip(first[:, None] + k, 0, self.num_pages - 1)
         page_table = jnp.where(new, free_ids[pick], self.page_table)
         new_tokens = jnp.where(served, n, 0)
-        cache = dataclasses.replace(self, page_table=page_table, ref_counts=ref_counts,
-                                    new_tokens=new_tokens, prefix_cache=index)
+        cache = dataclasses.replace(cache, page_table=page_table, ref_counts=ref_counts,
+                                    new_tokens=new_tokens)
         return cache, served
 
     @per_shard(mask=Role(ROWS))
@@ -416,7 +426,7 @@ class PagedKVCache:
         full = length // size
         partial = length % size != 0
         need = jnp.where(is_dst & partial, 1, 0).astype(jnp.int32)
-        ref_counts, served, first, free_ids, index = cache._allocate(need, is_dst)
+        cache, ref_counts, served, first, free_ids = cache._allocate(need, is_dst)
         check(jnp.all(served | ~is_dst), f"{op}: out of pages")
         new_page = jnp.where(served & partial, free_ids[jnp.clip(first, 0, self.num_pages - 1)],
                              NO_PAGE)
@@ -429,7 +439,7 @@ class PagedKVCache:
         last = src_row[jnp.clip(full, 0, self.max_pages_per_seq - 1)]
         copy_src = jnp.where(new_page >= 0, last, NO_PAGE)
         cache = dataclasses.replace(
-            dataclasses.replace(cache, prefix_cache=index)._copied(op, copy_src, new_page),
+            cache._copied(op, copy_src, new_page),
             page_table=page_table,
             lengths=jnp.where(served, length, cache.lengths),
             ref_counts=ref_counts,
@@ -471,13 +481,20 @@ class PagedKVCache:
     def _allocate(self, need: jax.Array, eligible: jax.Array, ref_counts=None):
         """``allocate`` over this cache's free pages (of ``ref_counts``, default the cache's):
         with a prefix index, pages never indexed first, then indexed ones least recently used,
-        which leave the index (their descendants with them, on either tier). Returns
-        ``allocate``'s results and the new index."""
-        index = self.prefix_cache
+        which leave the index (their descendants with them, on either tier); with a host tier
+        too, the cached pages to be evicted spill to free host pages first, and stay findable.
+        Returns ``(cache, ref_counts, served, first, free_ids)``: ``allocate``'s results and
+        the cache with its index (and host pages) brought up to date."""
         counts = self.ref_counts if ref_counts is None else ref_counts
-        if index is None:
-            return (*allocate(counts, need, eligible), None)
-        return allocate_indexed(counts, need, eligible, index, 0, self.max_pages_per_seq)
+        if self.prefix_cache is None:
+            return (self, *allocate(counts, need, eligible))
+        cache = self
+        if self.host is not None:
+            cache = host_tier.spill_evicted(self, counts, need, eligible)
+        assert cache.prefix_cache is not None  # the spill moves entries, it keeps the index
+        counts, served, first, free_ids, index = allocate_indexed(
+            counts, need, eligible, cache.prefix_cache, 0, self.max_pages_per_seq)
+        return dataclasses.replace(cache, prefix_cache=index), counts, served, first, free_ids
 
     # The host tier.
     @per_shard(rows=Role(ROWS), out=(None, Role(ROWS)))
@@ -488,9 +505,10 @@ class PagedKVCache:
         stay on the device, held by the row: moving them would free nothing.
 
         ``rows``: bool ``[max_batch]``, like ``release``'s mask. ``max_pages``: the most pages
-        this call moves (static: the size of its one transfer; default ``max_pages_per_seq``, a
-        full row). Rows are taken in slot order while their pages fit in both ``max_pages`` and
-        the free host pages; the first that does not fit stops the rest.
+        this call moves (static: the size of its one transfer; default every page that could
+        move, the smaller pool's size: then only the host pool's room limits the call). Rows are
+        taken in slot order while their pages fit in both ``max_pages`` and the free host pages;
+        the first that does not fit stops the rest (first come, first served, as ``reserve``).
 
         **Returns:** ``(cache, swapped)``, ``swapped`` bool ``[max_batch]``. A selected row that
         is already on the host or holds no pages of its own is left as it was and reported
@@ -539,7 +557,7 @@ class PagedKVCache:
     def spill_prefix(self, max_pages: int | None = None):
         """Moves cached pages that no row holds (those ``reserve`` would evict next, least
         recently used first) to free host pages, at most ``max_pages`` (static: the size of the
-        one transfer; default ``max_pages_per_seq``). They stay findable: ``match_prefix`` brings
+        one transfer; default every page that could move, the smaller pool's size). They stay findable: ``match_prefix`` brings
         them back. The device pages become never-cached free pages, which ``reserve`` takes
         first, so a server that spills ahead of its needs loses no cached prefix to eviction
         while the host has room. Host pages holding rows (``swap_out``) or cached pages are not
@@ -567,9 +585,12 @@ class PagedKVCache:
         return rows, self._transfer_size(op, "max_pages", max_pages, lo=1), overlap
 
     def _transfer_size(self, op: str, name: str, pages, lo: int) -> int:
-        """A host transfer's static size in pages: ``pages``, or a full row when None."""
+        """A host transfer's static size in pages: ``pages``, or when None every page that could
+        move (the smaller pool): a call's default is limited by the pools' room alone. The
+        transfer skips its unused entries, so the bound costs index arithmetic, not copies."""
         if pages is None:
-            return self.max_pages_per_seq
+            assert self.host is not None  # every caller checked it
+            return min(self.num_pages, self.host.num_pages)
         return validate.static_int(op, name, pages, lo=lo, hi=INT32_MAX)
 
     # The prefix cache.
@@ -592,9 +613,10 @@ class PagedKVCache:
 
         With a host tier, pages the index holds on the host (``spill_prefix``) are found too and
         come back to device pages (taken as ``reserve`` takes them) in one transfer of at most
-        ``max_host_pages`` pages (static; default ``max_pages_per_seq``): rows in slot order
-        while the transfer and the device pool have room; a row past them matches up to its
-        first page on the host.
+        ``max_host_pages`` pages (static; default the smaller pool's size), once each: every row
+        that found a page shares it. Rows bring theirs in slot order while the transfer and the
+        device pool have room; a row past them matches up to its first host page that does not
+        come back.
         """
         op = "PagedKVCache.match_prefix"
         index = self._index_args(op, tokens, num_tokens)
@@ -637,9 +659,8 @@ class PagedKVCache:
         """Makes each row's full pages covering ``tokens[b, :num_tokens[b]]`` findable by
         ``match_prefix`` (``tokens``, ``num_tokens`` as there; 0: the row is skipped).
 
-        Call it once the row's tokens are appended and committed: only pages below
-        ``lengths[b]`` are indexed (a count past it is reported through ``checkify``).
-        Idempotent: a chain already indexed is not indexed twice, and rows adding the same new
+        Call it once the row's tokens are appended and committed: a count past ``lengths[b]``
+        is reported through ``checkify`` and the row indexes nothing. Idempotent: a chain already indexed is not indexed twice, and rows adding the same new
         chain in one call index it once. Bad rows are reported as for ``match_prefix`` and
         index nothing.
         """
@@ -648,12 +669,13 @@ class PagedKVCache:
         size = self.page_size
         capacity = self.max_pages_per_seq * size
         ok = page_index.row_ok(op, tokens, num_tokens, capacity)
-        check(num_tokens <= self.lengths,
+        committed = num_tokens <= self.lengths
+        check(committed,
               f"{op}: num_tokens past a row's length (append and commit the tokens first)")
         pages = page_index.token_pages(tokens, size, self.max_pages_per_seq)
         if pages.shape[1] == 0:
             return self
-        full = jnp.where(ok, jnp.minimum(num_tokens, self.lengths) // size, 0)
+        full = jnp.where(ok & committed, num_tokens // size, 0)
         full = jnp.minimum(jnp.minimum(full, self.pages_held), pages.shape[1])
         index = page_index.insert(index, self.page_table, pages, full, self.max_pages_per_seq)
         return dataclasses.replace(self, prefix_cache=index)

@@ -144,6 +144,49 @@ def test_gather_and_attention_after_a_round_trip():
     np.testing.assert_allclose(out[1:3], want_out[1:3], rtol=1e-6, atol=1e-6)
 
 
+def test_by_default_a_call_moves_every_selected_row_the_pools_have_room_for():
+    """Without max_pages a call's transfer is the smaller pool's size: several rows go out and
+    come back in one call, byte for byte, and only the pools' room refuses a row."""
+    cache = filled(make(num_pages=12, max_pages_per_seq=4, host_pages=8), [7, 5, 6, 3])
+    before = [row_bytes(cache, b) for b in range(4)]
+    out = jax.jit(lambda c, r: c.swap_out(r), donate_argnums=0)
+    back = jax.jit(lambda c, r: c.swap_in(r), donate_argnums=0)
+    cache, swapped = out(cache, jnp.array([True, True, False, True]))  # 4 + 3 + 2 of 8 pages
+    assert np.asarray(swapped).tolist() == [True, True, False, False]  # row 3: no room left
+    cache, served = back(cache, jnp.array([True, True, False, False]))
+    assert np.asarray(served).tolist() == [True, True, False, False]
+    for b in range(4):
+        for got, want in zip(row_bytes(cache, b), before[b]):
+            assert_bytes_equal(got, want, f"row {b}")
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_step_over_a_new_host_tier_cache_compiles_once(sharded):
+    """The host pools are committed to their device; every other leaf of a new cache is too, so
+    the cache a jitted step returns has the signature of the one it took: no second compile on
+    the second call (the 8B server's step takes tens of seconds to compile)."""
+    kw = dict(sharding=CacheSharding(mesh_of((2,), ("batch",)), batch="batch")) if sharded else {}
+    cache = make(prefix_cache=True, **kw)
+    compiles = []
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(cache):
+        cache, served = cache.reserve(jnp.ones((4,), jnp.int32))
+        return cache.commit(jnp.where(served, 1, 0))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for _ in range(3):
+            cache = step(cache)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len(compiles) == 1 and np.asarray(cache.lengths).tolist() == [3, 3, 3, 3]
+
+
 def test_no_room_on_the_host_or_on_the_device():
     """swapped is false where the host pool lacks room, served false where the device pool
     does; such rows do not change, and neither do the rest."""
@@ -267,6 +310,37 @@ def test_settle_is_ordered_after_the_transfer_in_one_jit():
     assert bool(jnp.all(cache.page_table[1] >= 0))
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("implementation", ["jaxkv", pytest.param("cudnn", marks=pytest.mark.gpu)])
+def test_attention_beside_a_row_on_the_host_reads_only_the_other_rows(implementation, layout):
+    """A row on the host keeps its length but holds no device page: decode and prefill give it
+    zeros, and the rows beside it the outputs they had before, though its freed pages now hold
+    another row's tokens (the poison a read of stale entries would show)."""
+    cache = make(num_pages=12, page_size=16, max_pages_per_seq=4, host_pages=4,
+                 head_dim=64, dtype=jnp.bfloat16, layout=layout)
+    cache = filled(cache, [40, 20, 33, 0], jnp.bfloat16)  # 3 + 2 + 3 pages
+    q = random_array((4, 8, 64), jnp.bfloat16)
+    t = 5
+    qs = random_array((4, t, 8, 64), jnp.bfloat16)
+    q_lengths = jnp.array([t, 0, 3, 0], jnp.int32)
+    decode = jax.jit(lambda c: attention.decode(q, c, 1, implementation=implementation))
+    prefill = jax.jit(lambda c: attention.prefill(qs, c, 1, q_lengths,
+                                                  implementation=implementation))
+    before = jax.jit(lambda c: c.reserve(q_lengths)[0])  # room for the prefill's queries
+    want_decode, want_prefill = decode(cache), prefill(before(cache))
+    cache, swapped = swap_out(cache, jnp.array([False, True, False, False]), 4)
+    assert np.asarray(swapped).tolist() == [False, True, False, False]
+    cache = filled(cache, [0, 0, 0, 32], jnp.bfloat16)  # row 3 takes the freed pages
+    got_decode, got_prefill = decode(cache), prefill(before(cache))
+    assert not np.any(np.asarray(got_decode[1], np.float32)), "the host row read device pages"
+    for b in (0, 2):
+        np.testing.assert_array_equal(np.asarray(got_decode[b], np.float32),
+                                      np.asarray(want_decode[b], np.float32), f"decode row {b}")
+        np.testing.assert_array_equal(np.asarray(got_prefill[b], np.float32),
+                                      np.asarray(want_prefill[b], np.float32), f"prefill row {b}")
+    assert not np.any(np.asarray(got_prefill[1], np.float32))
+
+
 def test_rows_on_the_host_are_reported_and_never_touched():
     """Appending, reserving, committing, forking from or attending over a row on the host is
     reported; its length stays and nothing reads or writes device pages for it."""
@@ -280,7 +354,12 @@ def test_rows_on_the_host_are_reported_and_never_touched():
     assert "on the host" in err_of(lambda c: c.commit(n), cache)
     assert "on the host" in err_of(lambda c: c.fork(0, jnp.array([2], jnp.int32)), cache)
     q = random_array((4, 2, D), jnp.float32)
-    assert "pages a row holds" in err_of(lambda c: attention.decode(q, c, 0), cache)
+    assert "decode: a row is on the host" in err_of(lambda c: attention.decode(q, c, 0), cache)
+    qs = random_array((4, 2, 2, D), jnp.float32)
+    assert "prefill: a row is on the host" in err_of(
+        lambda c: attention.prefill(qs, c, 0, jnp.array([1, 0, 0, 0], jnp.int32)), cache)
+    assert err_of(lambda c: attention.prefill(qs, c, 0, jnp.array([0, 0, 0, 0], jnp.int32)),
+                  cache) is None  # the row takes no part: nothing to report
     assert "already on the host" in err_of(lambda c: c.swap_out(c.on_host), cache)
     assert "no pages" in err_of(lambda c: c.swap_out(jnp.array([0, 0, 1, 0], bool)), cache)
     assert "not on the host" in err_of(lambda c: c.swap_in(jnp.array([0, 1, 0, 0], bool)), cache)
@@ -480,21 +559,29 @@ def test_random_operations_agree_with_the_model(seed, overlapped):
                                        f"step {step} layer {layer} row {b}")
 
 
-def test_prefix_cache_pages_are_evicted_by_swap_in():
+@pytest.mark.parametrize("host_pages", [8, 3])
+def test_prefix_cache_pages_evicted_by_swap_in_spill_to_the_host_while_it_has_room(host_pages):
     """swap_in takes device pages as reserve does: never-cached free pages first, then cached
-    ones least recently used, which leave the index."""
-    cache = make(num_pages=6, page_size=2, max_batch=2, prefix_cache=True)
+    ones least recently used, which spill to free host pages first and stay findable there (8
+    host pages: room for them beside the row's 3); where the host has no room (3: the row's own)
+    they leave the index."""
+    cache = make(num_pages=6, page_size=2, max_batch=2, prefix_cache=True, host_pages=host_pages)
     tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
-    cache = filled(cache, [6, 0])
+    k, v = kv_of_at(tokens, jnp.arange(8, dtype=jnp.float32)[None, :])
+    cache, served = fill(cache, jnp.array([6, 0], jnp.int32), k, v)
     cache = cache.insert_prefix(tokens, jnp.array([6, 0], jnp.int32))
     cache, _ = swap_out(cache, jnp.array([True, False]), 8)  # 3 cached pages, still findable
     cache = filled(cache, [0, 6])  # row 1 takes the 3 pages never cached
     assert int(cache.num_free_pages) == 3
     cache, served = swap_in(cache, jnp.array([True, False]), 8)
     assert bool(served[0])
+    spilled = host_pages == 8
+    assert bool(jnp.any(cache.prefix_cache.indexed[6:])) == spilled
     probe = cache.release(jnp.array([True, True]))
-    _, matched = probe.match_prefix(tokens, jnp.array([7, 0], jnp.int32))
-    assert int(matched[0]) == 0  # the cached chain was evicted to make room
+    probe, matched = probe.match_prefix(tokens, jnp.array([7, 0], jnp.int32))
+    assert int(matched[0]) == (6 if spilled else 0)
+    if spilled:
+        assert_rows_hold_their_tokens(probe, tokens, "the spilled chain, brought back")
 
 
 @pytest.mark.parametrize("layout,dtype,scaling", [("HND", jnp.float32, None),
@@ -595,24 +682,29 @@ def prefix_cache(num_pages=8, host_pages=8, page_size=2, max_batch=2, max_pages_
                 **kw)
 
 
-def test_spilled_prefix_survives_device_pressure_and_comes_back():
-    """Without a spill, reserve evicts the cached chain; spilled, the chain is found on the host
-    after the device pool was used up by another row, and comes back byte for byte."""
+@pytest.mark.parametrize("how", ["ahead", "on eviction", "no room"])
+def test_spilled_prefix_survives_device_pressure_and_comes_back(how):
+    """A cached chain spilled to the host, ahead (spill_prefix) or by reserve's own eviction, is
+    found there after another row used up the device pool, and comes back byte for byte; with
+    one free host page only the chain's deepest page spills, and the eviction of the pages
+    above it takes it out of the index too (matching walks the chain from its first page)."""
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 50, (2, 8)), jnp.int32)
-    for spill in (False, True):
-        cache = prefix_cache(num_pages=4)
-        cache, _ = fill_tokens(cache, tokens, jnp.array([6, 0], jnp.int32))
-        cache = cache.insert_prefix(tokens, jnp.array([6, 0], jnp.int32))
-        cache = cache.release(jnp.array([True, False]))
-        if spill:
-            cache, spilled = cache.spill_prefix()
-            assert int(spilled) == 3 and int(cache.num_free_pages) == 4
-        # Row 1 takes the whole pool: every cached page left on the device is evicted.
-        cache, served = fill_tokens(cache, tokens.at[1].add(100), jnp.array([0, 8], jnp.int32))
-        assert bool(served[1])
-        cache = cache.release(jnp.array([False, True]))
-        cache, matched = cache.match_prefix(tokens, jnp.array([8, 0], jnp.int32))
-        assert int(matched[0]) == (6 if spill else 0)
+    cache = prefix_cache(num_pages=4, host_pages=1 if how == "no room" else 8)
+    cache, _ = fill_tokens(cache, tokens, jnp.array([6, 0], jnp.int32))
+    cache = cache.insert_prefix(tokens, jnp.array([6, 0], jnp.int32))
+    cache = cache.release(jnp.array([True, False]))
+    if how == "ahead":
+        cache, spilled = cache.spill_prefix()
+        assert int(spilled) == 3 and int(cache.num_free_pages) == 4
+    # Row 1 takes the whole pool: every cached page left on the device is evicted.
+    cache, served = fill_tokens(cache, tokens.at[1].add(100), jnp.array([0, 8], jnp.int32))
+    assert bool(served[1])
+    assert int(jnp.sum(cache.prefix_cache.indexed[4:])) == (0 if how == "no room" else 3)
+    cache = cache.release(jnp.array([False, True]))
+    cache, matched = cache.match_prefix(tokens, jnp.array([8, 0], jnp.int32))
+    assert int(matched[0]) == (0 if how == "no room" else 6)
+    if how == "no room":
+        return
     assert_rows_hold_their_tokens(cache, tokens, "brought back")
     # The chain is on the device again, held once: released, it is found without the host.
     assert int(cache.ref_counts.sum()) == 3
@@ -680,11 +772,19 @@ def test_host_pages_come_back_within_the_budget_and_the_pool():
     got, matched = cache.match_prefix(tokens, ask, max_host_pages=1)
     assert int(matched[0]) == 6  # three of the four pages (one token is left to compute)
     assert_rows_hold_their_tokens(got, tokens)
-    # Both rows ask for the same pages: the first brings the host page back, the second stops
-    # before it (the page comes back once) and shares the first's device pages.
+    # Both rows ask for the same pages: the first brings each host page back (once), and both
+    # share every page, each held by the two rows.
     got, matched = cache.match_prefix(tokens, jnp.array([8, 8], jnp.int32), max_host_pages=2)
-    assert np.asarray(matched).tolist() == [6, 4]
-    assert np.asarray(got.page_table[1, :2]).tolist() == np.asarray(got.page_table[0, :2]).tolist()
+    assert np.asarray(matched).tolist() == [6, 6]
+    table = np.asarray(got.page_table)
+    assert table[1, :3].tolist() == table[0, :3].tolist() and len(set(table[0, :3])) == 3
+    np.testing.assert_array_equal(np.asarray(got.ref_counts)[table[0, :3]], [2, 2, 2])
+    assert int(got.ref_counts.sum()) == 6 and int(got.num_free_pages) == 8 - 3
+    assert_rows_hold_their_tokens(got, tokens, "shared")
+    # No transfer: both rows stop before the host page, and share the device ones.
+    got, matched = cache.match_prefix(tokens, jnp.array([8, 8], jnp.int32), max_host_pages=0)
+    assert np.asarray(matched).tolist() == [4, 4]
+    assert int(got.ref_counts.sum()) == 4
     # Two chains on the host, a transfer of one page: the second row stops before its host page.
     two = jnp.stack([jnp.arange(8), jnp.arange(8) + 20]).astype(jnp.int32)
     both = prefix_cache(num_pages=8, max_batch=2)
@@ -695,6 +795,27 @@ def test_host_pages_come_back_within_the_budget_and_the_pool():
     got, matched = both.match_prefix(two, jnp.array([7, 7], jnp.int32), max_host_pages=1)
     assert np.asarray(matched).tolist() == [6, 4]
     assert_rows_hold_their_tokens(got, two)
+    # Three rows, two chains with a page on the host each; rows 1 and 2 ask for the same one.
+    # A transfer of one page: row 0 brings its own back, row 1's does not fit, and row 2, whose
+    # page row 1 owns, stops before it too. A transfer of two: row 2 shares row 1's page.
+    three = jnp.stack([jnp.arange(8), jnp.arange(8) + 20, jnp.arange(8) + 20]).astype(jnp.int32)
+    chains = prefix_cache(num_pages=8, max_batch=3)
+    chains, _ = fill_tokens(chains, three, jnp.array([6, 6, 0], jnp.int32))
+    chains = chains.insert_prefix(three, jnp.array([6, 6, 0], jnp.int32)).release(
+        jnp.ones((3,), bool))
+    chains, spilled = chains.spill_prefix(2)
+    assert int(spilled) == 2
+    ask = jnp.array([7, 7, 7], jnp.int32)
+    got, matched = chains.match_prefix(three, ask, max_host_pages=1)
+    assert np.asarray(matched).tolist() == [6, 4, 4]
+    assert_rows_hold_their_tokens(got, three, "one page back")
+    got, matched = chains.match_prefix(three, ask, max_host_pages=2)
+    assert np.asarray(matched).tolist() == [6, 6, 6]
+    table = np.asarray(got.page_table)
+    assert table[2, :3].tolist() == table[1, :3].tolist()
+    np.testing.assert_array_equal(np.asarray(got.ref_counts)[table[1, :3]], [2, 2, 2])
+    assert_rows_hold_their_tokens(got, three, "two pages back")
+    assert not bool(jnp.any(got.prefix_cache.indexed[8:]))  # both chains whole on the device
     # The device pool is short: no host page comes back, the device part is still matched.
     full = prefix_cache(num_pages=3, max_batch=2)
     full, _ = fill_tokens(full, tokens, jnp.array([6, 0], jnp.int32))
@@ -780,6 +901,64 @@ def test_random_tiered_prefix_operations_keep_every_invariant():
         assert np.array_equal(host_refs, np.asarray(cache.host.ref_counts)), step
         # a host page holds a row's pages or a cached page, never both
         assert not np.any((host_refs > 0) & (depth[P:] >= 0)), step
+
+
+@pytest.mark.parametrize("dtype,scaling", [(jnp.float32, None),
+                                           (jnp.int8, "per_token_head")])
+def test_a_step_that_reads_pages_to_the_host_then_appends_runs_in_place(dtype, scaling):
+    """Reads of the device pools by a transfer to the host (a swap_out; a reserve whose evictions
+    spill) followed, in the same jit, by appends that write those pools in place: no copy of
+    any pool, and the outputs are the inputs' buffers."""
+    cache = prefix_cache(num_pages=16, max_batch=4, dtype=dtype, scaling=scaling)
+    tokens = jnp.arange(32, dtype=jnp.int32).reshape(4, 8)
+    k = random_array((L, 4, H, 8, D), jnp.float32)
+    n = jnp.array([3, 5, 0, 0], jnp.int32)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(cache):
+        cache, _ = cache.swap_out(jnp.array([False, False, True, False]))
+        cache, served = cache.reserve(n)
+        n_served = jnp.where(served, n, 0)
+        cache = cache.append_layers(k, k, n_served).commit(n_served)
+        return cache.insert_prefix(tokens, cache.lengths)
+
+    device = lambda c: [c.k_pages, c.v_pages] + ([c.k_scales, c.v_scales] if scaling else [])  # noqa: E731
+    host = [cache.host.pages] + ([cache.host.scales] if scaling else [])
+    hlo = step.lower(cache).compile().as_text()
+    for leaf in device(cache) + host:
+        assert copies_of(hlo, leaf) == [], leaf.shape
+    # (The host pools' buffers are not compared: jax's CPU runtime sometimes hands back a
+    # donated pinned_host buffer at a new address even where a step only passes it through.)
+    ptrs = [x.unsafe_buffer_pointer() for x in device(cache)]
+    cache = step(cache)
+    assert [x.unsafe_buffer_pointer() for x in device(cache)] == ptrs
+
+
+def test_a_page_in_flight_matched_and_swapped_out_again_is_freed_once_per_hold():
+    """A page an overlapped swap_out still reads can be matched into another row (its data is
+    intact) and go out again with that row before settle_swaps: each swap holds it, and after
+    settle, swap_in and release every page is free (a flag per page freed it once: a leak)."""
+    cache = prefix_cache(num_pages=8, max_batch=3)
+    tokens = jnp.tile(jnp.arange(8, dtype=jnp.int32), (3, 1))
+    count = lambda r, n: jnp.zeros((3,), jnp.int32).at[r].set(n)  # noqa: E731
+    only = lambda *rows: jnp.zeros((3,), bool).at[jnp.array(rows)].set(True)  # noqa: E731
+    cache, _ = fill_tokens(cache, tokens, count(0, 4))  # row 0: pages a0, a1, indexed
+    cache = cache.insert_prefix(tokens, count(0, 4))
+    cache, _ = cache.match_prefix(tokens, count(1, 3))  # row 1 shares a0
+    out = jax.jit(functools.partial(PagedKVCache.swap_out, overlap=True), donate_argnums=0)
+    cache, swapped = out(cache, only(0))  # a0 stays (shared), a1 in flight
+    assert bool(swapped[0])
+    cache = cache.release(only(0, 1))
+    cache, matched = cache.match_prefix(tokens, count(2, 5))  # row 2 on a0 and a1 (in flight)
+    assert int(matched[2]) == 4
+    cache, swapped = out(cache, only(2))  # both go out; a1 held twice
+    assert bool(swapped[2]) and int(cache.host.outgoing.sum()) == 3
+    cache = cache.settle_swaps()
+    cache, served = cache.swap_in(only(2))
+    assert bool(served[2])
+    assert_rows_hold_their_tokens(cache, tokens, "row 2 back")
+    cache = cache.release(only(0, 1, 2))
+    assert int(cache.ref_counts.sum()) == 0 and int(cache.num_free_pages) == 8
 
 
 def test_spill_and_match_run_in_place():

@@ -306,6 +306,16 @@ def test_bad_rows_are_reported_and_change_nothing():
     err, _ = checkify.checkify(PagedKVCache.insert_prefix)(cache, tokens, jnp.array([0, 4, 0],
                                                                                    jnp.int32))
     assert "past a row's length" in str(err.get())
+    # A row committed to 4 tokens asked to index 6: reported, and nothing of it is indexed
+    # (not even the 2 full pages it has).
+    two = make(16, 2, 3, 4)
+    n = jnp.array([0, 4, 0], jnp.int32)
+    two, _ = two.reserve(n)
+    two = two.commit(n)
+    err, out = checkify.checkify(PagedKVCache.insert_prefix)(two, tokens.at[1].add(100),
+                                                             jnp.array([0, 6, 0], jnp.int32))
+    assert "past a row's length" in str(err.get())
+    assert not bool(jnp.any(out.prefix_cache.indexed))
 
 
 def test_trace_time_errors_name_the_op_and_argument():

@@ -478,3 +478,16 @@ def test_every_preset_the_command_offers_parses(preset):
     """`--preset` offers every model preset; each has the serving defaults it needs."""
     args = serve_cli.parse_args(["--preset", preset])
     assert args.kv_gib > 0 and args.max_seq_len > 0 and args.requests > 0
+
+
+def test_a_kv_dtype_asks_for_the_8bit_engine():
+    """``--kv-dtype`` alone adds the engine it configures (it was silently ignored without
+    ``--engines ...,paged-8bit``); without it the default engines run, and paged-8bit named
+    alone gets fp8_e4m3."""
+    args = serve_cli.parse_args(["--kv-dtype", "int8"])
+    assert "paged-8bit" in args.engines and args.kv_dtype == "int8"
+    assert args.engines[:-1] == list(S.DEFAULT_ENGINES)
+    args = serve_cli.parse_args([])
+    assert "paged-8bit" not in args.engines
+    args = serve_cli.parse_args(["--engines", "paged,paged-8bit"])
+    assert args.engines == ["paged", "paged-8bit"] and args.kv_dtype == "fp8_e4m3"

@@ -387,10 +387,13 @@ class PagedKind:
         out = getattr(view, method)(tokens, num_tokens)
         view, res = (out, None) if method == "insert_prefix" else out
         at = jnp.where(live, at, cache.max_batch)  # unused lanes write nothing back
+        host = view.host  # its pools and counts: a match spills and brings pages back
+        if host is not None:  # the rows' host tables: the whole batch's (match leaves them)
+            host = dataclasses.replace(host, table=cache.host.table, incoming=cache.host.incoming)
         cache = dataclasses.replace(
             view, page_table=cache.page_table.at[at].set(view.page_table, mode="drop"),
             lengths=cache.lengths.at[at].set(view.lengths, mode="drop"),
-            new_tokens=cache.new_tokens, host=cache.host)
+            new_tokens=cache.new_tokens, host=host)
         return cache if res is None else (cache, res)
 
     def _per_shard(self, cache) -> int:

@@ -52,8 +52,9 @@ def parse_args(argv):
     add("--engines", default=",".join(S.DEFAULT_ENGINES),
         help=f"comma-separated, from {', '.join(S.ENGINES)} ({','.join(S.DEFAULT_ENGINES)})")
     add("--kv-gib", type=float, help="KV memory budget of every engine, GiB")
-    add("--kv-dtype", choices=sorted(S.KV_DTYPES), default="fp8_e4m3",
-        help="the paged-8bit engine's cache dtype (fp8_e4m3): 8 bits with per-token-head scales")
+    add("--kv-dtype", choices=sorted(S.KV_DTYPES), default=None,
+        help="serve the paged-8bit engine too, its cache in this dtype (8 bits with "
+             "per-token-head scales); an --engines list naming paged-8bit alone means fp8_e4m3")
     add("--mesh", metavar="AXES",
         help="serve on several devices: tp=N[,dp=M]: the weights split Megatron-style and the "
              "caches' KV heads over tp (one all-reduce per block), the batch over dp")
@@ -125,6 +126,9 @@ def parse_args(argv):
                     f"heads of preset {args.preset}")
     if args.prefix_cache and "paged-prefix" not in args.engines:
         args.engines.append("paged-prefix")
+    if args.kv_dtype is not None and "paged-8bit" not in args.engines:
+        args.engines.append("paged-8bit")  # asking for a dtype asks for its engine
+    args.kv_dtype = args.kv_dtype or "fp8_e4m3"
     if args.mesh and "paged-prefix" in args.engines:
         p.error("--mesh: the prefix-caching engine serves on one device")
     for e in args.engines:
