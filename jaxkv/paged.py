@@ -557,12 +557,12 @@ class PagedKVCache:
     def spill_prefix(self, max_pages: int | None = None):
         """Moves cached pages that no row holds (those ``reserve`` would evict next, least
         recently used first) to free host pages, at most ``max_pages`` (static: the size of the
-        one transfer; default every page that could move, the smaller pool's size). They stay findable: ``match_prefix`` brings
-        them back. The device pages become never-cached free pages, which ``reserve`` takes
-        first, so a server that spills ahead of its needs loses no cached prefix to eviction
-        while the host has room. Host pages holding rows (``swap_out``) or cached pages are not
-        overwritten; ``swap_out`` evicts cached host pages least recently used when it needs
-        them.
+        one transfer; default every page that could move, the smaller pool's size). They stay
+        findable: ``match_prefix`` brings them back. The device pages become never-cached free
+        pages, which ``reserve`` takes first (its own evictions spill too, while the host has
+        room; spilling ahead keeps the copy off the step that needs the pages). Host pages
+        holding rows (``swap_out``) or cached pages are not overwritten; ``swap_out`` evicts
+        cached host pages least recently used when it needs them.
 
         **Returns:** ``(cache, spilled)``, ``spilled`` int32 ``[]``: pages moved.
         """
