@@ -11,6 +11,14 @@ import jax.numpy as jnp
 from . import page_index
 
 
+def served_rows(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array) -> jax.Array:
+    """The rows ``allocate`` serves: eligible ones in row order while the free pages last (a row
+    needing none is served; once one does not fit, no later row needing pages is)."""
+    want = jnp.where(eligible, need, 0)
+    free = jnp.sum(ref_counts == 0, dtype=jnp.int32)
+    return eligible & ((need == 0) | (jnp.cumsum(want) <= free))
+
+
 def allocate(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array, order=None):
     """Takes ``need[b]`` free pages for each eligible row, in row order, while they last: the
     lowest ids first, or in ``order`` (every page id, the free ones first).
@@ -26,8 +34,7 @@ def allocate(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array, order=
         free_ids = jnp.nonzero(free, size=num_pages, fill_value=num_pages)[0].astype(jnp.int32)
     else:
         free_ids = jnp.where(free[order], order, num_pages)
-    want = jnp.where(eligible, need, 0)
-    served = eligible & ((need == 0) | (jnp.cumsum(want) <= jnp.sum(free, dtype=jnp.int32)))
+    served = served_rows(ref_counts, need, eligible)
     take = jnp.where(served, need, 0)
     first = jnp.cumsum(take) - take
     total = jnp.sum(take)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi, page_index
-from ._allocator import allocate, allocate_indexed
+from ._allocator import allocate, allocate_indexed, served_rows
 from ._checks import check
 from .layout import PAGE_AXIS, host_roles
 
@@ -150,18 +150,25 @@ def _move_to_host(cache, host: HostPages, src, dst, overlap: bool = False):
     ``jit``) would have XLA copy them unless it is ordered after the read: done, they pass
     through a fence that reads the new host pools. Overlapped, the transfer is still running
     when the call returns; the pages it reads are held until ``settle`` instead."""
-    axis = PAGE_AXIS[cache.layout]
-    pools = [("pages", "k_pages", "v_pages")]
-    if host.scales is not None:
-        pools.append(("scales", "k_scales", "v_scales"))
+    axis, pools = PAGE_AXIS[cache.layout], _pool_pairs(host)
     for to, k, v in pools:
         host = dataclasses.replace(host, **{to: _to_host(
             axis, getattr(host, to), getattr(cache, k), getattr(cache, v), src, dst, overlap)})
     if not overlap:
-        for to, k, v in pools:
-            read = _fence((getattr(cache, k), getattr(cache, v)), (getattr(host, to),))
-            cache = dataclasses.replace(cache, **dict(zip((k, v), read)))
+        read = [name for _, k, v in pools for name in (k, v)]
+        done = _fence(tuple(getattr(cache, n) for n in read),
+                      tuple(getattr(host, to) for to, _, _ in pools))
+        cache = dataclasses.replace(cache, **dict(zip(read, done)))
     return cache, host
+
+
+def _pool_pairs(host: HostPages) -> list[tuple[str, str, str]]:
+    """Each host pool's field with its device pools' fields: the data, and the per-token-head
+    scales of an 8-bit cache."""
+    pairs = [("pages", "k_pages", "v_pages")]
+    if host.scales is not None:
+        pairs.append(("scales", "k_scales", "v_scales"))
+    return pairs
 
 
 def _move_to_device(cache, src, dst, overlap: bool = False):
@@ -170,16 +177,15 @@ def _move_to_device(cache, src, dst, overlap: bool = False):
     that reads the transfer's result when it is done, so that a later write of them in the same
     ``jit`` (a spill, a swap_out) is ordered after the read instead of copying them."""
     axis, host = PAGE_AXIS[cache.layout], cache.host
-    pools = [("pages", "k_pages", "v_pages")]
-    if host.scales is not None:
-        pools.append(("scales", "k_scales", "v_scales"))
+    pools = _pool_pairs(host)
     for frm, k, v in pools:
         cache = dataclasses.replace(cache, **dict(zip((k, v), _from_host(
             axis, getattr(cache, k), getattr(cache, v), getattr(host, frm), src, dst, overlap))))
     if not overlap:
-        for frm, k, v in pools:
-            read, = _fence((getattr(host, frm),), (getattr(cache, k), getattr(cache, v)))
-            host = dataclasses.replace(host, **{frm: read})
+        read = [frm for frm, _, _ in pools]
+        done = _fence(tuple(getattr(host, n) for n in read),
+                      tuple(getattr(cache, name) for _, k, v in pools for name in (k, v)))
+        host = dataclasses.replace(host, **dict(zip(read, done)))
     return dataclasses.replace(cache, host=host)
 
 
@@ -260,7 +266,7 @@ def swap_in(op: str, cache, rows: jax.Array, max_pages: int, overlap: bool):
     held = host.held
     eligible = _budget(held, rows & waiting, max_pages)
     cache, ref_counts, served, first, free_ids = cache._allocate(held, eligible)
-    index, host = cache.prefix_cache, cache.host  # an eviction's spill wrote the host pool
+    host = cache.host  # an eviction's spill wrote the host pool
     src, dst, device_rows = _moves(host.table, cache.pages_held, held, served, first, free_ids,
                                    max_pages, cache.num_pages)
     cache = _move_to_device(cache, src, dst, overlap)
@@ -268,10 +274,9 @@ def swap_in(op: str, cache, rows: jax.Array, max_pages: int, overlap: bool):
     if overlap:
         host = dataclasses.replace(host, incoming=jnp.where(served[:, None], device_rows,
                                                             host.incoming))
-        return dataclasses.replace(cache, host=host, ref_counts=ref_counts,
-                                   prefix_cache=index), served
+        return dataclasses.replace(cache, host=host, ref_counts=ref_counts), served
     cache = dataclasses.replace(
-        cache, host=released(host, served), ref_counts=ref_counts, prefix_cache=index,
+        cache, host=released(host, served), ref_counts=ref_counts,
         page_table=jnp.where(device_rows >= 0, device_rows, cache.page_table))
     return cache, served
 
@@ -341,11 +346,10 @@ def spill_evicted(cache, ref_counts: jax.Array, need: jax.Array, eligible: jax.A
     One transfer, its size the most one allocation can take; nothing moves when the
     never-cached free pages suffice (the transfer's padding costs the kernel no loop)."""
     p = cache.num_pages
-    free = ref_counts == 0
-    want = jnp.where(eligible, need, 0)
-    served = eligible & ((need == 0) | (jnp.cumsum(want) <= jnp.sum(free, dtype=jnp.int32)))
+    served = served_rows(ref_counts, need, eligible)
     taken = jnp.sum(jnp.where(served, need, 0), dtype=jnp.int32)
-    never = jnp.sum(free & ~page_index.part(cache.prefix_cache, 0, p).indexed, dtype=jnp.int32)
+    never = jnp.sum((ref_counts == 0) & ~page_index.part(cache.prefix_cache, 0, p).indexed,
+                    dtype=jnp.int32)
     budget = min(p, cache.host.num_pages, cache.max_batch * cache.max_pages_per_seq)
     cache, _ = spill(cache, budget, ref_counts, jnp.maximum(taken - never, 0))
     return cache
