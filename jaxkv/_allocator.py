@@ -43,13 +43,16 @@ def allocate(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array, order=
 
 
 def allocate_indexed(ref_counts: jax.Array, need: jax.Array, eligible: jax.Array,
-                     index: page_index.PageIndex, first_entry: int, max_depth: int):
+                     index: page_index.PageIndex, first_entry: int, max_depth: int, order=None):
     """``allocate`` over a pool whose pages are the prefix index's entries ``[first_entry,
     first_entry + pages)``: never-indexed free pages first, then indexed ones least recently
-    used, which leave the index (their descendants with them, on either tier). Returns
-    ``allocate``'s results and the new index."""
+    used, which leave the index (their descendants with them, on either tier). ``order``: the
+    pool's ``page_index.eviction_order``, if already found. Returns ``allocate``'s results and
+    the new index."""
     last = first_entry + ref_counts.shape[0]
-    order = page_index.eviction_order(page_index.part(index, first_entry, last), ref_counts == 0)
+    if order is None:
+        order = page_index.eviction_order(page_index.part(index, first_entry, last),
+                                          ref_counts == 0)
     counts, served, first, free_ids = allocate(ref_counts, need, eligible, order)
     taken = jnp.pad((ref_counts == 0) & (counts > 0), (first_entry, index.entries - last))
     return counts, served, first, free_ids, page_index.unindex(index, taken, max_depth)

@@ -45,6 +45,7 @@ import numpy as np
 from . import _cudnn
 from . import _ffi
 from . import _validate as validate
+from . import host_tier
 from . import quantization
 from ._checks import check
 from .layout import QUERIES, QUERY, ROWS
@@ -169,7 +170,8 @@ def _check_home(op: str, cache, reading: jax.Array) -> None:
     """A row on the host tier holds no device page: reading it is reported by name (the kernels
     read nothing for it and give zeros)."""
     if isinstance(cache, PagedKVCache) and cache.host is not None:
-        check(jnp.all(~cache.on_host | ~reading), f"{op}: a row is on the host (swap_in first)")
+        check(jnp.all(~cache.on_host | ~reading),
+              f"{op}: a row is on the host ({host_tier.SWAP_IN_FIRST})")
 
 
 def _dequant_scale(op: str, name: str, value, cache_dtype) -> jax.Array:

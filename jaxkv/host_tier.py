@@ -33,6 +33,9 @@ from ._checks import check
 from .layout import PAGE_AXIS, host_roles
 
 NO_PAGE = -1
+# What a report on a row that is on the host tells the caller to do (a row an overlapped swap_in
+# is bringing back stays on the host until settle_swaps).
+SWAP_IN_FIRST = "swap_in first; after an overlapped swap_in, settle_swaps"
 
 
 @jax.tree_util.register_dataclass
@@ -314,44 +317,50 @@ def released(host: HostPages, mask: jax.Array) -> HostPages:
 
 
 # --- the prefix cache's host tier --------------------------------------------------------------
-def spill(cache, max_pages: int, ref_counts=None, wanted=None):
+def spill(cache, max_pages: int, ref_counts=None, wanted=None, order=None):
     """``PagedKVCache.spill_prefix``'s body: up to ``max_pages`` (and ``wanted``, if given)
     cached free device pages (free in ``ref_counts``, default the cache's), least recently used
     first, move to host pages free of rows and of cached pages (one transfer); their index
-    entries move with them and the device pages become never-cached free pages."""
+    entries move with them and the device pages become never-cached free pages. ``order``: the
+    device pool's ``page_index.eviction_order`` over those free pages, if already found."""
     p, host, index = cache.num_pages, cache.host, cache.prefix_cache
     n_host = host.num_pages
     device = page_index.part(index, 0, p)
-    counts = cache.ref_counts if ref_counts is None else ref_counts
-    cached_free = device.indexed & (counts == 0)
-    order = page_index.eviction_order(device, cached_free)  # the cached free ones, LRU first
+    free = (cache.ref_counts if ref_counts is None else ref_counts) == 0
+    if order is None:
+        order = page_index.eviction_order(device, free)
+    # the order lists the never-cached free pages first, then the cached free ones, LRU first
+    never = jnp.sum(free & ~device.indexed, dtype=jnp.int32)
     room = (host.ref_counts == 0) & ~page_index.part(index, p, index.entries).indexed
     host_ids = jnp.nonzero(room, size=n_host, fill_value=n_host)[0].astype(jnp.int32)
-    n = jnp.minimum(jnp.minimum(jnp.sum(cached_free), jnp.sum(room)), max_pages)
+    n = jnp.minimum(jnp.minimum(jnp.sum(free & device.indexed), jnp.sum(room)), max_pages)
     if wanted is not None:
         n = jnp.minimum(n, wanted)
     i = jnp.arange(max_pages, dtype=jnp.int32)
     live = i < n
-    src = jnp.where(live, order[jnp.clip(i, 0, p - 1)], 0)
+    src = jnp.where(live, order[jnp.clip(never + i, 0, p - 1)], 0)
     dst = jnp.where(live, host_ids[jnp.clip(i, 0, n_host - 1)], n_host)
     index = page_index.move(index, jnp.where(live, src, -1), jnp.where(live, p + dst, -1))
     cache, host = _move_to_host(cache, host, src, dst)
     return dataclasses.replace(cache, prefix_cache=index, host=host), n.astype(jnp.int32)
 
 
-def spill_evicted(cache, ref_counts: jax.Array, need: jax.Array, eligible: jax.Array):
+def spill_evicted(cache, ref_counts: jax.Array, need: jax.Array, eligible: jax.Array,
+                  order: jax.Array):
     """The cached pages an allocation of ``need`` pages for the ``eligible`` rows (``allocate``'s
-    rule, over ``ref_counts``) is about to evict, spilled to the host first while it has room:
-    they stay findable there, and the allocation takes their device pages as never-cached ones.
-    One transfer, its size the most one allocation can take; nothing moves when the
-    never-cached free pages suffice (the transfer's padding costs the kernel no loop)."""
+    rule, over ``ref_counts``, taking pages in ``order``: the pool's eviction order) is about to
+    evict, spilled to the host first while it has room: they stay findable there, and the
+    allocation takes their device pages as never-cached ones (still in ``order``: the same pages
+    as without the spill). One transfer, its size the most one allocation can take; nothing
+    moves when the never-cached free pages suffice (the transfer's padding costs the kernel no
+    loop)."""
     p = cache.num_pages
     served = served_rows(ref_counts, need, eligible)
     taken = jnp.sum(jnp.where(served, need, 0), dtype=jnp.int32)
     never = jnp.sum((ref_counts == 0) & ~page_index.part(cache.prefix_cache, 0, p).indexed,
                     dtype=jnp.int32)
     budget = min(p, cache.host.num_pages, cache.max_batch * cache.max_pages_per_seq)
-    cache, _ = spill(cache, budget, ref_counts, jnp.maximum(taken - never, 0))
+    cache, _ = spill(cache, budget, ref_counts, jnp.maximum(taken - never, 0), order)
     return cache
 
 

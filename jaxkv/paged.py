@@ -207,7 +207,8 @@ class PagedKVCache:
     @property
     @per_shard(out=Combined("sum"))
     def num_free_pages(self) -> jax.Array:
-        """int32 ``[]``: pages no sequence holds."""
+        """int32 ``[]``: pages no sequence holds. Sharded over the batch: the shards' total,
+        while a row takes pages of its own shard's pool only."""
         return jnp.sum(self.ref_counts == 0, dtype=jnp.int32)
 
     @property
@@ -245,7 +246,8 @@ class PagedKVCache:
 
     @property
     def num_free_host_pages(self) -> jax.Array:
-        """int32 ``[]``: host pages no swapped row holds (0 without a host tier)."""
+        """int32 ``[]``: host pages no swapped row holds (0 without a host tier). Sharded over
+        the batch: the shards' total, while a row moves to its own shard's host pages only."""
         if self.host is None:
             return jnp.zeros((), jnp.int32)
         return jnp.sum(self.host.ref_counts == 0, dtype=jnp.int32)
@@ -296,7 +298,8 @@ class PagedKVCache:
         check(jnp.all(num_new_tokens >= 0), f"{op}: num_new_tokens < 0")
         n = jnp.maximum(num_new_tokens, 0)
         parked = self.on_host
-        check(~parked | (n == 0), f"{op}: a row asking for pages is on the host (swap_in first)")
+        check(~parked | (n == 0),
+              f"{op}: a row asking for pages is on the host ({host_tier.SWAP_IN_FIRST})")
         held = self.pages_held
         room = self.max_pages_per_seq * self.page_size - self.lengths
         fits = n <= room
@@ -408,7 +411,7 @@ class PagedKVCache:
         src_ok = (src >= 0) & (src < rows)
         src_home = ~self.on_host[jnp.clip(src, 0, rows - 1)]
         check(src_home | ~src_ok | elsewhere(src),
-              f"{op}: src_slot is on the host (swap_in first); nothing forked")
+              f"{op}: src_slot is on the host ({host_tier.SWAP_IN_FIRST}); nothing forked")
         ok = src_ok & src_home & (dst_slots >= 0) & (dst_slots < rows) & (dst_slots != src)
         dst_index = jnp.where(ok, dst_slots, rows)
         hits = jnp.zeros((rows + 1,), jnp.int32).at[dst_index].add(1)[:rows]
@@ -489,11 +492,13 @@ class PagedKVCache:
         if self.prefix_cache is None:
             return (self, *allocate(counts, need, eligible))
         cache = self
+        order = page_index.eviction_order(page_index.part(self.prefix_cache, 0, self.num_pages),
+                                          counts == 0)  # found once: the spill takes its pages
         if self.host is not None:
-            cache = host_tier.spill_evicted(self, counts, need, eligible)
+            cache = host_tier.spill_evicted(self, counts, need, eligible, order)
         assert cache.prefix_cache is not None  # the spill moves entries, it keeps the index
         counts, served, first, free_ids, index = allocate_indexed(
-            counts, need, eligible, cache.prefix_cache, 0, self.max_pages_per_seq)
+            counts, need, eligible, cache.prefix_cache, 0, self.max_pages_per_seq, order)
         return dataclasses.replace(cache, prefix_cache=index), counts, served, first, free_ids
 
     # The host tier.
@@ -714,7 +719,8 @@ class PagedKVCache:
     def _appended(self, op, layer_idx, k, v, new_lengths) -> "PagedKVCache":
         # A row on the host has no page past its shared prefix: the kernel writes nothing for it.
         writes = True if new_lengths is None else jnp.asarray(new_lengths) > 0
-        check(~(self.on_host & writes), f"{op}: a row is on the host (swap_in first)")
+        check(~(self.on_host & writes),
+              f"{op}: a row is on the host ({host_tier.SWAP_IN_FIRST})")
         k_pages, v_pages, k_scales, v_scales = paged_ops.append_tokens(
             op, self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, k, v,
             new_lengths, self.layout, quantization.scales_of(self))
@@ -742,7 +748,7 @@ class PagedKVCache:
         n = _lengths.increment_arg(op, "num_new_tokens", num_new_tokens, self.max_batch)
         capacity = self.pages_held * self.page_size
         home = ~self.on_host  # a swapped row keeps its length, past the pages it holds
-        check(home | (n == 0), f"{op}: a row is on the host (swap_in first)")
+        check(home | (n == 0), f"{op}: a row is on the host ({host_tier.SWAP_IN_FIRST})")
         return dataclasses.replace(self, lengths=_lengths.grow(op, self.lengths, n, capacity,
                                                                rows=home))
 

@@ -252,7 +252,8 @@ def test_overlapped_swaps_hold_their_pages_until_settled():
     err_of = lambda f, *a: checkify.checkify(f)(*a)[0].get()  # noqa: E731
     assert "already coming back" in err_of(lambda c: c.swap_in(c.on_host), cache)
     kv = random_array((4, H, 1, D), jnp.float32)
-    assert "on the host" in err_of(lambda c: c.append(0, kv, kv, jnp.ones(4, jnp.int32)), cache)
+    appended = err_of(lambda c: c.append(0, kv, kv, jnp.ones(4, jnp.int32)), cache)
+    assert "on the host" in appended and "settle_swaps" in appended  # the way out named
     cache = cache.release(jnp.array([True, False, False, False]))  # row 0's 2 pages: at settle
     assert int(cache.num_free_pages) == free
     cache = cache.compact(jnp.array([-1, 2, 0, 1], jnp.int32))  # row 2 -> 0, row 1 -> 2
