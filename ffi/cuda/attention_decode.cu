@@ -1028,14 +1028,12 @@ bool try_split_tc8(cudaStream_t stream, const AttentionProblem& p, int splits, f
   return true;
 }
 
-template <class QT>
-bool try_split_tc8_q(cudaStream_t stream, const AttentionProblem& p, int splits, float* work, ffi::Error* status) {
-  switch (p.kv_type) {
-    case ffi::DataType::F8E4M3FN: return try_split_tc8<QT, E4M3>(stream, p, splits, work, status);
-    case ffi::DataType::F8E5M2: return try_split_tc8<QT, E5M2>(stream, p, splits, work, status);
-    case ffi::DataType::S8: return try_split_tc8<QT, S8>(stream, p, splits, work, status);
-    default: return false;
-  }
+// The tensor-core kernels where they apply to q QT over a cache of KT; false: not eligible.
+template <class QT, class KT>
+bool try_split_any_tc(cudaStream_t stream, const AttentionProblem& p, int splits, float* work, ffi::Error* status) {
+  if constexpr (std::is_same_v<QT, float>) return false;
+  else if constexpr (std::is_same_v<QT, KT>) return try_split_tc<QT>(stream, p, splits, work, status);
+  else return try_split_tc8<QT, KT>(stream, p, splits, work, status);
 }
 
 template <class QT, class KT>
@@ -1055,23 +1053,14 @@ ffi::Error launch_types(cudaStream_t stream, const AttentionProblem& p, int spli
 }  // namespace
 
 ffi::Error launch_split_kv(cudaStream_t stream, const AttentionProblem& p, int splits, float* w) {
-  using D = ffi::DataType;
-  const D qt = p.q_type, kt = p.kv_type;
-  ffi::Error status = ffi::Error::Success();  // the tensor-core kernels where they apply
-  if (qt == D::BF16 && kt == D::BF16 && try_split_tc<__nv_bfloat16>(stream, p, splits, w, &status)) return status;
-  if (qt == D::F16 && kt == D::F16 && try_split_tc<__half>(stream, p, splits, w, &status)) return status;
-  if (qt == D::BF16 && try_split_tc8_q<__nv_bfloat16>(stream, p, splits, w, &status)) return status;
-  if (qt == D::F16 && try_split_tc8_q<__half>(stream, p, splits, w, &status)) return status;
-  if (qt == D::F32 && kt == D::F32) return launch_types<float, float>(stream, p, splits, w);
-  if (qt == D::BF16 && kt == D::BF16) return launch_types<__nv_bfloat16, __nv_bfloat16>(stream, p, splits, w);
-  if (qt == D::F16 && kt == D::F16) return launch_types<__half, __half>(stream, p, splits, w);
-  if (qt == D::BF16 && kt == D::F8E4M3FN) return launch_types<__nv_bfloat16, E4M3>(stream, p, splits, w);
-  if (qt == D::BF16 && kt == D::F8E5M2) return launch_types<__nv_bfloat16, E5M2>(stream, p, splits, w);
-  if (qt == D::F16 && kt == D::F8E4M3FN) return launch_types<__half, E4M3>(stream, p, splits, w);
-  if (qt == D::F16 && kt == D::F8E5M2) return launch_types<__half, E5M2>(stream, p, splits, w);
-  if (qt == D::BF16 && kt == D::S8) return launch_types<__nv_bfloat16, S8>(stream, p, splits, w);
-  if (qt == D::F16 && kt == D::S8) return launch_types<__half, S8>(stream, p, splits, w);
-  return invalid("attention", "unsupported dtypes of q and the cache");
+  ffi::Error status = ffi::Error::Success();
+  const bool known = with_attention_types(p.q_type, p.kv_type, [&](auto q, auto kv) {
+    using QT = typename decltype(q)::type;
+    using KT = typename decltype(kv)::type;
+    if (!try_split_any_tc<QT, KT>(stream, p, splits, w, &status))  // the tensor cores first
+      status = launch_types<QT, KT>(stream, p, splits, w);
+  });
+  return known ? status : invalid("attention", "unsupported dtypes of q and the cache");
 }
 
 }  // namespace jaxkv

@@ -28,6 +28,34 @@ struct E4M3 {};
 struct E5M2 {};
 struct S8 {};
 
+template <class T>
+struct Tag {
+  using type = T;
+};
+
+// Calls f(Tag<Q>{}, Tag<KV>{}) with the element types of a (q dtype, cache dtype) pair that
+// attention_dtypes_ok accepts (the one list of pairs): Q float, __nv_bfloat16 or __half; KV Q,
+// or E4M3 / E5M2 / S8 under a 16-bit Q. False, calling nothing, for any other pair.
+template <class F>
+bool with_attention_types(ffi::DataType q, ffi::DataType kv, F&& f) {
+  using D = ffi::DataType;
+  if (!attention_dtypes_ok(q, kv)) return false;
+  auto over_cache = [&](auto qt) {
+    using Q = typename decltype(qt)::type;
+    if (kv == q) return f(qt, qt), true;
+    if constexpr (!std::is_same_v<Q, float>) {
+      if (kv == D::F8E4M3FN) return f(qt, Tag<E4M3>{}), true;
+      if (kv == D::F8E5M2) return f(qt, Tag<E5M2>{}), true;
+      if (kv == D::S8) return f(qt, Tag<S8>{}), true;
+    }
+    return false;
+  };
+  if (q == D::F32) return over_cache(Tag<float>{});
+  if (q == D::BF16) return over_cache(Tag<__nv_bfloat16>{});
+  if (q == D::F16) return over_cache(Tag<__half>{});
+  return false;
+}
+
 // cp.async of 16 bytes to a shared address; a dead word (live false) is filled with zeros.
 // kL2 256: L2 fetches the 256 bytes around the address from DRAM at once (0: its own sectors).
 template <int kL2 = 0>

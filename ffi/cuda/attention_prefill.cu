@@ -411,27 +411,17 @@ bool try_prefill_tc(cudaStream_t stream, const AttentionProblem& p, ffi::Error* 
   }
 }
 
-template <class T>
-bool try_prefill_tc8(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status) {
-  switch (p.kv_type) {
-    case ffi::DataType::F8E4M3FN: return try_prefill_tc<T, E4M3>(stream, p, status);
-    case ffi::DataType::F8E5M2: return try_prefill_tc<T, E5M2>(stream, p, status);
-    case ffi::DataType::S8: return try_prefill_tc<T, S8>(stream, p, status);
-    default: return false;
-  }
-}
-
 }  // namespace
 
 bool launch_prefill_tc(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status) {
-  using D = ffi::DataType;
-  const D qt = p.q_type, kt = p.kv_type;
   if (launch_prefill_wgmma(stream, p, status)) return true;
-  if (qt == D::BF16 && kt == D::BF16) return try_prefill_tc<__nv_bfloat16>(stream, p, status);
-  if (qt == D::F16 && kt == D::F16) return try_prefill_tc<__half>(stream, p, status);
-  if (qt == D::BF16) return try_prefill_tc8<__nv_bfloat16>(stream, p, status);
-  if (qt == D::F16) return try_prefill_tc8<__half>(stream, p, status);
-  return false;
+  bool launched = false;
+  with_attention_types(p.q_type, p.kv_type, [&](auto q, auto kv) {
+    using T = typename decltype(q)::type;
+    if constexpr (!std::is_same_v<T, float>)
+      launched = try_prefill_tc<T, typename decltype(kv)::type>(stream, p, status);
+  });
+  return launched;
 }
 
 }  // namespace jaxkv

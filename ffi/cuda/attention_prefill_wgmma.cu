@@ -646,27 +646,21 @@ bool wgmma_device() {
 #endif
 }
 
-// q T over a cache of T or an 8-bit format; false for any other cache dtype.
-template <class T>
-bool launch_for_cache(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status) {
-  using D = ffi::DataType;
-  if (p.kv_type == p.q_type) *status = launch_wgmma<T>(stream, p);
-  else if (p.kv_type == D::F8E4M3FN) *status = launch_wgmma<T, E4M3>(stream, p);
-  else if (p.kv_type == D::F8E5M2) *status = launch_wgmma<T, E5M2>(stream, p);
-  else if (p.kv_type == D::S8) *status = launch_wgmma<T, S8>(stream, p);
-  else return false;
-  return true;
-}
-
 }  // namespace
 
 bool launch_prefill_wgmma(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status) {
-  using D = ffi::DataType;
   if (p.head_dim != kWgD || p.group > kWgRows || p.batch > 65535 || p.kv.heads > 65535 ||
-      (p.q_type != D::BF16 && p.q_type != D::F16) || !wgmma_device())
+      !wgmma_device())
     return false;
-  return p.q_type == D::BF16 ? launch_for_cache<__nv_bfloat16>(stream, p, status)
-                             : launch_for_cache<__half>(stream, p, status);
+  bool launched = false;
+  with_attention_types(p.q_type, p.kv_type, [&](auto q, auto kv) {
+    using T = typename decltype(q)::type;  // a 16-bit q only
+    if constexpr (!std::is_same_v<T, float>) {
+      *status = launch_wgmma<T, typename decltype(kv)::type>(stream, p);
+      launched = true;
+    }
+  });
+  return launched;
 }
 
 }  // namespace jaxkv
