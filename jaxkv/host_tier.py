@@ -222,7 +222,9 @@ def swap_out(op: str, cache, rows: jax.Array, max_pages: int, overlap: bool):
     held = cache.pages_held
     on_host = host.on_host
     table = cache.page_table
-    shared = (table >= 0) & (cache.ref_counts[jnp.clip(table, 0, cache.num_pages - 1)] > 1)
+    # held by another row: an in-flight swap_out's hold (outgoing) is not a row
+    holders = cache.ref_counts - host.outgoing
+    shared = (table >= 0) & (holders[jnp.clip(table, 0, cache.num_pages - 1)] > 1)
     kept = jnp.sum(jnp.cumprod(shared, axis=1), axis=1, dtype=jnp.int32)
     own = held - kept
     check(~rows | (~on_host & (own > 0)),
@@ -322,27 +324,20 @@ def spill(cache, max_pages: int, ref_counts=None, wanted=None, order=None):
     cached free device pages (free in ``ref_counts``, default the cache's), least recently used
     first, move to host pages free of rows and of cached pages (one transfer); their index
     entries move with them and the device pages become never-cached free pages. ``order``: the
-    device pool's ``page_index.eviction_order`` over those free pages, if already found."""
-    p, host, index = cache.num_pages, cache.host, cache.prefix_cache
-    n_host = host.num_pages
-    device = page_index.part(index, 0, p)
+    device pool's ``page_index.eviction_order`` over those free pages, if already found.
+    Returns ``(cache, pages spilled)``."""
+    p = cache.num_pages
+    device = page_index.part(cache.prefix_cache, 0, p)
     free = (cache.ref_counts if ref_counts is None else ref_counts) == 0
     if order is None:
         order = page_index.eviction_order(device, free)
     # the order lists the never-cached free pages first, then the cached free ones, LRU first
     never = jnp.sum(free & ~device.indexed, dtype=jnp.int32)
-    room = (host.ref_counts == 0) & ~page_index.part(index, p, index.entries).indexed
-    host_ids = jnp.nonzero(room, size=n_host, fill_value=n_host)[0].astype(jnp.int32)
-    n = jnp.minimum(jnp.minimum(jnp.sum(free & device.indexed), jnp.sum(room)), max_pages)
+    n = jnp.minimum(jnp.sum(free & device.indexed), jnp.sum(_host_room(cache)))
     if wanted is not None:
         n = jnp.minimum(n, wanted)
-    i = jnp.arange(max_pages, dtype=jnp.int32)
-    live = i < n
-    src = jnp.where(live, order[jnp.clip(never + i, 0, p - 1)], 0)
-    dst = jnp.where(live, host_ids[jnp.clip(i, 0, n_host - 1)], n_host)
-    index = page_index.move(index, jnp.where(live, src, -1), jnp.where(live, p + dst, -1))
-    cache, host = _move_to_host(cache, host, src, dst)
-    return dataclasses.replace(cache, prefix_cache=index, host=host), n.astype(jnp.int32)
+    at = jnp.arange(p, dtype=jnp.int32)
+    return _spill(cache, order, (at >= never) & (at < never + n), max_pages)
 
 
 def spill_evicted(cache, ref_counts: jax.Array, need: jax.Array, eligible: jax.Array,
@@ -351,17 +346,56 @@ def spill_evicted(cache, ref_counts: jax.Array, need: jax.Array, eligible: jax.A
     rule, over ``ref_counts``, taking pages in ``order``: the pool's eviction order) is about to
     evict, spilled to the host first while it has room: they stay findable there, and the
     allocation takes their device pages as never-cached ones (still in ``order``: the same pages
-    as without the spill). One transfer, its size the most one allocation can take; nothing
-    moves when the never-cached free pages suffice (the transfer's padding costs the kernel no
-    loop)."""
-    p = cache.num_pages
+    as without the spill). Where the host lacks room for them all, the shallowest go first: the
+    allocation evicts the rest, and with each evicted page every page below it leaves the index,
+    so a page spilled below one evicted would be lost. One transfer, its size the most one
+    allocation can take; nothing moves when the never-cached free pages suffice (the
+    transfer's padding costs the kernel no loop)."""
+    p, index = cache.num_pages, cache.prefix_cache
     served = served_rows(ref_counts, need, eligible)
     taken = jnp.sum(jnp.where(served, need, 0), dtype=jnp.int32)
-    never = jnp.sum((ref_counts == 0) & ~page_index.part(cache.prefix_cache, 0, p).indexed,
-                    dtype=jnp.int32)
+    free = ref_counts == 0
+    device = page_index.part(index, 0, p)
+    never = jnp.sum(free & ~device.indexed, dtype=jnp.int32)
+    at = jnp.arange(p, dtype=jnp.int32)
+    evicted = (at >= never) & (at < taken)  # positions in ``order``: the cached pages taken
+    n = jnp.minimum(jnp.maximum(taken - never, 0), jnp.sum(_host_room(cache)))
+    # The n shallowest of them (by depth, then in order), found without a sort: the depth below
+    # which all are taken, and the first ones at that depth.
+    depth = jnp.where(evicted, device.depth[order], cache.max_pages_per_seq)
+    per_depth = jnp.zeros((cache.max_pages_per_seq + 1,), jnp.int32).at[depth].add(1)
+    below = jnp.cumsum(per_depth) - per_depth  # pages at smaller depths
+    cut = jnp.sum((below + per_depth) < n, dtype=jnp.int32)  # the depth where the n-th lies
+    at_cut = evicted & (depth == cut)
+    spilled = evicted & ((depth < cut) | (at_cut & (jnp.cumsum(at_cut) <= n - below[cut])))
     budget = min(p, cache.host.num_pages, cache.max_batch * cache.max_pages_per_seq)
-    cache, _ = spill(cache, budget, ref_counts, jnp.maximum(taken - never, 0), order)
+    cache, _ = _spill(cache, order, spilled, budget)
     return cache
+
+
+def _host_room(cache) -> jax.Array:
+    """bool ``[host pages]``: host pages free of rows and of cached pages."""
+    p = cache.num_pages
+    part = page_index.part(cache.prefix_cache, p, cache.prefix_cache.entries)
+    return (cache.host.ref_counts == 0) & ~part.indexed
+
+
+def _spill(cache, order: jax.Array, chosen: jax.Array, max_pages: int):
+    """Moves the cached free device pages ``order[i]`` for each ``chosen[i]`` (at most
+    ``max_pages``, no more than the host's room) to free host pages, index entries and all.
+    Returns ``(cache, pages spilled)``."""
+    p, host, index = cache.num_pages, cache.host, cache.prefix_cache
+    n_host = host.num_pages
+    room = _host_room(cache)
+    host_ids = jnp.nonzero(room, size=n_host, fill_value=n_host)[0].astype(jnp.int32)
+    at = jnp.nonzero(chosen, size=max_pages, fill_value=p)[0].astype(jnp.int32)
+    live = at < p
+    src = jnp.where(live, order[jnp.clip(at, 0, p - 1)], 0)
+    dst = jnp.where(live, host_ids[jnp.clip(jnp.arange(max_pages), 0, n_host - 1)], n_host)
+    index = page_index.move(index, jnp.where(live, src, -1), jnp.where(live, p + dst, -1))
+    cache, host = _move_to_host(cache, host, src, dst)
+    return (dataclasses.replace(cache, prefix_cache=index, host=host),
+            jnp.sum(live, dtype=jnp.int32))
 
 
 def bring_back(cache, found: jax.Array, run: jax.Array, budget: int):
