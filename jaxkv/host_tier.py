@@ -336,8 +336,8 @@ def spill(cache, max_pages: int, ref_counts=None, wanted=None, order=None):
     n = jnp.minimum(jnp.sum(free & device.indexed), jnp.sum(_host_room(cache)))
     if wanted is not None:
         n = jnp.minimum(n, wanted)
-    at = jnp.arange(p, dtype=jnp.int32)
-    return _spill(cache, order, (at >= never) & (at < never + n), max_pages)
+    i = jnp.arange(max_pages, dtype=jnp.int32)
+    return _spill(cache, order[jnp.clip(never + i, 0, p - 1)], i < n)
 
 
 def spill_evicted(cache, ref_counts: jax.Array, need: jax.Array, eligible: jax.Array,
@@ -351,25 +351,27 @@ def spill_evicted(cache, ref_counts: jax.Array, need: jax.Array, eligible: jax.A
     so a page spilled below one evicted would be lost. One transfer, its size the most one
     allocation can take; nothing moves when the never-cached free pages suffice (the
     transfer's padding costs the kernel no loop)."""
-    p, index = cache.num_pages, cache.prefix_cache
+    p, index, deepest = cache.num_pages, cache.prefix_cache, cache.max_pages_per_seq
     served = served_rows(ref_counts, need, eligible)
     taken = jnp.sum(jnp.where(served, need, 0), dtype=jnp.int32)
     free = ref_counts == 0
     device = page_index.part(index, 0, p)
     never = jnp.sum(free & ~device.indexed, dtype=jnp.int32)
-    at = jnp.arange(p, dtype=jnp.int32)
-    evicted = (at >= never) & (at < taken)  # positions in ``order``: the cached pages taken
+    # Slot i of the transfer: the page at position never + i of the order. The allocation takes
+    # the positions before ``taken``: at most the pages one allocation can take.
+    i = jnp.arange(min(p, cache.max_batch * deepest), dtype=jnp.int32)
+    pages = order[jnp.clip(never + i, 0, p - 1)]
+    evicted = never + i < taken
     n = jnp.minimum(jnp.maximum(taken - never, 0), jnp.sum(_host_room(cache)))
     # The n shallowest of them (by depth, then in order), found without a sort: the depth below
     # which all are taken, and the first ones at that depth.
-    depth = jnp.where(evicted, device.depth[order], cache.max_pages_per_seq)
-    per_depth = jnp.zeros((cache.max_pages_per_seq + 1,), jnp.int32).at[depth].add(1)
+    depth = jnp.where(evicted, device.depth[pages], deepest)
+    per_depth = jnp.zeros((deepest,), jnp.int32).at[depth].add(1, mode="drop")
     below = jnp.cumsum(per_depth) - per_depth  # pages at smaller depths
-    cut = jnp.sum((below + per_depth) < n, dtype=jnp.int32)  # the depth where the n-th lies
+    cut = jnp.minimum(jnp.sum(below + per_depth < n, dtype=jnp.int32), deepest - 1)
     at_cut = evicted & (depth == cut)
-    spilled = evicted & ((depth < cut) | (at_cut & (jnp.cumsum(at_cut) <= n - below[cut])))
-    budget = min(p, cache.host.num_pages, cache.max_batch * cache.max_pages_per_seq)
-    cache, _ = _spill(cache, order, spilled, budget)
+    live = evicted & ((depth < cut) | (at_cut & (jnp.cumsum(at_cut) <= n - below[cut])))
+    cache, _ = _spill(cache, pages, live)
     return cache
 
 
@@ -380,18 +382,17 @@ def _host_room(cache) -> jax.Array:
     return (cache.host.ref_counts == 0) & ~part.indexed
 
 
-def _spill(cache, order: jax.Array, chosen: jax.Array, max_pages: int):
-    """Moves the cached free device pages ``order[i]`` for each ``chosen[i]`` (at most
-    ``max_pages``, no more than the host's room) to free host pages, index entries and all.
+def _spill(cache, pages: jax.Array, live: jax.Array):
+    """Moves the cached free device pages ``pages[i]`` where ``live[i]`` (no more than the host's
+    room) to free host pages, index entries and all: one transfer of ``pages``' length.
     Returns ``(cache, pages spilled)``."""
     p, host, index = cache.num_pages, cache.host, cache.prefix_cache
     n_host = host.num_pages
-    room = _host_room(cache)
-    host_ids = jnp.nonzero(room, size=n_host, fill_value=n_host)[0].astype(jnp.int32)
-    at = jnp.nonzero(chosen, size=max_pages, fill_value=p)[0].astype(jnp.int32)
-    live = at < p
-    src = jnp.where(live, order[jnp.clip(at, 0, p - 1)], 0)
-    dst = jnp.where(live, host_ids[jnp.clip(jnp.arange(max_pages), 0, n_host - 1)], n_host)
+    host_ids = jnp.nonzero(_host_room(cache), size=n_host, fill_value=n_host)[0]
+    rank = jnp.cumsum(live, dtype=jnp.int32) - 1
+    dst = jnp.where(live, host_ids[jnp.clip(rank, 0, n_host - 1)].astype(jnp.int32), n_host)
+    live = dst < n_host
+    src = jnp.where(live, pages, 0)
     index = page_index.move(index, jnp.where(live, src, -1), jnp.where(live, p + dst, -1))
     cache, host = _move_to_host(cache, host, src, dst)
     return (dataclasses.replace(cache, prefix_cache=index, host=host),
