@@ -319,23 +319,18 @@ def released(host: HostPages, mask: jax.Array) -> HostPages:
 
 
 # --- the prefix cache's host tier --------------------------------------------------------------
-def spill(cache, max_pages: int, ref_counts=None, wanted=None, order=None):
-    """``PagedKVCache.spill_prefix``'s body: up to ``max_pages`` (and ``wanted``, if given)
-    cached free device pages (free in ``ref_counts``, default the cache's), least recently used
-    first, move to host pages free of rows and of cached pages (one transfer); their index
-    entries move with them and the device pages become never-cached free pages. ``order``: the
-    device pool's ``page_index.eviction_order`` over those free pages, if already found.
+def spill(cache, max_pages: int):
+    """``PagedKVCache.spill_prefix``'s body: up to ``max_pages`` cached free device pages, least
+    recently used first, move to host pages free of rows and of cached pages (one transfer);
+    their index entries move with them and the device pages become never-cached free pages.
     Returns ``(cache, pages spilled)``."""
     p = cache.num_pages
     device = page_index.part(cache.prefix_cache, 0, p)
-    free = (cache.ref_counts if ref_counts is None else ref_counts) == 0
-    if order is None:
-        order = page_index.eviction_order(device, free)
+    free = cache.ref_counts == 0
     # the order lists the never-cached free pages first, then the cached free ones, LRU first
+    order = page_index.eviction_order(device, free)
     never = jnp.sum(free & ~device.indexed, dtype=jnp.int32)
     n = jnp.minimum(jnp.sum(free & device.indexed), jnp.sum(_host_room(cache)))
-    if wanted is not None:
-        n = jnp.minimum(n, wanted)
     i = jnp.arange(max_pages, dtype=jnp.int32)
     return _spill(cache, order[jnp.clip(never + i, 0, p - 1)], i < n)
 
