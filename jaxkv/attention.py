@@ -327,8 +327,10 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
       a Python int for a ``KVCacheManager``. A Python int out of range is a ``ValueError``; a
       traced one out of range gives zeros (reported through checkify).
     - ``kv_lengths``: int32 ``[max_batch]``: row ``b`` attends to tokens ``[0, kv_lengths[b])``;
-      default ``cache.lengths`` (append, commit, then attend).
-    - ``scale``: softmax scale (a Python float), default ``1/sqrt(head_dim)``.
+      default ``cache.lengths`` (append, commit, then attend). A ``KVCacheManager`` layer of
+      smaller capacity than the rows' lengths holds only its first tokens (its append reported
+      the rest): pass ``kv_lengths=jnp.minimum(cache.lengths, S)``, ``S`` its ``max_seq_len``.
+    - ``scale``: softmax scale (a Python number), default ``1/sqrt(head_dim)``.
     - ``k_scale``, ``v_scale``: scales (float or float32 scalar) of a cache without scales of its
       own: keys are read as ``k_scale * k``, values as ``v_scale * v``. Required for an 8-bit
       cache constructed from raw bytes; optional for a float cache (default 1). An 8-bit cache
