@@ -665,9 +665,9 @@ class PagedKVCache:
         ``match_prefix`` (``tokens``, ``num_tokens`` as there; 0: the row is skipped).
 
         Call it once the row's tokens are appended and committed: a count past ``lengths[b]``
-        is reported through ``checkify`` and the row indexes nothing. Idempotent: a chain already indexed is not indexed twice, and rows adding the same new
-        chain in one call index it once. Bad rows are reported as for ``match_prefix`` and
-        index nothing.
+        is reported through ``checkify`` and the row indexes nothing. Idempotent: a chain
+        already indexed is not indexed twice, and rows adding the same new chain in one call
+        index it once. Bad rows are reported as for ``match_prefix`` and index nothing.
         """
         op = "PagedKVCache.insert_prefix"
         index = self._index_args(op, tokens, num_tokens)
