@@ -318,6 +318,25 @@ def released(host: HostPages, mask: jax.Array) -> HostPages:
                                outgoing=outgoing)
 
 
+def outside_swaps(op: str, host: HostPages, src_pages: jax.Array, dst_pages: jax.Array):
+    """``copy_pages``' pairs with no page an overlapped swap still moves: until ``settle`` a
+    swap_out reads its pages (``outgoing``) and a swap_in writes its new ones (``incoming``).
+    A pair writing either, or reading a page still arriving, is reported and skipped (both its
+    ids ``NO_PAGE``), so a copy never races the side stream's."""
+    pages = host.outgoing.shape[0]
+    arriving = jnp.zeros((pages + 1,), jnp.bool_).at[
+        jnp.where(host.incoming >= 0, host.incoming, pages)].set(True)[:pages]
+    moving = arriving | (host.outgoing > 0)
+
+    def named(mask, ids):
+        return mask[jnp.clip(ids, 0, pages - 1)] & (ids >= 0) & (ids < pages)
+
+    racing = named(moving, dst_pages) | named(arriving, src_pages)
+    check(~jnp.any(racing), f"{op}: src_pages / dst_pages name a page an overlapped swap still "
+          "moves (a destination it reads or writes, a source it writes); settle_swaps first")
+    return jnp.where(racing, NO_PAGE, src_pages), jnp.where(racing, NO_PAGE, dst_pages)
+
+
 # --- the prefix cache's host tier --------------------------------------------------------------
 def spill(cache, max_pages: int):
     """``PagedKVCache.spill_prefix``'s body: up to ``max_pages`` cached free device pages, least

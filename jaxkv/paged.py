@@ -460,8 +460,13 @@ class PagedKVCache:
                                "cross shards)"))
     def copy_pages(self, src_pages: jax.Array, dst_pages: jax.Array) -> "PagedKVCache":
         """Copies physical pages ``src_pages[i]`` -> ``dst_pages[i]`` (every layer, K and V, one
-        launch); see ``jaxkv.paged_ops.copy_pages``. The page table is not changed."""
-        return self._copied("PagedKVCache.copy_pages", src_pages, dst_pages)
+        launch); see ``jaxkv.paged_ops.copy_pages``. The page table is not changed. With a host
+        tier, a pair naming a page an overlapped swap still moves is skipped (``checkify``)."""
+        op = "PagedKVCache.copy_pages"
+        if self.host is not None:
+            paged_ops.check_pairs(op, src_pages, dst_pages)
+            src_pages, dst_pages = host_tier.outside_swaps(op, self.host, src_pages, dst_pages)
+        return self._copied(op, src_pages, dst_pages)
 
     def _copied(self, op, src_pages, dst_pages) -> "PagedKVCache":
         """Pages copied with their per-token scales (a pool of one-value tokens: a second launch

@@ -229,9 +229,8 @@ def copy_pages(k_pages, v_pages, src_pages, dst_pages, *, layout: str = "HND", s
     return copy_pairs("copy_pages", k_pages, v_pages, src_pages, dst_pages, layout)
 
 
-def copy_pairs(op, k_pages, v_pages, src_pages, dst_pages, layout):
-    """``copy_pages``' checks, under ``op``'s name, and its one FFI call."""
-    g = _check_pools(op, k_pages, v_pages, layout)
+def check_pairs(op, src_pages, dst_pages):
+    """Trace-time checks of ``copy_pages``' page ids: int32 ``[n]`` each, the same length."""
     for name, x in (("src_pages", src_pages), ("dst_pages", dst_pages)):
         validate.array(op, name, x)
         validate.int32(op, name, x)
@@ -240,6 +239,12 @@ def copy_pairs(op, k_pages, v_pages, src_pages, dst_pages, layout):
         raise ValueError(
             f"{op}: src_pages {tuple(src_pages.shape)} and dst_pages {tuple(dst_pages.shape)} differ"
         )
+
+
+def copy_pairs(op, k_pages, v_pages, src_pages, dst_pages, layout):
+    """``copy_pages``' checks, under ``op``'s name, and its one FFI call."""
+    g = _check_pools(op, k_pages, v_pages, layout)
+    check_pairs(op, src_pages, dst_pages)
     runs = g["num_kv_heads"] if layout == "HND" else 1  # contiguous runs per page and layer
     validate.one_launch(op, "pairs * layers * runs", src_pages.shape[0] * g["num_layers"] * runs)
     pages = g["num_pages"]

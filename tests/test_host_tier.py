@@ -266,6 +266,36 @@ def test_overlapped_swaps_hold_their_pages_until_settled():
             assert_bytes_equal(got, want, f"row {row} (was {old})")
 
 
+def test_copy_pages_never_races_an_overlapped_swap():
+    """Until settle_swaps, a copy into a page a swap_out still reads or a swap_in still writes,
+    or out of a page still arriving, is reported and skipped; the other pairs are copied, and the
+    rows come back with their bytes."""
+    cache = filled(make(num_pages=12), [3, 4, 0, 0])
+    before = [row_bytes(cache, b) for b in range(2)]
+    cache, _ = swap_out(cache, jnp.array([True, False, False, False]), 8)
+    cache, _ = swap_in_overlapped(cache, jnp.array([True, False, False, False]), 8)
+    writing = [int(p) for p in np.asarray(cache.host.incoming[0]) if p >= 0]
+    cache, _ = swap_out_overlapped(cache, jnp.array([False, True, False, False]), 8)
+    reading = [int(p) for p in np.flatnonzero(np.asarray(cache.host.outgoing))]
+    free = [p for p in range(12) if int(cache.ref_counts[p]) == 0]
+    assert len(writing) == 2 and len(reading) == 2 and len(free) >= 3
+    # into a page read, into a page written, out of a page written
+    src = jnp.array([free[0], free[0], writing[0]], jnp.int32)
+    dst = jnp.array([reading[0], writing[1], free[1]], jnp.int32)
+    err, _ = checkify.checkify(lambda c: c.copy_pages(src, dst))(cache)
+    assert "overlapped swap" in err.get() and "settle_swaps" in err.get()
+    legal = jnp.array([free[0]], jnp.int32), jnp.array([free[1]], jnp.int32)
+    assert checkify.checkify(lambda c: c.copy_pages(*legal))(cache)[0].get() is None
+    pools = np.asarray(cache.k_pages).copy()
+    copied = jax.jit(PagedKVCache.copy_pages)(cache, src, dst)
+    assert_bytes_equal(np.asarray(copied.k_pages), pools, "every racing pair skipped")
+    cache = copied.settle_swaps()
+    cache, _ = swap_in(cache, jnp.array([False, True, False, False]), 8)
+    for row in range(2):
+        for got, want in zip(row_bytes(cache, row), before[row]):
+            assert_bytes_equal(got, want, f"row {row}")
+
+
 def test_settle_is_ordered_after_the_transfer_in_one_jit():
     """swap_out(overlap) -> settle -> reserve + append into the freed pages, all in one jit: the
     fence reads the transfer's output (so no schedule runs it first), and the host pages hold
