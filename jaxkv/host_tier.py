@@ -338,11 +338,11 @@ def outside_swaps(op: str, host: HostPages, src_pages: jax.Array, dst_pages: jax
 
 
 # --- the prefix cache's host tier --------------------------------------------------------------
-def spill(cache, max_pages: int):
-    """``PagedKVCache.spill_prefix``'s body: up to ``max_pages`` cached free device pages, least
-    recently used first, move to host pages free of rows and of cached pages (one transfer);
-    their index entries move with them and the device pages become never-cached free pages.
-    Returns ``(cache, pages spilled)``."""
+def spill(cache, max_pages: int, count=None):
+    """``PagedKVCache.spill_prefix``'s body: up to ``max_pages`` (and ``count``, traced) cached
+    free device pages, least recently used first, move to host pages free of rows and of cached
+    pages (one transfer); their index entries move with them and the device pages become
+    never-cached free pages. Returns ``(cache, pages spilled)``."""
     p = cache.num_pages
     device = page_index.part(cache.prefix_cache, 0, p)
     free = cache.ref_counts == 0
@@ -350,6 +350,8 @@ def spill(cache, max_pages: int):
     order = page_index.eviction_order(device, free)
     never = jnp.sum(free & ~device.indexed, dtype=jnp.int32)
     n = jnp.minimum(jnp.sum(free & device.indexed), jnp.sum(_host_room(cache)))
+    if count is not None:
+        n = jnp.minimum(n, count)
     i = jnp.arange(max_pages, dtype=jnp.int32)
     return _spill(cache, order[jnp.clip(never + i, 0, p - 1)], i < n)
 

@@ -564,10 +564,11 @@ class PagedKVCache:
         return host_tier.settle(self)
 
     @per_shard(out=(None, Combined("sum")))
-    def spill_prefix(self, max_pages: int | None = None):
+    def spill_prefix(self, max_pages: int | None = None, count: IntOrArray | None = None):
         """Moves cached pages that no row holds (those ``reserve`` would evict next, least
         recently used first) to free host pages, at most ``max_pages`` (static: the size of the
-        one transfer; default every page that could move, the smaller pool's size). They stay
+        one transfer; default every page that could move, the smaller pool's size) and at most
+        ``count`` (an int or int32 scalar, traced: one compiled spill of any count). They stay
         findable: ``match_prefix`` brings them back. The device pages become never-cached free
         pages, which ``reserve`` takes first (its own evictions spill too, while the host has
         room; spilling ahead keeps the copy off the step that needs the pages). Host pages
@@ -580,7 +581,11 @@ class PagedKVCache:
         if self.host is None or self.prefix_cache is None:
             raise ValueError(f"{op}: the cache needs a prefix index and a host tier "
                              "(PagedKVCache.create(..., prefix_cache=True, host_pages=N))")
-        return host_tier.spill(self, self._transfer_size(op, "max_pages", max_pages, lo=1))
+        size = self._transfer_size(op, "max_pages", max_pages, lo=1)
+        if count is not None:
+            count = validate.int_scalar(op, "count", count)
+            check(count >= 0, f"{op}: count must be >= 0 (none moves)")
+        return host_tier.spill(self, size, count)
 
     def _swap_args(self, op: str, rows, max_pages, overlap) -> tuple[jax.Array, int, bool]:
         if self.host is None:

@@ -789,6 +789,29 @@ def test_spill_and_bring_back_keep_bytes_and_scales(dtype, scaling, layout):
             slice(0, 3),)], "three pages back")
 
 
+def test_a_traced_count_spills_what_a_transfer_of_that_size_spills():
+    """spill_prefix(max_pages, count): one compiled spill moves min(count, what could move)
+    pages, the same pages and bytes as a transfer of size count; a negative count is reported
+    and moves none."""
+    tokens = jnp.tile(jnp.arange(8, dtype=jnp.int32), (2, 1))
+    cache = prefix_cache(num_pages=8, max_batch=2)
+    cache, _ = fill_tokens(cache, tokens, jnp.array([8, 0], jnp.int32))
+    cache = cache.insert_prefix(tokens, jnp.array([8, 0], jnp.int32)).release(
+        jnp.array([True, False]))
+    spill = jax.jit(lambda c, n: c.spill_prefix(8, n))
+    for count in range(6):
+        got, n = spill(cache, count)
+        assert int(n) == min(count, 4)
+        if count:
+            want, _ = cache.spill_prefix(count)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                assert_bytes_equal(np.asarray(a), np.asarray(b), f"count {count}")
+    err, (_, n) = checkify.checkify(spill)(cache, jnp.int32(-1))
+    assert "count must be >= 0" in err.get() and int(n) == 0
+    with pytest.raises(TypeError, match="spill_prefix: count"):
+        cache.spill_prefix(8, jnp.float32(2))
+
+
 def test_host_pages_come_back_within_the_budget_and_the_pool():
     tokens = jnp.tile(jnp.arange(8, dtype=jnp.int32), (2, 1))  # both rows: the same prompt
     cache = prefix_cache(num_pages=8, max_batch=2)

@@ -278,33 +278,20 @@ class ServeEngine(loop.Engine):
             cache, moved = kind.swap_in(cache, rows, size)
             return placed(cache), moved, jnp.sum(jnp.where(moved, held, 0))
 
-        def spill(cache, size):  # -> (cache, pages spilled)
-            cache, n = cache.spill_prefix(size)
+        def spill(cache, count):  # -> (cache, pages spilled): at most count, a whole row
+            cache, n = cache.spill_prefix(self.whole_row, count)
             return placed(cache), n
 
         if self.swap:  # `size`: static, the most pages a call moves (a whole row)
             fns.update(swap_out=jax.jit(swap_out, donate_argnums=(0,), static_argnums=(2,)),
                        swap_in=jax.jit(swap_in, donate_argnums=(0,), static_argnums=(2,)))
         if self.spill:
-            fns["spill"] = jax.jit(spill, donate_argnums=(0,), static_argnums=(1,))
+            fns["spill"] = jax.jit(spill, donate_argnums=(0,))
         return fns
-
-    @property
-    def spill_sizes(self) -> tuple[int, ...]:
-        """The most pages a spill moves, compiled per size: powers of two, then a whole row. (A
-        swap moves one row, whatever its size, in one compiled function: a transfer's cost is
-        the pages it moves.)"""
-        if not self.spill:
-            return ()
-        whole = self.whole_row
-        return tuple(sorted({min(1 << i, whole) for i in range(whole.bit_length() + 1)}))
 
     @property
     def whole_row(self) -> int:
         return -(-self.max_seq_len // self.kind.page_size)
-
-    def spill_size(self, pages: int) -> int:
-        return min(n for n in self.spill_sizes if n >= min(pages, self.spill_sizes[-1]))
 
     def example_args(self) -> dict[str, tuple]:
         # the weights as placed (tensor parallel: split over the mesh)
@@ -345,7 +332,8 @@ class ServeEngine(loop.Engine):
         decode = {f"decode{n}": (params, cache, row, row, i32(), n) for n in self.step_counts}
         swaps = {d: (cache, bools(self.batch), self.whole_row)
                  for d in ("swap_out", "swap_in") if self.swap}
-        swaps.update({f"spill{n}": (cache, n) for n in self.spill_sizes})
+        if self.spill:  # one compiled spill: a transfer's cost is the pages it moves
+            swaps["spill"] = (cache, i32())
         return dict(**prefill, **decode, **swaps, evict=(cache, row, row, row), save=(cache,))
 
     @staticmethod
@@ -473,7 +461,7 @@ class ServeEngine(loop.Engine):
             if self.swap:
                 cache = self._swap(fns, sched, cache)
             if self.spill and (pages := sched.spill_wanted()):
-                cache, n = fns[f"spill{self.spill_size(pages)}"](cache)
+                cache, n = fns["spill"](cache, np.int32(pages))
                 sched.m["spilled"].append(n)  # read at the end: no wait here
             if chunk is not None:
                 extra = () if self.prefix else (saved,)
