@@ -70,7 +70,10 @@ def compact(op: str, buffers: list, lengths: jax.Array, batch_mapping: jax.Array
     ops.check_mapping_injective(op, batch_mapping, rows)
     lengths, buffers = ops.compact_buffers(buffers, lengths, batch_mapping, kv=True, rows=rows,
                                            op=op)
-    survivors = jnp.sum((batch_mapping >= 0) & (batch_mapping < rows)).astype(jnp.int32)
+    # the rows written: two survivors sent to one row (reported above) fill it once
+    kept = jnp.where((batch_mapping >= 0) & (batch_mapping < rows), batch_mapping, rows)
+    survivors = jnp.sum(jnp.zeros((rows + 1,), jnp.bool_).at[kept].set(True)[:rows],
+                        dtype=jnp.int32)
     check(
         jnp.all(jnp.where(batch_mapping >= 0, batch_mapping < survivors, True)),
         f"{op}: survivors must land on rows [0, survivors)",

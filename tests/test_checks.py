@@ -67,8 +67,9 @@ def test_the_checks_still_report_under_checkify():
     err, _ = jax.jit(checkify.checkify(lambda c, i: c.set_active_batch_size(i)))(cache, 9)
     assert "LinearKVCache.set_active_batch_size" in err.get()
     bad = jnp.asarray([0, 0, -1, -1], jnp.int32)  # two survivors sent to row 0
-    err, _ = jax.jit(checkify.checkify(lambda c, m: c.compact(m)))(cache, bad)
+    err, compacted = jax.jit(checkify.checkify(lambda c, m: c.compact(m)))(cache, bad)
     assert "same new row" in err.get()
+    assert int(compacted.active_batch_size) == 1  # the one row written, counted once
     err, _ = jax.jit(checkify.checkify(lambda c: c.reserve(jnp.full((B,), 99, jnp.int32))))(paged())
     assert "PagedKVCache.reserve" in err.get()
 
