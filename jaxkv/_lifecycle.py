@@ -49,7 +49,14 @@ def append_counts(op: str, new_lengths, batch: int, tokens: int):
     validate.array(op, "new_lengths", new_lengths)
     validate.int32(op, "new_lengths", new_lengths)
     validate.shape(op, "new_lengths", new_lengths, (batch,), "[max_batch]")
+    check(jnp.all((new_lengths >= 0) & (new_lengths <= tokens)),
+          f"{op}: new_lengths outside [0, T] (T = {tokens}, k's tokens): clipped")
     return jnp.clip(new_lengths, 0, tokens), new_lengths
+
+
+def written(count: jax.Array, tokens: int) -> jax.Array:
+    """bool ``[B, T]``: the tokens an append of ``count`` per row writes."""
+    return jnp.arange(tokens)[None, :] < count[:, None]
 
 
 def commit_lengths(op, lengths, active_batch_size, new_lengths, max_seq_len) -> jax.Array:
@@ -109,6 +116,8 @@ def append(op, buffer, layer_idx, k, v, lengths, active_batch_size, new_lengths=
     validate.kv_geometry(op, "cache", heads, capacity, head_dim * buffer.dtype.itemsize)
     count, new_lengths_in = append_counts(op, new_lengths, batch, k.shape[2])
     active = jnp.arange(batch) < active_batch_size
+    if scales is not None:
+        quantization.check_finite(op, k, v, active[:, None] & written(count, k.shape[2]))
     check(
         (layer_idx >= 0) & (layer_idx < num_layers), f"{op}: layer_idx out of range"
     )

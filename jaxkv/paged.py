@@ -403,7 +403,7 @@ class PagedKVCache:
         true entries count the new sequences.
         """
         op = "PagedKVCache.fork"
-        src = validate.int_scalar(op, "src_slot", src_slot)
+        src = validate.index(op, "src_slot", src_slot, self.max_batch)
         validate.array(op, "dst_slots", dst_slots)
         validate.int32(op, "dst_slots", dst_slots)
         validate.rank(op, "dst_slots", dst_slots, 1, "[n]")
@@ -758,7 +758,9 @@ class PagedKVCache:
         n = _lengths.increment_arg(op, "num_new_tokens", num_new_tokens, self.max_batch)
         capacity = self.pages_held * self.page_size
         home = ~self.on_host  # a swapped row keeps its length, past the pages it holds
-        check(home | (n == 0), f"{op}: a row is on the host ({host_tier.SWAP_IN_FIRST})")
+        check(home | (n <= 0), f"{op}: a row is on the host ({host_tier.SWAP_IN_FIRST})")
+        check(home | (n >= 0), f"{op}: an increment is negative (a row on the host keeps its "
+              "length)")  # grow reports the rows at home
         return dataclasses.replace(self, lengths=_lengths.grow(op, self.lengths, n, capacity,
                                                                rows=home))
 

@@ -16,7 +16,7 @@ from . import _ffi
 from . import _validate as validate
 from . import quantization
 from ._checks import check
-from ._lifecycle import append_counts
+from ._lifecycle import append_counts, written
 from .layout import KV, KV_LAYERS, LAYER, LAYOUTS, POOL, ROWS, pool_geometry
 from .sharding import Ids, Role, per_shard, same_shard
 
@@ -150,6 +150,8 @@ def append_tokens(op, k_pages, v_pages, page_table, lengths, layer_idx, k, v, ne
     spans = (g["num_layers"] if all_layers else 1) * batch * g["num_kv_heads"]
     validate.one_launch(op, "layers * rows * heads", spans)
     count, counts_in = append_counts(op, new_lengths, batch, tokens)
+    if scales is not None:
+        quantization.check_finite(op, k, v, written(count, tokens))
     check(
         (layer_idx >= 0) & (layer_idx < g["num_layers"]), f"{op}: layer_idx out of range"
     )

@@ -70,14 +70,20 @@ def check_head_dim(op: str, name: str, head_dim: int) -> None:
 
 
 def check_inputs(op: str, k, v) -> None:
-    """K/V written into an 8-bit cache: float32, bfloat16 or float16, and finite (a non-finite
-    vector is reported; it only ever spoils its own token's bytes and scale)."""
+    """K/V written into an 8-bit cache: float32, bfloat16 or float16 (at trace time)."""
     for name, x in (("k", k), ("v", v)):
         if np.dtype(x.dtype) not in INPUT_DTYPES:
             raise TypeError(f"{op}: {name} has dtype {x.dtype}; an 8-bit cache takes float32, "
                             "bfloat16 or float16 values and quantizes them")
         check_head_dim(op, name, x.shape[-1])
-    check(jnp.all(jnp.isfinite(k)) & jnp.all(jnp.isfinite(v)),
+
+
+def check_finite(op: str, k, v, stored: jax.Array) -> None:
+    """Reports a non-finite value among the tokens written (``stored``: bool ``[B, T]``; padding
+    and rows not written may hold anything). It only ever spoils its own token's bytes and
+    scale."""
+    written = stored[:, None, :, None]  # [B, H, T, D], and [L, ...] by broadcasting
+    check(jnp.all(jnp.isfinite(k) | ~written) & jnp.all(jnp.isfinite(v) | ~written),
           f"{op}: k or v holds a non-finite value (that token's data and scale are undefined)")
 
 

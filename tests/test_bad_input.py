@@ -105,6 +105,27 @@ def test_linear_append_reports_a_row_whose_length_is_past_int32_room():
     assert_bytes_equal(out.buffer[0], want, "buffer")
 
 
+@pytest.mark.parametrize("kind", ["linear", "paged"])
+def test_append_reports_new_lengths_outside_its_tokens_and_writes_within_them(kind):
+    """A count below 0 writes nothing, one past T writes the T tokens there are; both are
+    reported (the caller's commit would count tokens never written)."""
+    if kind == "linear":
+        cache = jaxkv.LinearKVCache.create(1, 2, 1, 8, 2, F32).reset(jnp.asarray([1, 1], jnp.int32))
+    else:
+        cache = jaxkv.PagedKVCache.create(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1,
+                                          head_dim=2, max_batch=2, max_pages_per_seq=2, dtype=F32)
+        cache, _ = cache.reserve(jnp.asarray([4, 4], jnp.int32))
+    k = random_array((2, 1, 2, 2), F32)
+    for n, clipped in (([-1, 2], [0, 2]), ([3, 1], [2, 1])):
+        msg, out = checked(lambda c, k, n: c.append(0, k, k, n), cache, k, jnp.asarray(n, jnp.int32))
+        assert "new_lengths outside [0, T]" in msg
+        want = cache.append(0, k, k, jnp.asarray(clipped, jnp.int32))
+        for got, exp in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
+            assert_bytes_equal(np.asarray(got).reshape(-1), np.asarray(exp).reshape(-1), kind)
+    msg, _ = checked(lambda c, k, n: c.append(0, k, k, n), cache, k, jnp.asarray([0, 2], jnp.int32))
+    assert msg is None
+
+
 # --- 3: limits create accepts are limits every method supports -------------------------------
 
 

@@ -383,6 +383,8 @@ def test_rows_on_the_host_are_reported_and_never_touched():
     assert "on the host" in err_of(lambda c: c.append(0, kv, kv, n), cache)
     assert "on the host" in err_of(lambda c: c.reserve(n), cache)
     assert "on the host" in err_of(lambda c: c.commit(n), cache)
+    assert "negative" in err_of(lambda c: c.commit(-n), cache)  # as at home, not "swap_in first"
+    assert int(cache.commit(-n).lengths[0]) == 3
     assert "on the host" in err_of(lambda c: c.fork(0, jnp.array([2], jnp.int32)), cache)
     q = random_array((4, 2, D), jnp.float32)
     assert "decode: a row is on the host" in err_of(lambda c: attention.decode(q, c, 0), cache)

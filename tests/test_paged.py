@@ -288,6 +288,8 @@ def test_create_and_argument_errors():
         cache.release(jnp.zeros((4,), jnp.int32))
     with pytest.raises(TypeError, match="PagedKVCache.fork: dst_slots must be int32"):
         cache.fork(0, jnp.zeros((1,), jnp.float32))
+    with pytest.raises(ValueError, match="PagedKVCache.fork: src_slot must be"):
+        cache.fork(9, jnp.array([1], jnp.int32))  # a Python int: refused before anything runs
     k = jnp.zeros((2, 4, 2, 1, 8), jnp.float32)
     with pytest.raises(ValueError, match="PagedKVCache.append: k must have rank 4"):
         cache.append(0, k, k)

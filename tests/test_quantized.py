@@ -392,6 +392,29 @@ def test_non_finite_values_are_reported_and_stay_in_their_token(kind):
     assert err.get() is None
 
 
+@pytest.mark.parametrize("kind", ["linear", "manager", "paged-HND", "paged-NHD"])
+def test_non_finite_values_that_are_not_written_are_not_reported(kind):
+    """Padding past a row's count, a row with count 0 and a row past the active batch may hold
+    anything: nothing of them is stored, nothing is reported, and the cache is as after an
+    append of finite values there; one written non-finite value is still reported."""
+    c = started(kind, jnp.int8, [2, 2, 2, 2])
+    if not kind.startswith("paged"):
+        c = c.set_active_batch_size(3)
+    k, v = values((B, H, 3, D)), values((B, H, 3, D))
+    n = jnp.asarray([2, 0, 3, 3], jnp.int32)  # row 1 writes nothing; row 3 inactive (dense)
+    bad = k.at[0, 1, 2].set(jnp.nan).at[1, 0, 0].set(jnp.inf)
+    if not kind.startswith("paged"):
+        bad = bad.at[3, 0, 1].set(jnp.nan)
+    run = jax.jit(checkify.checkify(lambda c, k, v: c.append(0, k, v, n)))
+    err, out = run(c, bad, v)
+    assert err.get() is None
+    want = c.append(0, k, v, n)
+    for got, exp in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
+        assert_bytes_equal(np.asarray(got).reshape(-1), np.asarray(exp).reshape(-1), kind)
+    err, _ = run(c, k, v.at[2, 1, 2, 3].set(jnp.nan))  # row 2's third token is written
+    assert "non-finite" in err.get()
+
+
 @pytest.mark.parametrize("kind", ["linear", "manager"])
 def test_compaction_moves_scales_with_their_rows(kind):
     c = started(kind, jnp.int8, [3, 5, 2, 4]).set_active_batch_size(4)
