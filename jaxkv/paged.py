@@ -262,7 +262,10 @@ class PagedKVCache:
         op = "PagedKVCache.cache_length"
         row = validate.index(op, "b", b, self.max_batch)
         check((row >= 0) & (row < self.max_batch), f"{op}: b out of range")
-        return self.lengths[row]
+        # a masked sum, not lengths[row]: an index into rows split over an Explicit mesh axis
+        # has no sharding of its own to take (a reduction of B ints, no cache data)
+        rows = jnp.arange(self.max_batch) == jnp.clip(row, 0, self.max_batch - 1)
+        return jnp.sum(jnp.where(rows, self.lengths, 0), dtype=jnp.int32)
 
     @property
     def block_tables(self) -> jax.Array:

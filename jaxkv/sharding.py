@@ -283,7 +283,9 @@ class Count(Role):
 class Ids(Role):
     """Global ids of rows or pages (``share(args)``: how many a shard owns): a shard sees its own
     as local ids, another shard's as ``foreign``, an id of no shard as -1 (out of range: reported
-    by the body). ``ctx["owned"]`` says which ids this shard owns."""
+    by the body). ``ctx["owned"]`` says which ids this shard answers for: its own, and on the
+    first batch shard the ids of no shard (so that a result ``FromOwner`` is the unsharded op's
+    answer to a bad id, not zeros from every shard)."""
 
     def __init__(self, share: Callable[[dict], int], foreign: int, dims=REPLICATED):
         super().__init__(dims)
@@ -295,8 +297,8 @@ class Ids(Role):
     def local(self, s, x, ctx, args):
         share = self.share(args)
         local, owned = s.local_ids(x, share)
-        ctx["owned"] = owned
         somewhere = (x >= 0) & (x < share * s.batch_shards)
+        ctx["owned"] = owned | (~somewhere & (s.shard_index() == 0))
         return jnp.where(owned, local, jnp.where(somewhere, self.foreign, -1))
 
 

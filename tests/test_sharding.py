@@ -258,6 +258,24 @@ def test_dense_lifecycle_equals_unsharded_per_shard(sharding, kind):
     check_dense_lifecycle(sharding, kind)
 
 
+@pytest.mark.parametrize("kind", ["linear", "manager"])
+def test_save_of_a_row_of_no_shard_answers_as_unsharded(sharding, kind):
+    """A traced row outside [0, max_batch) is reported, and the SavedKV is the unsharded op's
+    (zeros of seq_len tokens), not zeros from every shard (length 0)."""
+    c = poisoned(create(kind, sharding))
+    data = "buffer" if kind == "linear" else "layers"
+    plain = dataclasses.replace(create(kind, None), **{data: jax.tree.map(
+        lambda x: jnp.asarray(np.asarray(x)), getattr(c, data))})
+    c, plain = (x.reset(jnp.full((B,), 3, jnp.int32)) for x in (c, plain))
+    for row in (B, -1):
+        save = jax.jit(checkify.checkify(lambda c, r: c.save(r, 2)))
+        (err, got), (want_err, want) = save(c, jnp.int32(row)), save(plain, jnp.int32(row))
+        assert "outside" in err.get() and "outside" in want_err.get()
+        assert got.length == want.length == 2
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert_bytes_equal(np.asarray(x).reshape(-1), np.asarray(y).reshape(-1), f"row {row}")
+
+
 def check_dense_lifecycle(s, kind):
     c = poisoned(create(kind, s))
     glob, local_args, owner = dense_args(c, s, kind)
@@ -280,6 +298,7 @@ def paged_steps(c, a):
     c, _ = c.reserve(jnp.ones_like(a["n"]))
     c = out["append_layers"] = c.append_layers(a["kl"], a["vl"]).commit(1)
     out["queries"] = (c.num_free_pages, c.max_context_length, c.max_prompt_length, c.empty)
+    out["row_lengths"] = (c.cache_length(c.max_batch - 1), c.cache_length(jnp.int32(0)))
     out["gather"] = c.gather(jnp.int32(1), 12)
     out["gather_split"] = c.gather(jnp.int32(1), 12, split=True)
     c, out["forked"] = c.fork(a["src"], a["dst"])
@@ -335,6 +354,8 @@ def check_paged_lifecycle(s):
     assert longest == max(int(w["queries"][1]) for w in want)
     assert prompt == max(int(w["queries"][2]) for w in want)
     assert empty == all(bool(w["queries"][3]) for w in want)
+    last, first = (int(x) for x in got["row_lengths"])  # the last shard's last row, the first's
+    assert (last, first) == (int(want[-1]["row_lengths"][0]), int(want[0]["row_lengths"][1]))
     assert_bytes_equal(got["gather"], np.concatenate([w["gather"] for w in want]), "gather")
     for i in range(2):
         assert_bytes_equal(got["gather_split"][i],
