@@ -226,8 +226,10 @@ def test_paged_append(data, layout, dtype, tokens, layer, ragged):
     n = np.full(batch, tokens) if counts is None else counts
     skipped = np_skipped(table, lengths, n, tokens, PAGES, SIZE)
     layer_bad = not 0 <= layer < LAYERS
+    counts_bad = bool(np.any((n < 0) | (n > tokens)))  # written as clipped to [0, T]
     wrote = not (np.array_equal(as_bytes(out[0]), as_bytes(kp)))
-    assert (msg is not None) == (bool(skipped.any()) or layer_bad), (table, lengths, n, msg)
+    assert (msg is not None) == (bool(skipped.any()) or layer_bad or counts_bad), (
+        table, lengths, n, msg)
     # Nothing skipped and something to write: it was written (no silent drop).
     if not skipped.any() and not layer_bad and np.any(np.minimum(n, tokens) > 0):
         assert wrote
@@ -333,7 +335,9 @@ def test_linear_append(data, dtype, tokens, layer):
     n = [min(max(int(c), 0), tokens) for c in counts]
     dropped = any(not 0 <= int(lengths[b]) <= cap - n[b]
                   for b in range(batch) if b < active and n[b] > 0)
-    assert (msg is not None) == (dropped or not layer_ok), (lengths, counts, active, msg)
+    counts_bad = any(not 0 <= int(c) <= tokens for c in counts)  # written as clipped to [0, T]
+    assert (msg is not None) == (dropped or not layer_ok or counts_bad), (lengths, counts, active,
+                                                                          msg)
 
 
 # --- shapes vary (a few examples: each is a new compile) ----------------------------------------
