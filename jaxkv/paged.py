@@ -576,9 +576,11 @@ class PagedKVCache:
         pages, which ``reserve`` takes first (its own evictions spill too, while the host has
         room; spilling ahead keeps the copy off the step that needs the pages). Host pages
         holding rows (``swap_out``) or cached pages are not overwritten; ``swap_out`` evicts
-        cached host pages least recently used when it needs them.
+        cached host pages least recently used when it needs them. Sharded over the batch, each
+        shard moves up to ``max_pages`` and ``count`` of its own pages.
 
-        **Returns:** ``(cache, spilled)``, ``spilled`` int32 ``[]``: pages moved.
+        **Returns:** ``(cache, spilled)``, ``spilled`` int32 ``[]``: pages moved (sharded: the
+        shards' total).
         """
         op = "PagedKVCache.spill_prefix"
         if self.host is None or self.prefix_cache is None:
