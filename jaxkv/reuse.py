@@ -286,6 +286,8 @@ def _instantiate_quantizing(op, buffers, names, saved: SavedKV, batch_idx, scale
             raise ValueError(f"{op}: saved.layers[{i}] must have shape (2, {h}, T <= {s}, {d}) "
                              f"to fit {name}, got {x.shape}")
         quantization.check_head_dim(op, f"saved.layers[{i}]", d)
+    check(jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in saved.layers])),
+          f"{op}: saved holds a non-finite value (that token's data and scale are undefined)")
     slots = _slots(op, batch_idx, rows, allow_many=True)
     n = len(layers)
     if per_token:

@@ -490,6 +490,12 @@ def test_an_unquantized_prefix_is_quantized_on_instantiate(kind, dtype, scaling,
                 assert_bytes_equal(got[row], data[row], "other rows untouched")
                 if scaling == "per_token_head":
                     assert_bytes_equal(got_s[row], scales[row], "other rows' scales untouched")
+    rows = jnp.asarray([0, 2], jnp.int32)
+    run = jax.jit(checkify.checkify(lambda c, s: c.instantiate(s, rows)))
+    assert run(c, saved)[0].get() is None
+    spoiled = dataclasses.replace(saved, layers=(saved.layers[0].at[1, 0, 3, 2].set(jnp.inf),
+                                                 *saved.layers[1:]))
+    assert "saved holds a non-finite value" in run(c, spoiled)[0].get()
     raw = dataclasses.replace(saved, layers=tuple(x.astype(jnp.int8) for x in saved.layers))
     with pytest.raises(TypeError, match="takes a float32, bfloat16 or float16 prefix"):
         c.instantiate(raw, 0)  # bytes without scales cannot be quantized
