@@ -495,7 +495,16 @@ def test_an_unquantized_prefix_is_quantized_on_instantiate(kind, dtype, scaling,
     assert run(c, saved)[0].get() is None
     spoiled = dataclasses.replace(saved, layers=(saved.layers[0].at[1, 0, 3, 2].set(jnp.inf),
                                                  *saved.layers[1:]))
-    assert "saved holds a non-finite value" in run(c, spoiled)[0].get()
+    err, bad = run(c, spoiled)
+    assert "saved holds a non-finite value" in err.get()
+    for layer, kv in ((0, 0), (0, 1), (1, 1)):  # only V's (head 0, token 3) vector is spoiled
+        (got, got_s), (want, want_s) = token_view(bad, layer, kv), token_view(out, layer, kv)
+        keep = np.ones(got.shape[:3], bool)
+        if (layer, kv) == (0, 1):
+            keep[[0, 2], 0, 3] = False
+        assert_bytes_equal(np.asarray(got)[keep], np.asarray(want)[keep], "other tokens")
+        if scaling == "per_token_head":
+            assert_bytes_equal(np.asarray(got_s)[keep], np.asarray(want_s)[keep], "their scales")
     raw = dataclasses.replace(saved, layers=tuple(x.astype(jnp.int8) for x in saved.layers))
     with pytest.raises(TypeError, match="takes a float32, bfloat16 or float16 prefix"):
         c.instantiate(raw, 0)  # bytes without scales cannot be quantized
