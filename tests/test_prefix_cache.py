@@ -257,6 +257,8 @@ def test_evicting_a_page_unindexes_the_pages_below_it():
     cache, _ = cache.reserve(n)
     cache = cache.commit(n).insert_prefix(tokens, n)
     # copy_pages into page 1 (depth 1) takes pages 1, 2, 3 out; page 0 stays findable
+    skipped = cache.copy_pages(jnp.array([-1, 1, 9], jnp.int32), jnp.array([1, 1, 2], jnp.int32))
+    assert skipped.prefix_cache.depth.tolist()[:4] == [0, 1, 2, 3]  # no pair copied: none out
     cache = cache.copy_pages(jnp.array([5], jnp.int32), jnp.array([1], jnp.int32))
     assert cache.prefix_cache.depth.tolist()[:4] == [0, -1, -1, -1]
     _, matched = cache.release(jnp.array([True, False])).match_prefix(
