@@ -87,7 +87,7 @@ def int_scalar(op: str, name: str, x) -> jax.Array:
     if isinstance(x, (bool, np.bool_)):
         raise TypeError(f"{op}: {name} must be an int or an int32 scalar, got bool")
     if isinstance(x, (int, np.integer)):
-        return jnp.asarray(x, jnp.int32)
+        return jnp.asarray(static_int(op, name, x, -INT32_MAX - 1, INT32_MAX), jnp.int32)
     array(op, name, x, "an int or an int32 scalar")
     int32(op, name, x)
     rank(op, name, x, 0)

@@ -812,6 +812,8 @@ def test_a_traced_count_spills_what_a_transfer_of_that_size_spills():
     assert "count must be >= 0" in err.get() and int(n) == 0
     with pytest.raises(TypeError, match="spill_prefix: count"):
         cache.spill_prefix(8, jnp.float32(2))
+    with pytest.raises(ValueError, match=r"spill_prefix: count must be in \[-2147483648, "):
+        cache.spill_prefix(8, 2**31)  # past int32: named, not numpy's OverflowError
 
 
 def test_host_pages_come_back_within_the_budget_and_the_pool():
