@@ -287,7 +287,9 @@ def test_copy_pages_never_races_an_overlapped_swap():
     legal = jnp.array([free[0]], jnp.int32), jnp.array([free[1]], jnp.int32)
     assert checkify.checkify(lambda c: c.copy_pages(*legal))(cache)[0].get() is None
     pools = np.asarray(cache.k_pages).copy()
-    copied = jax.jit(PagedKVCache.copy_pages)(cache, src, dst)
+    both = jnp.concatenate([src, legal[0]]), jnp.concatenate([dst, legal[1]])
+    copied = jax.jit(PagedKVCache.copy_pages)(cache, *both)
+    pools[:, :, free[1]] = pools[:, :, free[0]]  # HND [L, H, P, S, D]: the legal pair copied
     assert_bytes_equal(np.asarray(copied.k_pages), pools, "every racing pair skipped")
     cache = copied.settle_swaps()
     cache, _ = swap_in(cache, jnp.array([False, True, False, False]), 8)
