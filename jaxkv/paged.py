@@ -483,10 +483,8 @@ class PagedKVCache:
                                           src_pages, dst_pages, self.layout)
             fields = dict(k_scales=ks[..., 0], v_scales=vs[..., 0])
         if self.prefix_cache is not None:
-            p = self.num_pages  # the pairs the kernel copies: both pages in range, not one page
-            copied = (src_pages >= 0) & (src_pages < p) & (dst_pages >= 0) & (dst_pages < p)
-            written = page_index.mask_of(self.prefix_cache, dst_pages,
-                                         copied & (src_pages != dst_pages))
+            copied = paged_ops.copied_pairs(src_pages, dst_pages, self.num_pages)
+            written = page_index.mask_of(self.prefix_cache, dst_pages, copied)
             fields["prefix_cache"] = page_index.unindex(self.prefix_cache, written,
                                                         self.max_pages_per_seq)
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages, **fields)

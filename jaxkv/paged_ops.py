@@ -243,6 +243,13 @@ def check_pairs(op, src_pages, dst_pages):
         )
 
 
+def copied_pairs(src_pages, dst_pages, num_pages: int) -> jax.Array:
+    """bool ``[n]``: the pairs the kernel copies (both pages in ``[0, num_pages)``, not one page
+    onto itself); it skips the others."""
+    in_pool = lambda ids: (ids >= 0) & (ids < num_pages)  # noqa: E731
+    return in_pool(src_pages) & in_pool(dst_pages) & (src_pages != dst_pages)
+
+
 def copy_pairs(op, k_pages, v_pages, src_pages, dst_pages, layout):
     """``copy_pages``' checks, under ``op``'s name, and its one FFI call."""
     g = _check_pools(op, k_pages, v_pages, layout)
@@ -250,8 +257,7 @@ def copy_pairs(op, k_pages, v_pages, src_pages, dst_pages, layout):
     runs = g["num_kv_heads"] if layout == "HND" else 1  # contiguous runs per page and layer
     validate.one_launch(op, "pairs * layers * runs", src_pages.shape[0] * g["num_layers"] * runs)
     pages = g["num_pages"]
-    valid = (src_pages >= 0) & (src_pages < pages) & (dst_pages >= 0) & (dst_pages < pages)
-    valid &= src_pages != dst_pages  # the kernel skips these too
+    valid = copied_pairs(src_pages, dst_pages, pages)
     dst = jnp.where(valid, dst_pages, pages)
     hits = jnp.zeros((pages + 1,), jnp.int32).at[dst].add(1)[:pages]
     is_src = jnp.zeros((pages + 1,), jnp.bool_).at[jnp.where(valid, src_pages, pages)].set(True)
