@@ -18,7 +18,8 @@ from ._checks import check
 
 
 def increment_arg(op: str, name: str, increment, rows: int) -> jax.Array:
-    """A commit's increment as int32 ``[rows]``: a Python int (every row) or an int32 ``[rows]``.
+    """A commit's increment as int32 ``[rows]``: a Python int or an int32 scalar (every row), or
+    an int32 ``[rows]``.
 
     A Python int that does not fit int32 is refused now rather than wrapped by ``jnp.asarray``.
     """
@@ -29,7 +30,9 @@ def increment_arg(op: str, name: str, increment, rows: int) -> jax.Array:
         return jnp.full((rows,), int(increment), jnp.int32)
     validate.array(op, name, increment, "an int or an int32 array")
     validate.int32(op, name, increment)
-    validate.shape(op, name, increment, (rows,), "[max_batch]")
+    if increment.ndim == 0:  # a traced count for every row
+        return jnp.broadcast_to(increment, (rows,))
+    validate.shape(op, name, increment, (rows,), "[max_batch] (or a scalar)")
     return increment
 
 

@@ -42,13 +42,19 @@ def reset_lengths(op: str, reuse_lengths, max_batch: int, max_seq_len: int):
     return lengths, jnp.asarray(n, jnp.int32)
 
 
+def counts_arg(op: str, new_lengths, batch: int) -> jax.Array:
+    """An append's ``new_lengths``, checked at trace time: int32 ``[batch]``."""
+    validate.array(op, "new_lengths", new_lengths)
+    validate.int32(op, "new_lengths", new_lengths)
+    validate.shape(op, "new_lengths", new_lengths, (batch,), "[max_batch]")
+    return new_lengths
+
+
 def append_counts(op: str, new_lengths, batch: int, tokens: int):
     """(tokens written per row, for checks; the kernel's counts argument: [0] means all T)."""
     if new_lengths is None:
         return jnp.full((batch,), tokens, jnp.int32), jnp.zeros((0,), jnp.int32)
-    validate.array(op, "new_lengths", new_lengths)
-    validate.int32(op, "new_lengths", new_lengths)
-    validate.shape(op, "new_lengths", new_lengths, (batch,), "[max_batch]")
+    counts_arg(op, new_lengths, batch)
     check(jnp.all((new_lengths >= 0) & (new_lengths <= tokens)),
           f"{op}: new_lengths outside [0, T] (T = {tokens}, k's tokens): clipped")
     return jnp.clip(new_lengths, 0, tokens), new_lengths

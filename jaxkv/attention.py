@@ -149,7 +149,7 @@ def _check_query(op: str, q, src: _Source, rank: int, hint: str, cache_dtype) ->
     cache_dtype = np.dtype(cache_dtype)
     if cache_dtype in EIGHT_BIT_DTYPES:
         if np.dtype(q.dtype) == np.dtype(jnp.float32):
-            raise TypeError(f"{op}: q must be bfloat16 or float16 over a {cache_dtype} cache")
+            raise TypeError(f"{op}: q must be bfloat16 or float16 over the cache's {cache_dtype}")
     elif cache_dtype != np.dtype(q.dtype):
         raise TypeError(f"{op}: q has dtype {q.dtype}, the cache holds {cache_dtype} (they must "
                         "match, except over 8-bit caches)")

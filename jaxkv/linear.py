@@ -28,9 +28,9 @@ class LinearKVCache:
     Every method returns a new cache; under ``jit`` with the cache donated they run in place.
 
     >>> cache = LinearKVCache.create(num_layers=2, max_batch=4, num_kv_heads=2, max_seq_len=16,
-    ...                              head_dim=8, dtype=jnp.float32)
+    ...                              head_dim=16, dtype=jnp.float32)
     >>> cache = cache.reset(jnp.zeros((3,), jnp.int32))          # 3 active sequences
-    >>> k = v = jnp.ones((4, 2, 5, 8), jnp.float32)                # prefill 5 tokens
+    >>> k = v = jnp.ones((4, 2, 5, 16), jnp.float32)               # prefill 5 tokens
     >>> cache = cache.append(0, k, v).append(1, k, v).commit(5)
     >>> cache.lengths
     Array([5, 5, 5, 0], dtype=int32)
@@ -67,7 +67,8 @@ class LinearKVCache:
         v_scale=None,
     ) -> "LinearKVCache":
         """An empty cache: ``buffer`` ``[num_layers, max_batch, 2, num_kv_heads, max_seq_len,
-        head_dim]`` of ``dtype`` (zeros), ``lengths`` int32 ``[max_batch]`` zeros, no active row.
+        head_dim]`` of ``dtype`` (zeros), ``lengths`` int32 ``[max_batch]`` zeros, no active row
+        (``reset`` starts sequences; ``append`` and ``commit`` leave inactive rows as they are).
 
         **Arguments:** Python ints >= 1 for the sizes, ``num_layers <= 256`` and
         ``max_batch <= 8192`` (what one compaction launch takes: refused here, not in ``compact``
@@ -117,24 +118,40 @@ class LinearKVCache:
         keeps the current ones). The stored bytes are unchanged: they read with the new scales."""
         return quantization.with_scales(self, "LinearKVCache.with_scales", k_scale, v_scale)
 
-    def layer(self, i: IntOrArray) -> jax.Array:
-        """``[max_batch, 2, H, S, D]`` of layer ``i`` (a view under ``jit``). A Python int out of
-        range is a ``ValueError``; a traced one is reported through ``checkify`` (and clamped,
-        as JAX indexes)."""
-        return self.buffer[self._layer("LinearKVCache.layer", i)]
+    def layer(self, i: IntOrArray, dtype: Any = None) -> jax.Array:
+        """``[max_batch, 2, H, S, D]`` of layer ``i`` as stored (a view under ``jit``). A Python int
+        out of range is a ``ValueError``; a traced one is reported through ``checkify`` (and
+        clamped, as JAX indexes).
 
-    def keys(self, i: IntOrArray) -> jax.Array:
-        """``[max_batch, H, S, D]`` of layer ``i`` (checked as in ``layer``)."""
-        return self.buffer[self._layer("LinearKVCache.keys", i), :, 0]
+        ``dtype`` (float32, bfloat16 or float16): the values instead, an 8-bit cache's
+        dequantized (``float32(q) * scale``, its stored codes are not values), any other's
+        converted."""
+        op = "LinearKVCache.layer"
+        layer = self._layer(op, i)
+        if dtype is None:
+            return self.buffer[layer]
+        return jnp.stack([self._read(op, layer, kv, dtype) for kv in (0, 1)], axis=1)
 
-    def values(self, i: IntOrArray) -> jax.Array:
-        """``[max_batch, H, S, D]`` of layer ``i`` (checked as in ``layer``)."""
-        return self.buffer[self._layer("LinearKVCache.values", i), :, 1]
+    def keys(self, i: IntOrArray, dtype: Any = None) -> jax.Array:
+        """``[max_batch, H, S, D]`` of layer ``i`` (checked, and ``dtype``, as in ``layer``)."""
+        op = "LinearKVCache.keys"
+        layer = self._layer(op, i)
+        return self.buffer[layer, :, 0] if dtype is None else self._read(op, layer, 0, dtype)
+
+    def values(self, i: IntOrArray, dtype: Any = None) -> jax.Array:
+        """``[max_batch, H, S, D]`` of layer ``i`` (checked, and ``dtype``, as in ``layer``)."""
+        op = "LinearKVCache.values"
+        layer = self._layer(op, i)
+        return self.buffer[layer, :, 1] if dtype is None else self._read(op, layer, 1, dtype)
 
     def _layer(self, op: str, i: IntOrArray) -> jax.Array:
         layer = validate.layer_index(op, i, self.num_layers)
         check((layer >= 0) & (layer < self.num_layers), f"{op}: layer_idx out of range")
         return layer
+
+    def _read(self, op: str, layer: jax.Array, kv: int, dtype) -> jax.Array:
+        scale = None if self.scaling is None else (self.k_scales, self.v_scales)[kv][layer]
+        return quantization.read_values(op, self.scaling, self.buffer[layer, :, kv], scale, dtype)
 
     @property
     @per_shard(out=Combined("all"))
@@ -183,8 +200,8 @@ class LinearKVCache:
     def commit(self, new_lengths: IntOrArray) -> "LinearKVCache":
         """Advances the lengths of active sequences (TensorRT Edge-LLM's commitSequenceLength).
 
-        ``new_lengths``: a Python int (e.g. 1 per decode step) or int32 ``[max_batch]`` (tokens
-        appended per sequence by a ragged prefill). Lengths stop at ``max_seq_len``; a negative
+        ``new_lengths``: a Python int or int32 scalar (e.g. 1 per decode step), or int32
+        ``[max_batch]`` (tokens appended per sequence by a ragged prefill). Lengths stop at ``max_seq_len``; a negative
         increment leaves the row as it was (both reported through ``checkify``).
         """
         lengths = lifecycle.commit_lengths(

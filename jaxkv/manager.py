@@ -148,14 +148,28 @@ class KVCacheManager:
         """Every layer has the same shape and dtype (the cache could be a LinearKVCache)."""
         return len({(layer.shape, layer.dtype) for layer in self.layers}) == 1
 
-    def combined(self, i: int) -> jax.Array:
-        """``[max_batch, 2, H_i, S_i, D_i]`` of layer ``i``."""
-        return self.layers[self._index("KVCacheManager.combined", i)]
+    def combined(self, i: int, dtype: Any = None) -> jax.Array:
+        """``[max_batch, 2, H_i, S_i, D_i]`` of layer ``i`` as stored; with ``dtype`` (float32,
+        bfloat16 or float16) the values instead, an 8-bit cache's dequantized
+        (``float32(q) * scale``), any other's converted."""
+        if dtype is None:
+            return self.layers[self._index("KVCacheManager.combined", i)]
+        return jnp.stack(self._read("KVCacheManager.combined", i, dtype), axis=1)
 
-    def separate(self, i: int) -> tuple[jax.Array, jax.Array]:
-        """``(K, V)`` of layer ``i``, each ``[max_batch, H_i, S_i, D_i]``."""
-        layer = self.layers[self._index("KVCacheManager.separate", i)]
-        return layer[:, 0], layer[:, 1]
+    def separate(self, i: int, dtype: Any = None) -> tuple[jax.Array, jax.Array]:
+        """``(K, V)`` of layer ``i``, each ``[max_batch, H_i, S_i, D_i]`` (``dtype`` as in
+        ``combined``)."""
+        if dtype is None:
+            layer = self.layers[self._index("KVCacheManager.separate", i)]
+            return layer[:, 0], layer[:, 1]
+        return self._read("KVCacheManager.separate", i, dtype)
+
+    def _read(self, op: str, i: int, dtype) -> tuple[jax.Array, jax.Array]:
+        i = self._index(op, i)
+        scales = (None, None) if self.scaling is None else (self.k_scales[i], self.v_scales[i])
+        k, v = (quantization.read_values(op, self.scaling, self.layers[i][:, kv], scales[kv], dtype)
+                for kv in (0, 1))
+        return k, v
 
     @classmethod
     def from_linear(cls, cache: LinearKVCache) -> "KVCacheManager":
@@ -234,9 +248,9 @@ class KVCacheManager:
 
     @per_shard(new_lengths=Role(ROWS))
     def commit(self, new_lengths: IntOrArray) -> "KVCacheManager":
-        """Advances the lengths of active sequences (a Python int or int32 ``[max_batch]``);
-        lengths stop at ``max_seq_len``, a negative increment is ignored (both reported through
-        ``checkify``)."""
+        """Advances the lengths of active sequences (a Python int, an int32 scalar or int32
+        ``[max_batch]``); lengths stop at ``max_seq_len``, a negative increment is ignored (both
+        reported through ``checkify``)."""
         lengths = lifecycle.commit_lengths(
             "KVCacheManager.commit", self.lengths, self.active_batch_size, new_lengths,
             self.max_seq_len,

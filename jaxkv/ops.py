@@ -103,7 +103,8 @@ def compact_tensor_batch(x: jax.Array, batch_mapping: jax.Array, sharding=None) 
     """Moves rows of ``x`` to their new batch positions (TensorRT Edge-LLM's compactTensorBatch).
 
     **Arguments:**
-    - ``x``: ``[rows, ...]``, any supported dtype. Donate it to run in place.
+    - ``x``: ``[rows, ...]`` in a cache dtype (float32, bfloat16, float16, float8_e4m3fn,
+      float8_e5m2, int8, uint8). Donate it to run in place.
     - ``batch_mapping``: int32 ``[n_old]``, ``n_old <= rows``; ``batch_mapping[i]`` is the new row of
       old row ``i``, or -1 to evict it. Entries outside ``[-1, rows)`` count as evictions.
 
@@ -211,8 +212,9 @@ def compact_kv_cache(layers: Layers, lengths: jax.Array, batch_mapping: jax.Arra
 def increment_lengths(lengths: jax.Array, increment) -> jax.Array:
     """``lengths + increment`` (TensorRT Edge-LLM's incrementLengthTensor, both overloads).
 
-    ``increment`` is a Python int or an int32 ``[batch]`` array. It has no capacity to stop at
-    (the caches' ``commit`` saturates); a sum that wraps int32 is reported through ``checkify``.
+    ``increment`` is a Python int, an int32 scalar or an int32 ``[batch]`` array. It has no
+    capacity to stop at (the caches' ``commit`` saturates); a sum that wraps int32 is reported
+    through ``checkify``.
 
     This is a fused XLA op, not a kernel, by measurement (the ``increment_lengths`` section of
     docs/benchmarks.md): fused into the neighbouring length arithmetic it costs a decode step
@@ -224,7 +226,8 @@ def increment_lengths(lengths: jax.Array, increment) -> jax.Array:
     if isinstance(increment, (bool,)) or not isinstance(increment, int):
         validate.array(op, "increment", increment, "a Python int or an int32 [batch] array")
         validate.int32(op, "increment", increment)
-        validate.shape(op, "increment", increment, lengths.shape, "[batch]")
+        if jnp.ndim(increment) != 0:
+            validate.shape(op, "increment", increment, lengths.shape, "[batch] (or a scalar)")
     else:
         validate.static_int(op, "increment", increment, lo=-(2**31), hi=2**31 - 1)
     increment = jnp.asarray(increment, jnp.int32)

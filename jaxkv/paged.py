@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _lengths
+from . import _lifecycle as lifecycle
 from . import host_tier
 from . import _validate as validate
 from . import ops
@@ -44,11 +45,11 @@ class PagedKVCache:
     ``commit`` the lengths; ``release`` finished sequences.
 
     >>> cache = PagedKVCache.create(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2,
-    ...                             head_dim=8, max_batch=2, max_pages_per_seq=4,
+    ...                             head_dim=16, max_batch=2, max_pages_per_seq=4,
     ...                             dtype=jnp.float32)
     >>> n = jnp.array([5, 3], jnp.int32)                      # ragged prefill
     >>> cache, served = cache.reserve(n)
-    >>> k = v = jnp.ones((2, 2, 5, 8), jnp.float32)
+    >>> k = v = jnp.ones((2, 2, 5, 16), jnp.float32)
     >>> cache = cache.append(0, k, v, n).append(1, k, v, n).commit(n)
     >>> cache.lengths, cache.num_free_pages
     (Array([5, 3], dtype=int32), Array(5, dtype=int32))
@@ -733,7 +734,8 @@ class PagedKVCache:
 
     def _appended(self, op, layer_idx, k, v, new_lengths) -> "PagedKVCache":
         # A row on the host has no page past its shared prefix: the kernel writes nothing for it.
-        writes = True if new_lengths is None else jnp.asarray(new_lengths) > 0
+        writes = True if new_lengths is None else lifecycle.counts_arg(op, new_lengths,
+                                                                        self.max_batch) > 0
         check(~(self.on_host & writes),
               f"{op}: a row is on the host ({host_tier.SWAP_IN_FIRST})")
         k_pages, v_pages, k_scales, v_scales = paged_ops.append_tokens(
@@ -753,11 +755,13 @@ class PagedKVCache:
 
     @per_shard(num_new_tokens=Role(ROWS))
     def commit(self, num_new_tokens: IntOrArray) -> "PagedKVCache":
-        """Advances the lengths by ``num_new_tokens`` (a Python int or int32 ``[max_batch]``).
+        """Advances the lengths by ``num_new_tokens`` (a Python int or int32 scalar for every row,
+        or int32 ``[max_batch]``).
 
-        Lengths stop at each sequence's reserved pages, so a sequence ``reserve`` did not serve
-        does not advance; a negative count leaves the row as it was (both reported through
-        ``checkify``).
+        Lengths stop at each sequence's reserved pages (the tokens ``append`` could write), and a
+        negative count leaves the row as it was (both reported through ``checkify``). A row
+        ``reserve`` did not serve still advances into the room left in its last page, so commit
+        ``jnp.where(served, n, 0)`` to keep an unserved chunk out whole.
         """
         op = "PagedKVCache.commit"
         n = _lengths.increment_arg(op, "num_new_tokens", num_new_tokens, self.max_batch)

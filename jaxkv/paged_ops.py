@@ -102,6 +102,7 @@ def paged_append(k_pages, v_pages, page_table, lengths, layer_idx, k, v, new_len
     - ``k``, ``v``: ``[B, H, T, D]`` (one layer) or ``[L, B, H, T, D]`` (every layer, one launch).
     - ``new_lengths``: int32 ``[B]`` or None: row ``b`` writes its first ``min(T, new_lengths[b])``
       tokens (ragged prefill; 0 for rows with nothing to add); None writes all ``T``.
+    - ``layout``: the pools' layout, ``"HND"`` ``[L, H, P, S, D]`` or ``"NHD"`` ``[L, P, S, H, D]``.
 
     **Returns:** ``(k_pages', v_pages')``: token ``t`` of row ``b`` is at position
     ``lengths[b] + t`` of that row, i.e. in page ``page_table[b, pos // S]``, slot ``pos % S``.
@@ -180,6 +181,10 @@ def paged_gather(k_pages, v_pages, page_table, lengths, layer_idx, max_len: int,
                  layout: str = "HND", split: bool = False, sharding=None):
     """Copies one layer's tokens into dense memory.
 
+    **Arguments:** the pools, ``page_table``, ``lengths``, ``layer_idx`` and ``sharding`` as in
+    ``paged_append``; ``max_len``: a Python int, the tokens a row of the result holds;
+    ``layout``: the pools' layout, ``"HND"`` ``[L, H, P, S, D]`` or ``"NHD"`` ``[L, P, S, H, D]``.
+
     **Returns:** ``[B, 2, H, max_len, D]`` (K then V), or with ``split`` a pair of
     ``[B, H, max_len, D]``. Position ``t`` of row ``b`` holds the cached token for
     ``t < lengths[b]`` and zeros after it (also where no page is assigned). The pools are read,
@@ -223,7 +228,7 @@ def copy_pages(k_pages, v_pages, src_pages, dst_pages, *, layout: str = "HND", s
 
     ``src_pages``, ``dst_pages``: int32 ``[n]``. Pairs with an entry outside ``[0, num_pages)``
     are skipped. Destinations must be distinct and not among the sources (``checkify``); donate the
-    pools to run in place.
+    pools to run in place. ``layout``: the pools' layout, as in ``paged_append``.
 
     With ``sharding``: pools split as a PagedKVCache's; page ids are global (shard ``s`` owns
     ``[s * P/k, (s + 1) * P/k)``) and a pair straddling two shards is skipped (``checkify``).

@@ -187,6 +187,13 @@ def float_dtype(op: str, dtype) -> np.dtype:
     return np.dtype(dtype)
 
 
+def read_values(op: str, scaling, stored, scale, dtype) -> jax.Array:
+    """A dense read's ``stored`` tokens as values in ``dtype`` (float32, bfloat16 or float16):
+    an 8-bit cache's dequantized by ``scale`` (per token and head, or one), others converted."""
+    dtype = float_dtype(op, dtype)
+    return stored.astype(dtype) if scaling is None else dequantize(stored, scale, dtype)
+
+
 def dequantize(q, scale, dtype):
     """``float32(q) * scale`` (a scale per vector over the last axis) in ``dtype``."""
     return (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)[..., None]).astype(dtype)

@@ -406,10 +406,16 @@ def per_shard(op: str | None = None, *, out=None, rule=None, defaults=None, **ro
     def wrap(fn):
         sig = inspect.signature(fn)
         name = op or fn.__qualname__
+        # A call's TypeError shows the names it takes, without their annotations.
+        shown = sig.replace(return_annotation=sig.empty, parameters=[
+            p.replace(annotation=p.empty) for p in sig.parameters.values()])
 
         @functools.wraps(fn)
         def run(*args, **kwargs):
-            bound = sig.bind(*args, **kwargs)
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError as e:  # inspect's message names neither the op nor its arguments
+                raise TypeError(f"{name}{shown}: {e}") from None
             s = _sharding_in(bound.arguments)
             if s is None:
                 return fn(*args, **kwargs)

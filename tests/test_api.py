@@ -113,3 +113,50 @@ def test_commit_names_what_it_accepts():
     paged = jaxkv.PagedKVCache.create(2, 4, 4, 1, 4, 2, 2, dtype=jnp.float32)
     with pytest.raises(TypeError, match="num_new_tokens must be an int or an int32 array"):
         paged.commit(1.5)
+    with pytest.raises(ValueError, match=r"PagedKVCache.commit: num_new_tokens must have shape"):
+        paged.commit(jnp.ones((3,), jnp.int32))
+
+
+def test_commit_takes_an_int32_scalar_for_every_row():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    linear = jaxkv.LinearKVCache.create(2, 3, 1, 8, 4, dtype=jnp.float32)
+    linear = linear.reset(jnp.zeros((2,), jnp.int32))
+    step = jax.jit(lambda c, n: c.commit(n))  # n traced: one compile for every count
+    assert step(linear, jnp.int32(3)).lengths.tolist() == [3, 3, 0]
+    assert step(linear, jnp.int32(2)).lengths.tolist() == [2, 2, 0]
+    manager = jaxkv.KVCacheManager.from_linear(linear)
+    assert manager.commit(jnp.int32(4)).lengths.tolist() == [4, 4, 0]
+    paged = jaxkv.PagedKVCache.create(2, 4, 4, 1, 4, 3, 2, dtype=jnp.float32)
+    paged, _ = paged.reserve(jnp.asarray([4, 8, 0], jnp.int32))
+    assert paged.commit(jnp.int32(5)).lengths.tolist() == [4, 5, 0]  # stops at its pages
+    total = jaxkv.increment_lengths(jnp.asarray([1, 2], jnp.int32), np.int32(3))
+    assert total.tolist() == [4, 5]
+
+
+def test_a_misspelt_argument_names_the_op_and_its_arguments():
+    import jax.numpy as jnp
+
+    paged = jaxkv.PagedKVCache.create(2, 4, 4, 1, 4, 2, 2, dtype=jnp.float32)
+    with pytest.raises(TypeError, match=r"PagedKVCache.gather\(self, layer_idx, max_len, \*, "
+                       r"split=False, dtype=None\): got an unexpected keyword argument 'splt'"):
+        paged.gather(0, 4, splt=True)
+    with pytest.raises(TypeError, match=r"PagedKVCache.commit\(self, num_new_tokens.*missing"):
+        paged.commit(new_lengths=1)
+    q = jnp.ones((2, 4, 4), jnp.float32)
+    with pytest.raises(TypeError, match=r"attention.decode\(q, cache.*'kv_length'"):
+        jaxkv.attention.decode(q, paged, 0, kv_length=paged.lengths)
+
+
+def test_an_append_names_new_lengths_of_the_wrong_shape():
+    import jax.numpy as jnp
+
+    paged = jaxkv.PagedKVCache.create(2, 4, 4, 1, 4, 2, 2, dtype=jnp.float32)
+    k = jnp.ones((2, 1, 3, 4), jnp.float32)
+    for append in (lambda n: paged.append(0, k, k, n),
+                   lambda n: paged.append_layers(k[None].repeat(2, 0), k[None].repeat(2, 0), n)):
+        with pytest.raises(ValueError, match=r"PagedKVCache.append(_layers)?: new_lengths must "
+                           r"have shape \(2,\)"):
+            append(jnp.ones((3,), jnp.int32))

@@ -637,6 +637,14 @@ def test_readme_decode_step_runs():
     exec(compile(blocks[0], "README.md", "exec"), namespace)
     out = namespace["out"]
     assert out.shape == (2, 4, 8, 64)
-    np.testing.assert_array_equal(namespace["cache"].lengths, [1, 1, 1, 1])
-    # One token of ones attended by itself: the output is that value token.
-    np.testing.assert_array_equal(np.asarray(out, np.float32), 1.0)
+    np.testing.assert_array_equal(namespace["cache"].lengths, [1, 1, 1, 0])
+    # One token of ones attended by itself: the output is that value token; the idle slot's zeros.
+    np.testing.assert_array_equal(np.asarray(out[:, :3], np.float32), 1.0)
+    np.testing.assert_array_equal(np.asarray(out[:, 3], np.float32), 0.0)
+    # The step with an idle slot is clean under checkify, a second step too.
+    step = checkify.checkify(namespace["decode_step"])
+    for _ in range(2):
+        err, (namespace["cache"], out) = step(namespace["cache"], *(namespace[x] for x in
+                                                                    ("live", "q", "k", "v")))
+        assert err.get() is None
+    np.testing.assert_array_equal(namespace["cache"].lengths, [3, 3, 3, 0])

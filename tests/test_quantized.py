@@ -683,6 +683,38 @@ def test_gather_dequantizes(layout, scaling):
     assert dense.shape == (B, 2, H, 10, D) and dense.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("kind", ["linear", "manager"])
+@pytest.mark.parametrize("scaling", ["per_token_head", "per_tensor"])
+def test_dense_reads_dequantize_when_given_a_dtype(kind, scaling):
+    kw = dict(k_scale=0.02, v_scale=0.04) if scaling == "per_tensor" else {}
+    c = started(kind, jnp.int8, [5, 3, 0, 8], scaling, **kw)
+    if kind == "linear":
+        reads = dict(keys=lambda dt: c.keys(1, dt), values=lambda dt: c.values(1, dt),
+                     layer=lambda dt: c.layer(jnp.int32(1), dt))
+    else:
+        reads = dict(keys=lambda dt: c.separate(1, dt)[0], values=lambda dt: c.separate(1, dt)[1],
+                     layer=lambda dt: c.combined(1, dt))
+    want = []
+    for kv in (0, 1):
+        data, scales = token_view(c, 1, kv)
+        if scaling == "per_tensor":
+            scales = jnp.full(data.shape[:3], (0.02, 0.04)[kv], jnp.float32)
+        want.append(np.asarray(reference.dequantize(data, scales, jnp.bfloat16)))
+        assert reads[("keys", "values")[kv]](None).dtype == jnp.int8, "stored codes without dtype"
+    assert_bytes_equal(reads["keys"](jnp.bfloat16), want[0], "keys")
+    assert_bytes_equal(reads["values"](jnp.bfloat16), want[1], "values")
+    assert_bytes_equal(reads["layer"](jnp.bfloat16), np.stack(want, axis=1), "layer")
+    with pytest.raises(TypeError, match=r"\.(keys|separate): dtype must be float32, bfloat16"):
+        reads["keys"](jnp.int8)
+
+
+def test_dense_reads_of_a_float_cache_convert_to_the_dtype():
+    c = started("linear", jnp.float32, [5, 3, 0, 8])
+    assert_bytes_equal(c.keys(0, jnp.bfloat16), c.buffer[0, :, 0].astype(jnp.bfloat16), "keys")
+    m = jaxkv.KVCacheManager.from_linear(c)
+    assert_bytes_equal(m.combined(1, jnp.float16), c.buffer[1].astype(jnp.float16), "combined")
+
+
 def attention_case(kind, dtype, scaling):
     kw = dict(k_scale=0.02, v_scale=0.03) if scaling == "per_tensor" else {}
     c = started(kind, dtype, [0, 0, 0, 0], scaling, **kw)
