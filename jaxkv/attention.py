@@ -122,10 +122,7 @@ def _addressing(op: str, cache, layer_idx) -> _Source:
         return _Source(cache.buffer, cache.buffer, no_table, _DENSE, layer, cache.num_layers,
                        batch, heads, cap, d, jnp.full((batch,), cap, jnp.int32))
     if isinstance(cache, KVCacheManager):
-        if not isinstance(layer_idx, (int, np.integer)) or isinstance(layer_idx, bool):
-            raise TypeError(f"{op}: layer_idx must be a Python int for a KVCacheManager (its layers "
-                            f"differ in shape), got {type(layer_idx).__name__}")
-        i = validate.static_int(op, "layer_idx", layer_idx, 0, cache.num_layers - 1)
+        i = cache._index(op, layer_idx)
         buf = cache.layers[i]
         batch, _, heads, cap, d = buf.shape
         return _Source(buf, buf, no_table, _DENSE, jnp.zeros((), jnp.int32), 1, batch, heads, cap,

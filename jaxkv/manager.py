@@ -136,6 +136,10 @@ class KVCacheManager:
         return quantization.with_scales(self, "KVCacheManager.with_scales", k_scale, v_scale)
 
     def _index(self, op: str, i: int) -> int:
+        """Layer ``i`` checked: a Python int, since the layers may differ in shape."""
+        if isinstance(i, jax.Array):
+            raise TypeError(f"{op}: layer_idx must be a Python int for a KVCacheManager (its layers "
+                            f"differ in shape: unroll them), got {type(i).__name__}")
         return validate.static_int(op, "layer_idx", i, 0, self.num_layers - 1)
 
     def layer_config(self, i: int) -> KVLayerConfig:

@@ -246,3 +246,15 @@ def test_all_empty_and_active_batch_size():
         cache.set_active_batch_size(4)
     with pytest.raises(ValueError, match="reuse_lengths has 4 entries, max_batch is 3"):
         cache.reset(jnp.zeros((4,), jnp.int32))
+
+
+def test_a_traced_layer_index_is_refused_with_why():
+    cache = jaxkv.KVCacheManager.create([jaxkv.KVLayerConfig(2, 16)] * 2, 2, 8, jnp.float32)
+    k = jnp.ones((2, 2, 1, 16), jnp.float32)
+    q = jnp.ones((2, 4, 16), jnp.float32)
+    for op, call in (("KVCacheManager.append", lambda i: cache.append(i, k, k)),
+                     ("KVCacheManager.separate", lambda i: cache.separate(i)),
+                     ("attention.decode", lambda i: jaxkv.attention.decode(q, cache, i))):
+        with pytest.raises(TypeError, match=rf"{op}: layer_idx must be a Python int for a "
+                           r"KVCacheManager \(its layers differ in shape: unroll them\)"):
+            jax.jit(call)(jnp.int32(0))
