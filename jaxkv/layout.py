@@ -52,7 +52,10 @@ def pool_shape(layout: str, num_layers: int, num_kv_heads: int, num_pages: int, 
 
 
 def pool_geometry(layout: str, shape) -> dict:
-    """num_layers, num_kv_heads, num_pages, page_size, head_dim of a pool shape."""
+    """num_layers, num_kv_heads, num_pages, page_size, head_dim of a pool shape (of rank 4: a
+    pool of one value a token, head_dim 1, as the per-token scales are)."""
+    if len(shape) == 4:
+        shape = (*shape, 1)
     if layout == "HND":
         layers, heads, pages, page_size, head_dim = shape
     else:

@@ -473,16 +473,16 @@ class PagedKVCache:
         return self._copied(op, src_pages, dst_pages)
 
     def _copied(self, op, src_pages, dst_pages) -> "PagedKVCache":
-        """Pages copied with their per-token scales (a pool of one-value tokens: a second launch
-        of the same kernel, on a view of the scales with D = 1). A page written leaves the
-        prefix index, with the pages indexed below it."""
+        """Pages copied with their per-token scales (pools of one-value tokens: a second launch
+        of the same kernel). A page written leaves the prefix index, with the pages indexed
+        below it."""
         k_pages, v_pages = paged_ops.copy_pairs(
             op, self.k_pages, self.v_pages, src_pages, dst_pages, self.layout)
         fields = {}
         if self.scaling == "per_token_head":
-            ks, vs = paged_ops.copy_pairs(op, self.k_scales[..., None], self.v_scales[..., None],
-                                          src_pages, dst_pages, self.layout)
-            fields = dict(k_scales=ks[..., 0], v_scales=vs[..., 0])
+            ks, vs = paged_ops.copy_pairs(op, self.k_scales, self.v_scales, src_pages, dst_pages,
+                                          self.layout, rank=4)
+            fields = dict(k_scales=ks, v_scales=vs)
         if self.prefix_cache is not None:
             copied = paged_ops.copied_pairs(src_pages, dst_pages, self.num_pages)
             written = page_index.mask_of(self.prefix_cache, dst_pages, copied)

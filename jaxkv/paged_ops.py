@@ -30,13 +30,14 @@ _gathered = lambda args: (Role(KV), Role(KV)) if args["split"] else Role(LAYER) 
 _pages = lambda args: pool_geometry(args["layout"], args["k_pages"].shape)["num_pages"]  # noqa: E731
 
 
-def _check_pools(op: str, k_pages, v_pages, layout: str) -> dict:
+def _check_pools(op: str, k_pages, v_pages, layout: str, rank: int = 5) -> dict:
+    """The pools' geometry, checked; ``rank`` 4: pools of one value a token (scales)."""
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
     hint = "[L, H, P, S, D]" if layout == "HND" else "[L, P, S, H, D]"
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
         validate.array(op, name, x)
-        validate.rank(op, name, x, 5, hint)
+        validate.rank(op, name, x, rank, hint[:-4] + "]" if rank == 4 else hint)
         validate.cache_dtype(op, name, x)
     if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
         raise ValueError(
@@ -255,9 +256,11 @@ def copied_pairs(src_pages, dst_pages, num_pages: int) -> jax.Array:
     return in_pool(src_pages) & in_pool(dst_pages) & (src_pages != dst_pages)
 
 
-def copy_pairs(op, k_pages, v_pages, src_pages, dst_pages, layout):
-    """``copy_pages``' checks, under ``op``'s name, and its one FFI call."""
-    g = _check_pools(op, k_pages, v_pages, layout)
+def copy_pairs(op, k_pages, v_pages, src_pages, dst_pages, layout, rank: int = 5):
+    """``copy_pages``' checks, under ``op``'s name, and its one FFI call. ``rank`` 4: pools of
+    one value a token (an 8-bit cache's scales), which the kernel takes as they are: a view with
+    a unit head_dim would cost XLA a copy of each pool on the way in and out."""
+    g = _check_pools(op, k_pages, v_pages, layout, rank)
     check_pairs(op, src_pages, dst_pages)
     runs = g["num_kv_heads"] if layout == "HND" else 1  # contiguous runs per page and layer
     validate.one_launch(op, "pairs * layers * runs", src_pages.shape[0] * g["num_layers"] * runs)

@@ -665,6 +665,31 @@ def test_fork_and_copy_pages_move_scales(layout):
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_fork_and_copy_pages_move_scales_in_place(layout):
+    """The scale pools go to the copy kernel as they are: no copy of any cache leaf (a view of
+    them with a unit head_dim cost XLA a copy of each pool on the way in and on the way out),
+    one call and under scan, and the outputs are the inputs' buffers."""
+    c = started(f"paged-{layout}", jnp.int8, [6, 0, 0, 0])
+    src, dst = c.page_table[0, :1], jnp.asarray([PAGES - 1], jnp.int32)
+    ops = {"fork": lambda c: c.fork(0, jnp.asarray([2], jnp.int32))[0],
+           "copy_pages": lambda c: c.copy_pages(src, dst)}
+    big = [x for x in jax.tree.leaves(c) if x.size >= 256]
+    assert len(big) == 4  # the pools and their scales
+    for name, op in ops.items():
+        looped = lambda c: jax.lax.scan(lambda c, _: (op(c), None), c, None, length=3)[0]  # noqa
+        for f in (op, looped):
+            run = jax.jit(f, donate_argnums=0)
+            hlo = run.lower(c).compile().as_text()
+            for x in big:
+                assert not copies_of(hlo, x), (name, copies_of(hlo, x))
+            c = started(f"paged-{layout}", jnp.int8, [6, 0, 0, 0])
+            pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(c) if x.size >= 256]
+            out = run(c)
+            assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(out)
+                    if x.size >= 256] == pointers, name
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("scaling", ["per_token_head", "per_tensor"])
 def test_gather_dequantizes(layout, scaling):
     kw = dict(k_scale=0.02, v_scale=0.04) if scaling == "per_tensor" else {}

@@ -170,7 +170,9 @@ inline ffi::ErrorOr<PagedView> make_view(const char* op, ffi::AnyBuffer k_pages,
   auto elem = element_bytes(k_pages.element_type(), op);
   if (elem.has_error()) return ffi::Unexpected(elem.error());
   auto d = k_pages.dimensions();
-  if (d.size() != 5) return ffi::Unexpected(invalid(op, "pools must have rank 5"));
+  // Rank 4: pools of one value a token (an 8-bit cache's per-token scales), head_dim 1.
+  if (d.size() != 5 && d.size() != 4)
+    return ffi::Unexpected(invalid(op, "pools must have rank 5 (or 4: one value a token)"));
   if (v_pages.element_type() != k_pages.element_type() || v_pages.size_bytes() != k_pages.size_bytes())
     return ffi::Unexpected(invalid(op, "K and V pools differ"));
   // Zero rows is a valid (empty) call: the table is then [0, max_pages_per_seq].
@@ -186,7 +188,7 @@ inline ffi::ErrorOr<PagedView> make_view(const char* op, ffi::AnyBuffer k_pages,
   c.page_size = static_cast<int32_t>(nhd ? d[2] : d[3]);
   c.batch = static_cast<int32_t>(batch);
   c.max_pages = batch ? static_cast<int32_t>(table_elements / batch) : 0;
-  c.token_bytes = static_cast<int32_t>(d[4] * *elem);
+  c.token_bytes = static_cast<int32_t>((d.size() == 5 ? d[4] : 1) * *elem);
   c.nhd = nhd;
   c.page_div = FastDiv(static_cast<uint32_t>(c.page_size));
   return c;
