@@ -243,6 +243,15 @@ def test_kernel_summary_takes_the_union_of_kernel_intervals():
     assert late["longest"] == [("after input_scatter_fusion / before gemm", pytest.approx(0.05))]
 
 
+def test_a_mesh_reports_every_devices_busy_share_and_the_least_busy_ones_summary():
+    busy = [("gemm", 0, 80)]  # 80% of 100 ns
+    idle = [("gemm", 0, 30), ("_ZN5jaxkv16attention_kernelEv", 50, 10)]  # 40%
+    s = metrics.per_device({"/device:GPU:0": busy, "/device:GPU:1": idle}, wall=100e-9)
+    assert s["gpu_busy_per_device"] == [pytest.approx(0.8), pytest.approx(0.4)]
+    assert s["gpu_busy_share"] == pytest.approx(0.4) and s["attention_share"] == pytest.approx(0.25)
+    assert metrics.per_device({"/device:GPU:0": []}, wall=1.0) is None
+
+
 def _imports(path: pathlib.Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -281,7 +290,7 @@ def test_serve_command_reports_and_writes_json(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "output tokens/s" in out and "TTFT p50 / p99" in out
-    assert "GPU busy / wall (profiled)" in out
+    assert "GPU busy / wall (profiled; each device)" in out
     if jax.default_backend() != "gpu":  # no device trace: the profiled rows say so
         assert "n/a" in out
     assert "first 6 requests: paged 6/6 identical, fixed 6/6 identical" in out

@@ -76,7 +76,8 @@ def classify(name: str) -> str:
 
 def profile_summary(trace_dir: str, window) -> dict | None:
     """GPU busy time (the union of kernel intervals) over the window's wall time, and the share of
-    kernel time by ``classify``; None on a machine without GPU planes in the trace (the CPU)."""
+    kernel time by ``classify``, per device (``per_device``); None on a machine without GPU planes
+    in the trace (the CPU)."""
     paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
     if not paths:
         return None
@@ -85,14 +86,26 @@ def profile_summary(trace_dir: str, window) -> dict | None:
     except Exception as e:  # a profiler without the reader: say so, keep the run's results
         print(f"profile: cannot read {paths[0]}: {e}")
         return None
-    events = []
+    by_device = {}
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
         lines = [ln for ln in plane.lines if ln.name.startswith("Stream")] or [
             ln for ln in plane.lines if "XLA" not in ln.name]
-        events += [(e.name, e.start_ns, e.duration_ns) for line in lines for e in line.events]
-    return kernel_summary(events, window[1] - window[0]) if events else None
+        by_device[plane.name] = [(e.name, e.start_ns, e.duration_ns) for line in lines
+                                 for e in line.events]
+    return per_device(by_device, window[1] - window[0])
+
+
+def per_device(by_device: dict, wall: float) -> dict | None:
+    """``kernel_summary`` of the least busy device (a mesh runs as fast as its slowest), with
+    every device's busy share in ``gpu_busy_per_device`` (sorted by name)."""
+    summaries = [kernel_summary(events, wall) for _, events in sorted(by_device.items())
+                 if events]
+    if not summaries:
+        return None
+    least = min(summaries, key=lambda s: s["gpu_busy_share"])
+    return dict(least, gpu_busy_per_device=[s["gpu_busy_share"] for s in summaries])
 
 
 def kernel_summary(events, wall: float) -> dict:

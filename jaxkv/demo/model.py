@@ -125,14 +125,23 @@ def init_stacked_params(cfg: LlamaConfig, seed: int = 0, dtype=jnp.float32,
 
     def make(key):
         keys = iter(jax.random.split(key, len(shapes) + 5))
-        dense = lambda shape, lead=(): (jax.random.normal(next(keys), lead + shape, dtype)  # noqa
-                                        * jnp.asarray(1 / np.sqrt(shape[0]), dtype))
         norm = lambda shape: (1 + 0.1 * jax.random.normal(next(keys), shape, jnp.float32)  # noqa
                               ).astype(dtype)
-        layers = {name: dense(shape, (n,)) for name, shape in shapes.items()}
+        def pieces(key, shape, parts, scale=1.0):  # [parts * rows, ...] drawn a piece at a time
+            piece = (shape[0] // parts, *shape[1:])
+            return jax.lax.map(lambda k: jax.random.normal(k, piece, dtype) * jnp.asarray(
+                scale, dtype), jax.random.split(key, parts)).reshape(shape)
+
+        # A layer (a vocabulary's eighth) at a time, lax.map being a loop: the generator's
+        # temporaries are a piece's, not the whole stack's (at once, a 70B model's took 324 GB a
+        # device over tp=2, where its weights are 73 GB).
+        layers = {name: pieces(next(keys), (n, *shape), n, 1 / np.sqrt(shape[0]))
+                  for name, shape in shapes.items()}
         layers.update(attn_norm=norm((n, d)), mlp_norm=norm((n, d)))
-        embed = jax.random.normal(next(keys), (cfg.vocab_size, d), dtype)
-        lm_head = embed.T if cfg.tie_word_embeddings else dense((d, cfg.vocab_size)) * 4
+        eighths = 8 if cfg.vocab_size % 8 == 0 and d % 8 == 0 else 1
+        embed = pieces(next(keys), (cfg.vocab_size, d), eighths)
+        lm_head = (embed.T if cfg.tie_word_embeddings
+                   else pieces(next(keys), (d, cfg.vocab_size), eighths, 4 / np.sqrt(d)))
         return dict(embed=embed, layers=layers, norm=norm((d,)), lm_head=lm_head)
 
     key = jax.random.key(seed)

@@ -204,6 +204,11 @@ def table(results: dict[str, dict], profiled: bool) -> list[str]:
     def share(r, key):
         return "n/a" if r["profile"] is None else f"{r['profile'][key] * 100:.0f}%"
 
+    def busy(r):  # every device's
+        if r["profile"] is None:
+            return "n/a"
+        return " / ".join(f"{s * 100:.0f}%" for s in r["profile"]["gpu_busy_per_device"])
+
     rows = [("", *results),
             ("output tokens/s", *(f"{r['tokens_per_s']:.0f}" for r in runs)),
             ("  before the drain", *("-" if r["loaded_tokens_per_s"] is None else
@@ -237,7 +242,7 @@ def table(results: dict[str, dict], profiled: bool) -> list[str]:
             ("host time between calls (s)", *(f"{r['host_s']:.2f}" for r in runs)),
             ("wall (s)", *(f"{r['wall_s']:.2f}" for r in runs)),
             ("compile + warm-up (s)", *(f"{r['compile_s']:.1f}" for r in runs)),
-            ("GPU busy / wall (profiled)", *(share(r, "gpu_busy_share") for r in runs)),
+            ("GPU busy / wall (profiled; each device)", *(busy(r) for r in runs)),
             ("kernel time: cache ops", *(share(r, "cache_share") for r in runs)),
             ("kernel time: jaxkv attention", *(share(r, "attention_share") for r in runs))]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
