@@ -201,8 +201,9 @@ class LinearKVCache:
         """Advances the lengths of active sequences (TensorRT Edge-LLM's commitSequenceLength).
 
         ``new_lengths``: a Python int or int32 scalar (e.g. 1 per decode step), or int32
-        ``[max_batch]`` (tokens appended per sequence by a ragged prefill). Lengths stop at ``max_seq_len``; a negative
-        increment leaves the row as it was (both reported through ``checkify``).
+        ``[max_batch]`` (tokens appended per sequence by a ragged prefill). Lengths stop at
+        ``max_seq_len``; a negative increment leaves the row as it was (both reported through
+        ``checkify``).
         """
         lengths = lifecycle.commit_lengths(
             "LinearKVCache.commit", self.lengths, self.active_batch_size, new_lengths,

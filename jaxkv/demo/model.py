@@ -127,14 +127,15 @@ def init_stacked_params(cfg: LlamaConfig, seed: int = 0, dtype=jnp.float32,
         keys = iter(jax.random.split(key, len(shapes) + 5))
         norm = lambda shape: (1 + 0.1 * jax.random.normal(next(keys), shape, jnp.float32)  # noqa
                               ).astype(dtype)
+
         def pieces(key, shape, parts, scale=1.0):  # [parts * rows, ...] drawn a piece at a time
             piece = (shape[0] // parts, *shape[1:])
             return jax.lax.map(lambda k: jax.random.normal(k, piece, dtype) * jnp.asarray(
                 scale, dtype), jax.random.split(key, parts)).reshape(shape)
 
         # A layer (a vocabulary's eighth) at a time, lax.map being a loop: the generator's
-        # temporaries are a piece's, not the whole stack's (at once, a 70B model's took 324 GB a
-        # device over tp=2, where its weights are 73 GB).
+        # temporaries are a piece's, not the whole stack's (a 70B model's at once: 324 GB a
+        # device over tp=2 by XLA's CPU memory analysis, beside 73 GB of weights).
         layers = {name: pieces(next(keys), (n, *shape), n, 1 / np.sqrt(shape[0]))
                   for name, shape in shapes.items()}
         layers.update(attn_norm=norm((n, d)), mlp_norm=norm((n, d)))
