@@ -103,6 +103,25 @@ def test_no_collective_moves_cache_data(name):
     assert any(op == "all-reduce" for _, op, _ in found)  # the model's, one per block
 
 
+@pytest.mark.parametrize("axes, rows", [({"tp": 2}, 2), ({"tp": 2, "dp": 2}, 3)])
+def test_a_prefill_attends_its_rows_alone_where_the_batch_is_not_split(axes, rows):
+    """Heads over tp alone: the paged prefill appends and attends through a view of the chunk's
+    rows (2 here), as on one device; with the batch split, through arrays of a shard's whole
+    batch and a prompt row (2 + 1 a device): a view's rows would straddle batch shards. (The
+    full-batch path at tp=2 made the 8B prefill attend 257 rows for 8, perf notes item 60.)"""
+    cfg = M.PRESETS["tiny"]
+    s = cli.cache_sharding(axes)
+    params = M.init_stacked_params(cfg, 0, "float32", s.mesh)
+    system, _ = S.make_stream(S.StreamConfig(requests=4), cfg.vocab_size)
+    kind = S.make_kind("paged", cfg, "float32", S.Plan("paged", 4, 64, 16), sharding=s)
+    eng = S.ServeEngine(cfg, params, kind, batch=4, max_seq_len=256, system_prompt=system,
+                        prefill_rows=2, prefill_chunk=16, decode_steps=4)
+    args = eng.example_args()["prefill2"]
+    hlo = eng.functions["prefill"].lower(*args).compile().as_text()
+    calls = re.findall(r"= \((\w+)\[(\d+),[^\n]*custom_call_target=\"jaxkv_attention", hlo)
+    assert calls and {int(n) for _, n in calls} == {rows}, calls
+
+
 def test_every_engine_lowers_at_the_70b_preset_over_tp4():
     """The multi-GPU run's shapes (80 layers, 64 / 8 heads, FFN 28672, bf16) with the weights
     split over tp=4, traced and lowered without weights or memory."""
