@@ -17,7 +17,8 @@ from . import _validate as validate
 from ._checks import check
 
 
-def increment_arg(op: str, name: str, increment, rows: int) -> jax.Array:
+def increment_arg(op: str, name: str, increment, rows: int, hint: str = "[max_batch]"
+                  ) -> jax.Array:
     """A commit's increment as int32 ``[rows]``: a Python int or an int32 scalar (every row), or
     an int32 ``[rows]``.
 
@@ -32,7 +33,7 @@ def increment_arg(op: str, name: str, increment, rows: int) -> jax.Array:
     validate.int32(op, name, increment)
     if increment.ndim == 0:  # a traced count for every row
         return jnp.broadcast_to(increment, (rows,))
-    validate.shape(op, name, increment, (rows,), "[max_batch] (or a scalar)")
+    validate.shape(op, name, increment, (rows,), f"{hint} (or a scalar)")
     return increment
 
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _ffi
+from . import _lengths
 from . import _validate as validate
 from ._checks import check
 from .layout import LAYER, ROWS
@@ -222,15 +223,8 @@ def increment_lengths(lengths: jax.Array, increment) -> jax.Array:
     fusion and XLA's command buffer around it.
     """
     op = "increment_lengths"
-    validate_lengths(op, lengths)
-    if isinstance(increment, (bool,)) or not isinstance(increment, int):
-        validate.array(op, "increment", increment, "a Python int or an int32 [batch] array")
-        validate.int32(op, "increment", increment)
-        if jnp.ndim(increment) != 0:
-            validate.shape(op, "increment", increment, lengths.shape, "[batch] (or a scalar)")
-    else:
-        validate.static_int(op, "increment", increment, lo=-(2**31), hi=2**31 - 1)
-    increment = jnp.asarray(increment, jnp.int32)
+    batch = validate_lengths(op, lengths)
+    increment = _lengths.increment_arg(op, "increment", increment, batch, "[batch]")
     total = lengths + increment
     # int32 wraps: the sum of two numbers of one sign has the other sign.
     check(

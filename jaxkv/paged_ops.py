@@ -37,7 +37,7 @@ def _check_pools(op: str, k_pages, v_pages, layout: str, rank: int = 5) -> dict:
     hint = "[L, H, P, S, D]" if layout == "HND" else "[L, P, S, H, D]"
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
         validate.array(op, name, x)
-        validate.rank(op, name, x, rank, hint[:-4] + "]" if rank == 4 else hint)
+        validate.rank(op, name, x, rank, hint.replace(", D]", "]") if rank == 4 else hint)
         validate.cache_dtype(op, name, x)
     if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
         raise ValueError(

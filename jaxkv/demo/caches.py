@@ -441,9 +441,8 @@ class PagedKind:
         arrays. Where the batch is not split (one device, or heads over ``tp`` alone): a view's
         rows would straddle batch shards (a row past the batch names the prompt row, with no
         tokens)."""
-        unsplit = self.sharding is None or self.sharding.batch_shards == 1
         if not (self.ops == "jaxkv" and self.attention == "auto" and _kernel_attends(self.cfg)
-                and unsplit):
+                and self.batch_shards == 1):
             return _attend_rows_full(self, cache, layer, rows, q, k, v, new_lengths, positions)
         sub = _rows_view(cache, rows)
         sub = sub.append(layer, k, v, new_lengths)
