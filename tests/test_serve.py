@@ -93,6 +93,22 @@ def test_unrolled_layers_equal_the_scan():
     assert engine("fixed", unroll=True).cache_copies() == 0
 
 
+def test_unstacking_can_free_the_stacks_and_the_command_loads_one_layout():
+    """The unrolled engines take a list of layers: ``load`` makes it from the drawn stacks and
+    deletes them (a 70B model held twice over does not fit two H200s)."""
+    stacked = M.init_stacked_params(CFG, 1, "float32")
+    want = jax.tree.map(np.asarray, stacked)
+    layers = M.unstack_layers(stacked, consume=True)["layers"]
+    assert all(w.is_deleted() for w in stacked["layers"].values())
+    for i, layer in enumerate(layers):
+        for k, w in layer.items():
+            np.testing.assert_array_equal(w, want["layers"][k][i])
+    for how, kind in (("unroll", list), ("scan", dict)):
+        args = serve_cli.parse_args(["--preset", "tiny", "--layers", how])
+        args.sharding, args.dtype = None, "float32"
+        assert isinstance(serve_cli.load(args)[1]["layers"], kind)
+
+
 def test_multi_step_loop_equals_one_step_per_dispatch():
     many, m_many = serve("paged")
     one, m_one = serve("paged", steps=1)

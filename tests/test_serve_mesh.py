@@ -64,6 +64,7 @@ def test_weights_split_megatron_style():
     assert specs["wq"][-1] == specs["wk"][-1] == specs["w_up"][-1] == "tp"  # by columns
     assert specs["wo"][-2] == specs["w_down"][-2] == "tp"  # by rows
     assert tuple(params["embed"].sharding.spec) in ((), (None, None))
+    assert tuple(params["lm_head"].sharding.spec) == (None, "tp")  # by vocabulary columns
     plain = M.init_stacked_params(M.PRESETS["tiny"], 0, "float32")
     np.testing.assert_array_equal(np.asarray(params["layers"]["wq"]),
                                   np.asarray(plain["layers"]["wq"]))
@@ -76,7 +77,7 @@ _COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-reduce|all-gather|all-to-
 @pytest.mark.parametrize("name", ["paged", "linear", "fixed"])
 def test_no_collective_moves_cache_data(name):
     """Every collective of the compiled prefill, decode and evict is smaller than one layer's
-    K of one row, and none has a cache leaf's shape (global or per device)."""
+    K of one row, and none has a cache leaf's shape (global or per device) or the logits'."""
     cfg = M.PRESETS["tiny"]
     s = cli.cache_sharding({"tp": 2, "dp": 2})
     params = M.init_stacked_params(cfg, 0, "float32", s.mesh)
@@ -100,6 +101,8 @@ def test_no_collective_moves_cache_data(name):
             found.append((fname, op, shape))
             assert shape not in shapes | local, (fname, op, shape)
             assert np.prod(shape, dtype=np.int64) < one_row, (fname, op, shape)
+            # the greedy pick combines each device's best (value, index), never the logits
+            assert not {cfg.vocab_size, cfg.vocab_size // 2} & set(shape), (fname, op, shape)
     assert any(op == "all-reduce" for _, op, _ in found)  # the model's, one per block
 
 
@@ -120,6 +123,23 @@ def test_a_prefill_attends_its_rows_alone_where_the_batch_is_not_split(axes, row
     hlo = eng.functions["prefill"].lower(*args).compile().as_text()
     calls = re.findall(r"= \((\w+)\[(\d+),[^\n]*custom_call_target=\"jaxkv_attention", hlo)
     assert calls and {int(n) for _, n in calls} == {rows}, calls
+
+
+def test_host_arrays_reach_every_device_in_one_put():
+    """The prefill's host arrays (rows, tokens, counts, the end token) are taken replicated and
+    ``put`` places them so: none is copied from the first device to the others at each call."""
+    cfg = M.PRESETS["tiny"]
+    s = cli.cache_sharding({"tp": 2})
+    params = M.init_stacked_params(cfg, 0, "float32", s.mesh)
+    system, _ = S.make_stream(S.StreamConfig(requests=4), cfg.vocab_size)
+    kind = S.make_kind("paged", cfg, "float32", S.Plan("paged", 4, 64, 16), sharding=s)
+    eng = S.ServeEngine(cfg, params, kind, batch=4, max_seq_len=256, system_prompt=system,
+                        prefill_rows=2, prefill_chunk=16, decode_steps=4)
+    compiled = eng.functions["prefill"].lower(*eng.example_args()["prefill2"]).compile()
+    host = compiled.input_shardings[0][-7:]  # new, rows, tokens, n, last, budget, eos
+    assert all(x.is_fully_replicated and len(x.device_set) == 2 for x in host), host
+    put = eng.put(np.zeros(4, bool), np.int32(-1))
+    assert all(x.sharding.is_fully_replicated and len(x.sharding.device_set) == 2 for x in put)
 
 
 def test_every_engine_lowers_at_the_70b_preset_over_tp4():

@@ -4,7 +4,10 @@ steps compile here as XLA would by default: a step whose plan passes the device'
 rematerialized (a warning at compile time), which `serve` turns off (docs/serving.md).
 
     python3 tools/serve_memory_probe.py --preset 8b --engines paged --max-seq-len 8192 ...
-(the arguments of ``python -m jaxkv serve``; the stream's mean length sizes the batch)."""
+(the arguments of ``python -m jaxkv serve``; the stream's mean length sizes the batch). On a GPU
+it also prints each device's memory in use after the weights' draw and the peak after each
+compile (XLA's autotuner runs kernels there), and a function that fails to compile is reported
+and the next one tried."""
 
 import re
 import sys
@@ -18,6 +21,16 @@ from jaxkv.demo import serve_cli
 GiB = 2**30
 
 
+def in_use() -> str:
+    """Each device's bytes in use and peak, where the backend reports them (a GPU's)."""
+    stats = [d.memory_stats() or {} for d in jax.local_devices()]
+    if not any(stats):
+        return ""
+    return "; in use / peak " + ", ".join(
+        f"{s.get('bytes_in_use', 0) / GiB:.1f} / {s.get('peak_bytes_in_use', 0) / GiB:.1f}"
+        for s in stats) + " GiB"
+
+
 def main(argv) -> None:
     args = serve_cli.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
@@ -26,13 +39,18 @@ def main(argv) -> None:
     per_token = S.kv_bytes_per_token(cfg, args.dtype)
     mean_total = args.system_len + args.mean_prompt + args.mean_output
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
-    print(f"{source}: weights {weights / GiB:.2f} GiB; {jax.devices()[0].device_kind}")
+    print(f"{source}: weights {weights / GiB:.2f} GiB in all; {jax.devices()[0].device_kind}"
+          f"{in_use()}", flush=True)
     for name in args.engines:
         engine, p = serve_cli.make_engine(name, args, cfg, params, np.arange(args.system_len),
                                           args.kv_gib, per_token, mean_total)
         print(f"{name}: rows {p.batch}, pages {p.num_pages}")
         for fn, a in engine.example_args().items():
-            compiled = engine.functions[fn.rstrip("0123456789")].lower(*a).compile()
+            try:
+                compiled = engine.functions[fn.rstrip("0123456789")].lower(*a).compile()
+            except Exception as e:  # noqa: BLE001 (reported, and the next function tried)
+                print(f"  {fn:10s} FAILED: {str(e).splitlines()[0][:300]}{in_use()}", flush=True)
+                continue
             ma = compiled.memory_analysis()
             copies = [int(np.prod([int(d) for d in m.group(2).split(",") if d]))
                       for m in re.finditer(r"= (\w+)\[([\d,]*)\][^=]*? copy\(", compiled.as_text())]
@@ -40,7 +58,7 @@ def main(argv) -> None:
             print(f"  {fn:10s} args {ma.argument_size_in_bytes / GiB:6.2f} out "
                   f"{ma.output_size_in_bytes / GiB:6.2f} aliased "
                   f"{ma.alias_size_in_bytes / GiB:6.2f} temp {ma.temp_size_in_bytes / GiB:6.2f} "
-                  f"GiB; copies >= 64 Mi elements: {len(big)}", flush=True)
+                  f"GiB; copies >= 64 Mi elements: {len(big)}{in_use()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -89,9 +89,13 @@ PRESETS = {
 # Megatron-style tensor parallelism over a mesh axis: the attention's q / k / v projections and
 # the MLP's gate / up split by output columns (heads, FFN columns), o and down by input rows, so
 # each device computes its heads and its FFN slice, and each block ends in one all-reduce (which
-# XLA inserts, from these placements). Everything else is replicated.
+# XLA inserts, from these placements). The output projection splits by vocabulary columns:
+# each device reads its part (a 128k vocabulary is 1 GB at 8B, read at every decode step) and the
+# greedy pick combines each part's best (value, index), not the logits. Norms and the embedding
+# are replicated.
 _TENSOR_PARALLEL = dict(wq=(None, "tp"), wk=(None, "tp"), wv=(None, "tp"), wo=("tp", None),
-                        w_gate=(None, "tp"), w_up=(None, "tp"), w_down=("tp", None))
+                        w_gate=(None, "tp"), w_up=(None, "tp"), w_down=("tp", None),
+                        lm_head=(None, "tp"))
 
 
 def parameter_shardings(params: Params, mesh, axis: str = "tp") -> Params:
@@ -103,8 +107,8 @@ def parameter_shardings(params: Params, mesh, axis: str = "tp") -> Params:
     def place(path, x):
         name = getattr(path[-1], "key", None)
         spec = _TENSOR_PARALLEL.get(name) if axis in mesh.axis_names else None
-        if spec is None or not any(getattr(p, "key", None) == "layers" for p in path):
-            return NamedSharding(mesh, PartitionSpec())
+        if spec is None or any(a and x.shape[i - 2] % mesh.shape[axis] for i, a in enumerate(spec)):
+            return NamedSharding(mesh, PartitionSpec())  # (or a split that does not divide)
         lead = (None,) * (len(x.shape) - 2)  # the stacked layer axis
         return NamedSharding(mesh, PartitionSpec(*lead, *(axis if a else None for a in spec)))
 
@@ -241,13 +245,22 @@ def _layer(cfg: LlamaConfig, layer, i, x, positions, inv_freq, attend, state):
     return x, state
 
 
-def unstack_layers(params: Params) -> Params:
-    """The inverse of ``stack_layers``: a list of layers, which ``decoder`` unrolls."""
+def unstack_layers(params: Params, consume: bool = False) -> Params:
+    """The inverse of ``stack_layers``: a list of layers, which ``decoder`` unrolls. Each layer's
+    weights are new arrays (slices of the stacks, copied). ``consume``: each stack is deleted
+    once its layers are out, so that the model is held once more by one weight's stack at most,
+    not twice over (a 70B model over two H200s: 70 GB a device, which twice does not fit)."""
     if not isinstance(params["layers"], dict):
         return params
-    layers = params["layers"]
-    count = layers["wq"].shape[0]
-    return dict(params, layers=[{k: w[i] for k, w in layers.items()} for i in range(count)])
+    stacks = params["layers"]
+    count = stacks["wq"].shape[0]
+    layers = [{} for _ in range(count)]
+    for name, w in stacks.items():
+        for i, layer in enumerate(layers):
+            layer[name] = w[i]
+        if consume:
+            w.delete()
+    return dict(params, layers=layers)
 
 
 def stack_layers(params: Params) -> Params:

@@ -11,7 +11,6 @@ import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import loop
@@ -74,12 +73,11 @@ class Chunk:
     def width(self) -> int:
         return len(self.rows)
 
-    def arrays(self):
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The prefill call's host arrays (the engine puts them on its devices in one call)."""
         if self.seq is not None:
-            return tuple(jnp.asarray(x) for x in (self.new, self.rows, self.seq, self.total,
-                                                  self.budget))
-        return tuple(jnp.asarray(x) for x in (self.new, self.rows, self.tokens, self.n,
-                                              self.last, self.budget))
+            return (self.new, self.rows, self.seq, self.total, self.budget)
+        return (self.new, self.rows, self.tokens, self.n, self.last, self.budget)
 
 
 # Waiting requests a prefix-caching engine looks past for one whose prefix is not being
@@ -129,7 +127,8 @@ class Schedule:
             time.sleep(max(0.0, self.future[0].arrival - t))
 
     def leave(self, everyone: bool = False):
-        """The ``batch_mapping`` that evicts the finished and preempted rows, or None."""
+        """The ``batch_mapping`` (host array) that evicts the finished and preempted rows, or
+        None."""
         if everyone:
             self.leaving |= {id(r) for _, r in self.slots.rows()}
         if not self.leaving:
@@ -137,7 +136,7 @@ class Schedule:
         mapping, _ = self.slots.evict(lambda r: id(r) in self.leaving)
         self.leaving.clear()
         self.m["evict_calls"] += 1
-        return jnp.asarray(mapping)
+        return mapping
 
     def pages_in_use(self, reserved_tokens) -> None:
         if self.page_size:

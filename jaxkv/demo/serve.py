@@ -289,6 +289,12 @@ class ServeEngine(loop.Engine):
             fns["spill"] = jax.jit(spill, donate_argnums=(0,))
         return fns
 
+    def put(self, *arrays) -> tuple:
+        """Host arrays on the engine's devices in one call: on a mesh, replicated, as every
+        compiled function takes them (an array on the first device alone was copied to the
+        others, device to device, at each call)."""
+        return jax.device_put(arrays, self.replicated)
+
     @property
     def whole_row(self) -> int:
         return -(-self.max_seq_len // self.kind.page_size)
@@ -316,10 +322,11 @@ class ServeEngine(loop.Engine):
                                              x, jax.sharding.PartitionSpec))
             cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                  cache, shardings)
-        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-        row = jax.ShapeDtypeStruct((self.batch,), jnp.int32, sharding=self.replicated)
+        # the host's arrays: replicated on a mesh (``put``)
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=self.replicated)  # noqa
+        row = i32(self.batch)
         _, saved = jax.eval_shape(self.functions["save"], cache)
-        bools = lambda n: jax.ShapeDtypeStruct((n,), jnp.bool_)  # noqa: E731
+        bools = lambda n: jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=self.replicated)  # noqa
         if self.prefix:
             prefill = {f"prefill{r}": (params, cache, row, row, bools(r), i32(r),
                                        i32(r, self.max_seq_len), i32(r), i32(r), i32())
@@ -355,23 +362,25 @@ class ServeEngine(loop.Engine):
             self._compiled = fns
             cache, tok, rem, saved = self._start(fns)
             b = self.batch
+            no_eos, = self.put(np.int32(-1))
             for r in self.lane_sizes:
-                ones = jnp.ones((r,), jnp.int32)
-                lanes = jnp.minimum(jnp.arange(r, dtype=jnp.int32), b - 1)
+                ones = np.ones((r,), np.int32)
+                lanes = np.minimum(np.arange(r, dtype=np.int32), b - 1)
                 if self.prefix:
                     cache, tok, rem, *_ = fns[f"prefill{r}"](
-                        self.params, cache, tok, rem, jnp.ones((r,), bool), lanes,
-                        jnp.zeros((r, self.max_seq_len), jnp.int32), ones, ones * 2,
-                        jnp.int32(-1))
+                        self.params, cache, tok, rem, *self.put(
+                            np.ones((r,), bool), lanes, np.zeros((r, self.max_seq_len), np.int32),
+                            ones, ones * 2), no_eos)
                 else:
                     cache, tok, rem, _, _ = fns[f"prefill{r}"](
-                        self.params, cache, tok, rem, saved, jnp.arange(b) < min(r, b), lanes,
-                        jnp.zeros((r, self.prefill_chunk), jnp.int32), ones,
-                        jnp.ones((r,), bool), ones * 2, jnp.int32(-1))
+                        self.params, cache, tok, rem, saved, *self.put(
+                            np.arange(b) < min(r, b), lanes,
+                            np.zeros((r, self.prefill_chunk), np.int32), ones,
+                            np.ones((r,), bool), ones * 2), no_eos)
                 for n in self.step_counts:
-                    cache, tok, rem, *_ = fns[f"decode{n}"](self.params, cache, tok, rem,
-                                                            jnp.int32(-1))
-                cache, tok, rem, _ = fns["evict"](cache, tok, rem, jnp.full((b,), -1, jnp.int32))
+                    cache, tok, rem, *_ = fns[f"decode{n}"](self.params, cache, tok, rem, no_eos)
+                cache, tok, rem, _ = fns["evict"](cache, tok, rem,
+                                                  *self.put(np.full((b,), -1, np.int32)))
             jax.block_until_ready(cache)
         return self._compiled
 
@@ -386,7 +395,7 @@ class ServeEngine(loop.Engine):
         remaining = jax.device_put(jnp.zeros((b,), jnp.int32), self.replicated)
         _, saved = jax.eval_shape(self.functions["save"], cache)
         dummy = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), saved)
-        none = jnp.zeros((b,), bool)
+        none = np.zeros((b,), bool)
         prompt, chunk, r = self.system_prompt, self.prefill_chunk, self.lane_sizes[0]
         if self.prefix:  # every request prefills (or finds) the system prompt itself
             cache, saved = fns["save"](cache)
@@ -402,9 +411,9 @@ class ServeEngine(loop.Engine):
                 n = np.zeros((r,), np.int32)
                 n[:len(lanes)] = len(part)
                 cache, tok, remaining, _, _ = fns[f"prefill{r}"](
-                    self.params, cache, tok, remaining, dummy, none, jnp.asarray(rows),
-                    jnp.asarray(tokens), jnp.asarray(n), jnp.zeros((r,), bool),
-                    jnp.ones((r,), jnp.int32), jnp.int32(-1))
+                    self.params, cache, tok, remaining, dummy, *self.put(
+                        none, rows, tokens, n, np.zeros((r,), bool), np.ones((r,), np.int32),
+                        np.int32(-1)))
         cache, saved = fns["save"](cache)
         return cache, tok, remaining, saved
 
@@ -435,7 +444,7 @@ class ServeEngine(loop.Engine):
         t = time.perf_counter()
         fns = self.compile()
         compile_s = time.perf_counter() - t
-        eos = jnp.int32(-1 if eos is None else eos)
+        eos, = self.put(np.int32(-1 if eos is None else eos))
         cache, tok, remaining, saved = self._start(fns)
         jax.block_until_ready(cache)
         sched = Schedule(self, requests, cache.num_pages if hasattr(cache, "ref_counts") else 0)
@@ -457,16 +466,17 @@ class ServeEngine(loop.Engine):
             sched.note_drain(now())
             chunk = sched.prefill_chunk(admitted)
             if mapping is not None:
-                cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, mapping)
+                cache, tok, remaining, _ = fns["evict"](cache, tok, remaining,
+                                                        *self.put(mapping))
             if self.swap:
                 cache = self._swap(fns, sched, cache)
             if self.spill and (pages := sched.spill_wanted()):
-                cache, n = fns["spill"](cache, np.int32(pages))
+                cache, n = fns["spill"](cache, *self.put(np.int32(pages)))
                 sched.m["spilled"].append(n)  # read at the end: no wait here
             if chunk is not None:
                 extra = () if self.prefix else (saved,)
                 cache, tok, remaining, *prefilled = fns[f"prefill{chunk.width}"](
-                    self.params, cache, tok, remaining, *extra, *chunk.arrays(), eos)
+                    self.params, cache, tok, remaining, *extra, *self.put(*chunk.arrays()), eos)
                 m["prefill_calls"] += 1
             calls = []
             # The iteration's decode steps in two calls: the host waits for the first one's
@@ -505,7 +515,7 @@ class ServeEngine(loop.Engine):
             jax.profiler.stop_trace()
         mapping = sched.leave(everyone=True)  # so that the cache ends empty
         if mapping is not None:
-            cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, mapping)
+            cache, tok, remaining, _ = fns["evict"](cache, tok, remaining, *self.put(mapping))
         self.final_cache = cache
         audit = getattr(self.kind, "miscounted_pages", None)  # paged: the allocator's audit
         m["miscounted_pages"] = None if audit is None else audit(cache)
@@ -522,6 +532,6 @@ class ServeEngine(loop.Engine):
         for direction, row, r in sched.swaps():
             mask = np.zeros((self.batch,), bool)
             mask[row] = True
-            cache, moved, count = fns[direction](cache, jnp.asarray(mask))
+            cache, moved, count = fns[direction](cache, *self.put(mask))
             sched.swapped(direction, r, bool(np.asarray(moved)[row]), int(count))
         return cache

@@ -173,19 +173,23 @@ def parse_args(argv):
 
 
 def load(args):
-    """(config, stacked params, description)."""
+    """(config, params, description): the params in the engines' layout (``--layers``: stacked
+    for a scan, a list of layers unrolled), so that no engine holds a second copy of them."""
     if args.model:
         from . import hf_loader
 
         cfg, params = hf_loader.load(args.model, dtype=args.dtype)
-        params = M.stack_layers(params)
         if args.sharding is not None:
             params = jax.device_put(params, M.parameter_shardings(params, args.sharding.mesh))
-        return cfg, params, args.model
-    cfg = M.PRESETS[args.preset]
-    mesh = args.sharding.mesh if args.sharding is not None else None
-    return (cfg, M.init_stacked_params(cfg, args.seed, args.dtype, mesh),
-            f"preset {args.preset}, random")
+        source = args.model
+    else:
+        cfg = M.PRESETS[args.preset]
+        mesh = args.sharding.mesh if args.sharding is not None else None
+        params = M.init_stacked_params(cfg, args.seed, args.dtype, mesh)
+        source = f"preset {args.preset}, random"
+    if args.layers == "unroll":
+        return cfg, M.unstack_layers(params, consume=True), source
+    return cfg, M.stack_layers(params), source
 
 
 def ms(x) -> str:
