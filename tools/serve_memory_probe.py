@@ -49,7 +49,8 @@ def main(argv) -> None:
             try:
                 compiled = engine.functions[fn.rstrip("0123456789")].lower(*a).compile()
             except Exception as e:  # noqa: BLE001 (reported, and the next function tried)
-                print(f"  {fn:10s} FAILED: {str(e).splitlines()[0][:300]}{in_use()}", flush=True)
+                why = (str(e).splitlines() or [repr(e)])[0][:300]
+                print(f"  {fn:10s} FAILED: {why}{in_use()}", flush=True)
                 continue
             ma = compiled.memory_analysis()
             copies = [int(np.prod([int(d) for d in m.group(2).split(",") if d]))
