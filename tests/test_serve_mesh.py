@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxkv import __main__ as entry
-from jaxkv.demo import cli
+from jaxkv.demo import cli, hf_loader
 from jaxkv.demo import model as M
 from jaxkv.demo import serve as S
 
@@ -140,6 +140,55 @@ def test_host_arrays_reach_every_device_in_one_put():
     assert all(x.is_fully_replicated and len(x.device_set) == 2 for x in host), host
     put = eng.put(np.zeros(4, bool), np.int32(-1))
     assert all(x.sharding.is_fully_replicated and len(x.sharding.device_set) == 2 for x in put)
+
+
+def write_checkpoint(path, tie: bool):
+    """A 2-layer Llama checkpoint in Hugging Face's layout (config.json, float32 safetensors
+    written by hand: no torch here), vocabulary 300, 4 / 2 heads of 16."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(dict(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)))
+    rng = np.random.default_rng(5)
+    shapes = {"model.embed_tokens.weight": (300, 64), "model.norm.weight": (64,)}
+    for i in range(2):
+        for name, shape in [("input_layernorm", (64,)), ("post_attention_layernorm", (64,)),
+                            ("self_attn.q_proj", (64, 64)), ("self_attn.k_proj", (32, 64)),
+                            ("self_attn.v_proj", (32, 64)), ("self_attn.o_proj", (64, 64)),
+                            ("mlp.gate_proj", (96, 64)), ("mlp.up_proj", (96, 64)),
+                            ("mlp.down_proj", (64, 96))]:
+            shapes[f"model.layers.{i}.{name}.weight"] = shape
+    if not tie:
+        shapes["lm_head.weight"] = (300, 64)
+    header, blobs, offset = {}, [], 0
+    for name, shape in shapes.items():
+        blob = rng.standard_normal(shape).astype(np.float32).tobytes()
+        header[name] = dict(dtype="F32", shape=list(shape),
+                            data_offsets=[offset, offset + len(blob)])
+        blobs.append(blob)
+        offset += len(blob)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    (path / "model.safetensors").write_bytes(len(head).to_bytes(8, "little") + head
+                                             + b"".join(blobs))
+    return path
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_checkpoint_goes_to_the_mesh_split_as_drawn_weights_are(tmp_path, tie):
+    """``--model`` on a mesh: every weight lands split Megatron-style straight from the host,
+    with the values of a one-device load."""
+    path = write_checkpoint(tmp_path / "ckpt", tie)
+    mesh = cli.cache_sharding({"tp": 2, "dp": 2}).mesh
+    _, plain = hf_loader.load(path)
+    _, split = hf_loader.load(path, mesh=mesh)
+    want = M.parameter_shardings(plain, mesh)
+    for got, expected, value in zip(jax.tree.leaves(split), jax.tree.leaves(want),
+                                    jax.tree.leaves(plain)):
+        assert got.sharding == expected
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(value))
+    assert tuple(split["lm_head"].sharding.spec) == (None, "tp")
+    assert tuple(split["layers"][1]["w_down"].sharding.spec) == ("tp", None)
 
 
 def test_every_engine_lowers_at_the_70b_preset_over_tp4():

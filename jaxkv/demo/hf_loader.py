@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .model import LlamaConfig
+from .model import LlamaConfig, weight_sharding
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -80,8 +81,10 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     )
 
 
-def load(path, dtype="float32"):
-    """(LlamaConfig, params) of the checkpoint in directory ``path``."""
+def load(path, dtype="float32", mesh=None):
+    """(LlamaConfig, params) of the checkpoint in directory ``path``. With ``mesh``, each weight
+    goes from the host straight to its devices, split as ``model.weight_sharding`` says: a model
+    larger than one device never sits whole on the first one."""
     root = pathlib.Path(path)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(
@@ -95,27 +98,29 @@ def load(path, dtype="float32"):
         weights.update(read_safetensors(f))
     weights = {k.removeprefix("model."): v for k, v in weights.items()}
 
-    def take(name, transpose=True):
+    def host(name, transpose=True):  # torch's Linear is [out, in]
         if name not in weights:
             raise KeyError(f"{root}: checkpoint has no tensor {name!r}")
         w = np.asarray(weights.pop(name), np.float32)
-        return jnp.asarray(w.T if transpose else w, dtype)  # torch Linear is [out, in]
+        return np.asarray(w.T if transpose else w, jnp.dtype(dtype))
 
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        layers.append(dict(
-            attn_norm=take(p + "input_layernorm.weight", False),
-            wq=take(p + "self_attn.q_proj.weight"), wk=take(p + "self_attn.k_proj.weight"),
-            wv=take(p + "self_attn.v_proj.weight"), wo=take(p + "self_attn.o_proj.weight"),
-            mlp_norm=take(p + "post_attention_layernorm.weight", False),
-            w_gate=take(p + "mlp.gate_proj.weight"), w_up=take(p + "mlp.up_proj.weight"),
-            w_down=take(p + "mlp.down_proj.weight"),
-        ))
-    embed = take("embed_tokens.weight", False)
+    def place(key, w):  # key: the weight's name in params
+        if mesh is None:
+            return jnp.asarray(w)
+        return jax.device_put(w, weight_sharding(key, w.shape, mesh))
+
+    names = dict(attn_norm="input_layernorm", wq="self_attn.q_proj", wk="self_attn.k_proj",
+                 wv="self_attn.v_proj", wo="self_attn.o_proj",
+                 mlp_norm="post_attention_layernorm", w_gate="mlp.gate_proj",
+                 w_up="mlp.up_proj", w_down="mlp.down_proj")
+    layers = [{key: place(key, host(f"layers.{i}.{name}.weight", "norm" not in key))
+               for key, name in names.items()} for i in range(cfg.num_layers)]
+    embed = host("embed_tokens.weight", False)
     if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
         lm_head = embed.T
     else:
-        lm_head = take("lm_head.weight")
-    params = dict(embed=embed, layers=layers, norm=take("norm.weight", False), lm_head=lm_head)
+        lm_head = host("lm_head.weight")
+    params = dict(embed=place("embed", embed), layers=layers,
+                  norm=place("norm", host("norm.weight", False)),
+                  lm_head=place("lm_head", lm_head))
     return cfg, params

@@ -98,21 +98,25 @@ _TENSOR_PARALLEL = dict(wq=(None, "tp"), wk=(None, "tp"), wv=(None, "tp"), wo=("
                         lm_head=(None, "tp"))
 
 
-def parameter_shardings(params: Params, mesh, axis: str = "tp") -> Params:
-    """A ``NamedSharding`` per weight of ``params`` (stacked or a list of layers): Megatron-style
-    over ``axis`` of ``mesh`` (``_TENSOR_PARALLEL``), replicated elsewhere; with no ``axis`` in
-    the mesh, everything replicated."""
+def weight_sharding(name: str | None, shape, mesh, axis: str = "tp"):
+    """The ``NamedSharding`` of weight ``name`` (``wq``, ..., ``lm_head``; a leading layer axis
+    allowed): Megatron-style over ``axis`` of ``mesh`` (``_TENSOR_PARALLEL``), replicated for
+    any other name, a mesh without ``axis``, or a split that does not divide."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    def place(path, x):
-        name = getattr(path[-1], "key", None)
-        spec = _TENSOR_PARALLEL.get(name) if axis in mesh.axis_names else None
-        if spec is None or any(a and x.shape[i - 2] % mesh.shape[axis] for i, a in enumerate(spec)):
-            return NamedSharding(mesh, PartitionSpec())  # (or a split that does not divide)
-        lead = (None,) * (len(x.shape) - 2)  # the stacked layer axis
-        return NamedSharding(mesh, PartitionSpec(*lead, *(axis if a else None for a in spec)))
+    spec = _TENSOR_PARALLEL.get(name) if axis in mesh.axis_names else None
+    if spec is None or any(a and shape[i - 2] % mesh.shape[axis] for i, a in enumerate(spec)):
+        return NamedSharding(mesh, PartitionSpec())
+    lead = (None,) * (len(shape) - 2)  # the stacked layer axis
+    return NamedSharding(mesh, PartitionSpec(*lead, *(axis if a else None for a in spec)))
 
-    return jax.tree_util.tree_map_with_path(place, params)
+
+def parameter_shardings(params: Params, mesh, axis: str = "tp") -> Params:
+    """A ``NamedSharding`` per weight of ``params`` (stacked or a list of layers), by
+    ``weight_sharding``."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: weight_sharding(getattr(path[-1], "key", None), x.shape, mesh, axis),
+        params)
 
 
 def init_stacked_params(cfg: LlamaConfig, seed: int = 0, dtype=jnp.float32,

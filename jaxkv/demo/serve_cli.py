@@ -178,9 +178,8 @@ def load(args):
     if args.model:
         from . import hf_loader
 
-        cfg, params = hf_loader.load(args.model, dtype=args.dtype)
-        if args.sharding is not None:
-            params = jax.device_put(params, M.parameter_shardings(params, args.sharding.mesh))
+        mesh = args.sharding.mesh if args.sharding is not None else None
+        cfg, params = hf_loader.load(args.model, dtype=args.dtype, mesh=mesh)
         source = args.model
     else:
         cfg = M.PRESETS[args.preset]
