@@ -14,6 +14,7 @@ from jaxkv import __main__ as entry
 from jaxkv.demo import cli, hf_loader
 from jaxkv.demo import model as M
 from jaxkv.demo import serve as S
+from jaxkv.demo import serve_cli
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4,
                                 reason="needs 4 devices (CPU: conftest emulates 8)")
@@ -189,6 +190,14 @@ def test_a_checkpoint_goes_to_the_mesh_split_as_drawn_weights_are(tmp_path, tie)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(value))
     assert tuple(split["lm_head"].sharding.spec) == (None, "tp")
     assert tuple(split["layers"][1]["w_down"].sharding.spec) == ("tp", None)
+
+
+def test_a_tp_that_does_not_divide_a_checkpoints_heads_is_an_argument_error(tmp_path, capsys):
+    path = write_checkpoint(tmp_path / "ckpt", tie=False)  # 4 / 2 heads
+    with pytest.raises(SystemExit):
+        serve_cli.parse_args(["--model", str(path), "--mesh", "tp=4"])
+    assert f"tp=4 does not divide the 4 / 2 heads of checkpoint {path}" in capsys.readouterr().err
+    assert serve_cli.parse_args(["--model", str(path), "--mesh", "tp=2"]).mesh == {"tp": 2}
 
 
 def test_every_engine_lowers_at_the_70b_preset_over_tp4():

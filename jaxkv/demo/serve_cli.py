@@ -119,11 +119,20 @@ def parse_args(argv):
             p.error(f"--mesh: {e}")
         if set(args.mesh) - {"tp", "dp"}:
             p.error(f"--mesh: axes are tp and dp, got {', '.join(args.mesh)}")
-        cfg = M.PRESETS[args.preset]
+        cfg, model = M.PRESETS[args.preset], f"preset {args.preset}"
+        config = pathlib.Path(args.model or "") / "config.json"
+        if args.model and config.is_file():  # the checkpoint's heads, before its weights load
+            from . import hf_loader
+
+            try:
+                cfg = hf_loader.config_from_hf(json.loads(config.read_text()))
+            except (ValueError, KeyError) as e:
+                p.error(f"--model {args.model}: {e}")
+            model = f"checkpoint {args.model}"
         tp = args.mesh.get("tp", 1)
         if cfg.num_kv_heads % tp or cfg.num_heads % tp:
             p.error(f"--mesh: tp={tp} does not divide the {cfg.num_heads} / {cfg.num_kv_heads} "
-                    f"heads of preset {args.preset}")
+                    f"heads of {model}")
     if args.prefix_cache and "paged-prefix" not in args.engines:
         args.engines.append("paged-prefix")
     if args.kv_dtype is not None and "paged-8bit" not in args.engines:
