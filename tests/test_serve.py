@@ -259,6 +259,15 @@ def test_kernel_summary_takes_the_union_of_kernel_intervals():
     assert late["longest"] == [("after input_scatter_fusion / before gemm", pytest.approx(0.05))]
 
 
+def test_kernel_families_split_the_models_time_into_gemms_collectives_and_the_rest():
+    events = [("nvjet_sm90_tst_128x128_64x6_2x1_v_bz_NNT", 0, 40), ("gemm_fusion_dot_231", 40, 20),
+              ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 60, 10), ("loop_multiply_fusion", 70, 5),
+              ("_ZN5jaxkv16attention_kernelEv", 75, 20), ("input_scatter_fusion", 95, 5)]
+    got = metrics.kernel_summary(events, wall=100e-9)["families"]
+    assert got == pytest.approx(dict(gemm=0.6, collective=0.1, elementwise=0.05, attention=0.2,
+                                     cache=0.05))
+
+
 def test_a_mesh_reports_every_devices_busy_share_and_the_least_busy_ones_summary():
     busy = [("gemm", 0, 80)]  # 80% of 100 ns
     idle = [("gemm", 0, 30), ("_ZN5jaxkv16attention_kernelEv", 50, 10)]  # 40%

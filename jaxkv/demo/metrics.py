@@ -74,6 +74,21 @@ def classify(name: str) -> str:
     return "other"
 
 
+def family(name: str) -> str:
+    """The model's share of a kernel split further, for a mesh's accounts: "gemm" (cuBLAS's
+    nvjet / cutlass kernels and XLA's Triton GEMM fusions), "collective" (NCCL) or "elementwise"
+    (every other XLA fusion and copy); jaxkv's and XLA's cache kernels as ``classify`` says."""
+    kind = classify(name)
+    if kind != "other":
+        return kind
+    low = name.lower()
+    if low.startswith("nccl"):
+        return "collective"
+    if any(w in low for w in ("nvjet", "gemm", "cutlass", "cublas", "sm90_xmma")):
+        return "gemm"
+    return "elementwise"
+
+
 def profile_summary(trace_dir: str, window) -> dict | None:
     """GPU busy time (the union of kernel intervals) over the window's wall time, and the share of
     kernel time by ``classify``, per device (``per_device``); None on a machine without GPU planes
@@ -114,11 +129,12 @@ def kernel_summary(events, wall: float) -> dict:
     ``idle``: the GPU's idle time between its first and last kernel, split into gaps under 20 us
     (launch latency within a call) and longer ones, the longest named by the kernels around them
     (where the host made the GPU wait)."""
-    by_kind, by_name = collections.Counter(), collections.Counter()
+    by_kind, by_family, by_name = (collections.Counter() for _ in range(3))
     short, long_gaps = 0, collections.Counter()
     busy, end, last = 0, -1, None
     for name, start, duration in sorted(events, key=lambda e: e[1]):
         by_kind[classify(name)] += duration
+        by_family[family(name)] += duration
         by_name[name] += duration
         if last is not None and start > end:
             if start - end < 20_000:
@@ -133,7 +149,8 @@ def kernel_summary(events, wall: float) -> dict:
     return dict(window_s=wall, gpu_busy_s=busy * 1e-9, gpu_busy_share=busy * 1e-9 / wall,
                 kernels=len(events),
                 **{f"{k}_share": by_kind[k] / kernels for k in ("cache", "attention", "other")},
-                top=[(name[:120], t / kernels) for name, t in by_name.most_common(10)],
+                families={k: t / kernels for k, t in by_family.items()},
+                top=[(name[:120], t / kernels) for name, t in by_name.most_common(30)],
                 idle=dict(short_gaps_ms=short * ms, long_gaps_ms=sum(long_gaps.values()) * ms,
                           longest=[(f"after {a} / before {b}", t * ms)
                                    for (a, b), t in long_gaps.most_common(6)]))

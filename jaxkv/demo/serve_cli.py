@@ -423,6 +423,9 @@ def serve(args, on_gpu: bool) -> int:
         if r["profile"]:
             print(f"{name}: largest shares of kernel time in the profiled window: " + ", ".join(
                 f"{k} {t * 100:.1f}%" for k, t in r["profile"]["top"][:6]))
+            print(f"{name}: kernel time by family: " + ", ".join(
+                f"{k} {t * 100:.1f}%" for k, t in sorted(r["profile"]["families"].items(),
+                                                        key=lambda kv: -kv[1])))
             idle = r["profile"]["idle"]
             print(f"{name}: GPU idle in the window: {idle['short_gaps_ms']:.1f} ms in gaps under "
                   f"20 us, {idle['long_gaps_ms']:.1f} ms in longer ones: " + "; ".join(
