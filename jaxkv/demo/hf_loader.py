@@ -81,15 +81,21 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     )
 
 
+def read_config(path) -> LlamaConfig:
+    """The LlamaConfig of the checkpoint in directory ``path`` (its ``config.json`` alone)."""
+    config = pathlib.Path(path) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(
+            f"{path}: no config.json (expected a local Hugging Face checkpoint)")
+    return config_from_hf(json.loads(config.read_text()))
+
+
 def load(path, dtype="float32", mesh=None):
     """(LlamaConfig, params) of the checkpoint in directory ``path``. With ``mesh``, each weight
     goes from the host straight to its devices, split as ``model.weight_sharding`` says: a model
     larger than one device never sits whole on the first one."""
     root = pathlib.Path(path)
-    if not (root / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{root}: no config.json (expected a local Hugging Face checkpoint)")
-    cfg = config_from_hf(json.loads((root / "config.json").read_text()))
+    cfg = read_config(root)
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{root}: no *.safetensors files")

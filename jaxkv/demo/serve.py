@@ -391,8 +391,7 @@ class ServeEngine(loop.Engine):
         cache = kind.clear(kind.create(b, self.max_seq_len), 1)
         shards = getattr(kind, "batch_shards", 1)
         firsts = [s * (b // shards) for s in range(shards)]
-        tok = jax.device_put(jnp.zeros((b,), jnp.int32), self.replicated)
-        remaining = jax.device_put(jnp.zeros((b,), jnp.int32), self.replicated)
+        tok, remaining = self.put(np.zeros((b,), np.int32), np.zeros((b,), np.int32))
         _, saved = jax.eval_shape(self.functions["save"], cache)
         dummy = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), saved)
         none = np.zeros((b,), bool)

@@ -120,12 +120,11 @@ def parse_args(argv):
         if set(args.mesh) - {"tp", "dp"}:
             p.error(f"--mesh: axes are tp and dp, got {', '.join(args.mesh)}")
         cfg, model = M.PRESETS[args.preset], f"preset {args.preset}"
-        config = pathlib.Path(args.model or "") / "config.json"
-        if args.model and config.is_file():  # the checkpoint's heads, before its weights load
-            from . import hf_loader
+        if args.model and (pathlib.Path(args.model) / "config.json").is_file():
+            from . import hf_loader  # the checkpoint's heads, before its weights load
 
             try:
-                cfg = hf_loader.config_from_hf(json.loads(config.read_text()))
+                cfg = hf_loader.read_config(args.model)
             except (ValueError, KeyError) as e:
                 p.error(f"--model {args.model}: {e}")
             model = f"checkpoint {args.model}"
