@@ -1,14 +1,18 @@
 """Loads a local Hugging Face Llama checkpoint (config.json + *.safetensors), no network access.
 
-Uses the ``safetensors`` package when installed; otherwise a small reader of the format (an 8-byte
-little-endian header length, a JSON header of name -> dtype, shape, byte offsets, then raw data), so
-the demo needs no extra dependency.
+A safetensors file is an 8-byte little-endian header length, a JSON header of name -> dtype, shape,
+byte offsets, then raw data. ``load`` reads every file's header once, then each tensor's bytes
+only when that tensor is placed, and drops the host copy once it is on its devices: host memory
+holds about one tensor (and its converted copy) at a time, not the checkpoint (140 GB for a 70B
+model). Its reader is a few lines of numpy, so the demo needs no extra dependency;
+``read_safetensors`` uses the ``safetensors`` package when installed.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +23,48 @@ from .model import LlamaConfig, weight_sharding
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
            "BOOL": np.bool_}
+
+
+class _Stored(NamedTuple):
+    """Where one tensor lies: its file, safetensors dtype code, shape, and byte range in it."""
+    file: pathlib.Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def _read_header(path) -> dict[str, _Stored]:
+    """Name -> ``_Stored`` of every tensor of one ``.safetensors`` file, from its header alone."""
+    path = pathlib.Path(path)
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    stored = {}
+    for name, info in header.items():
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]  # relative to the end of the header
+        stored[name] = _Stored(path, info["dtype"], tuple(info["shape"]),
+                               8 + size + start, 8 + size + end)
+    return stored
+
+
+def _read_tensor(name: str, stored: _Stored) -> np.ndarray:
+    """Tensor ``name``'s bytes, read from its file into a fresh array (no other copy)."""
+    dtype = np.dtype(_DTYPES[stored.dtype])
+    size = stored.end - stored.start
+    if size != dtype.itemsize * int(np.prod(stored.shape)):
+        raise ValueError(f"{stored.file}: tensor {name} has {size} bytes, not those of a "
+                         f"{stored.dtype} tensor of shape {list(stored.shape)}")
+    data = bytearray(size)  # as bytes: a bfloat16 array has no buffer to read into
+    with stored.file.open("rb") as f:
+        f.seek(stored.start)
+        read = f.readinto(data)
+    if read != size:
+        raise ValueError(f"{stored.file}: tensor {name} is cut short ({read} of {size} bytes)")
+    return np.frombuffer(data, dtype).reshape(stored.shape)  # data's memory, not a copy
 
 
 def read_safetensors(path) -> dict[str, np.ndarray]:
@@ -32,18 +78,7 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
             return load_file(str(path))
         except TypeError:  # bf16 tensors: numpy has no bfloat16 of its own
             pass
-    data = pathlib.Path(path).read_bytes()
-    size = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + size])
-    header.pop("__metadata__", None)
-    tensors = {}
-    for name, info in header.items():
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        raw = data[8 + size + start : 8 + size + end]
-        tensors[name] = np.frombuffer(raw, _DTYPES[info["dtype"]]).reshape(info["shape"])
-    return tensors
+    return {name: _read_tensor(name, stored) for name, stored in _read_header(path).items()}
 
 
 def config_from_hf(hf: dict) -> LlamaConfig:
@@ -90,27 +125,34 @@ def read_config(path) -> LlamaConfig:
     return config_from_hf(json.loads(config.read_text()))
 
 
-def load(path, dtype="float32", mesh=None):
-    """(LlamaConfig, params) of the checkpoint in directory ``path``. With ``mesh``, each weight
-    goes from the host straight to its devices, split as ``model.weight_sharding`` says: a model
-    larger than one device never sits whole on the first one."""
-    root = pathlib.Path(path)
-    cfg = read_config(root)
+def _checkpoint_index(root: pathlib.Path) -> dict[str, _Stored]:
+    """Where each tensor of the checkpoint in ``root`` lies, ``model.`` taken off its name. A
+    name in several files is the last file's (in name order), as when every file was read."""
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{root}: no *.safetensors files")
-    weights = {}
+    index: dict[str, _Stored] = {}
     for f in files:
-        weights.update(read_safetensors(f))
-    weights = {k.removeprefix("model."): v for k, v in weights.items()}
+        index.update(_read_header(f))
+    return {k.removeprefix("model."): v for k, v in index.items()}
+
+
+def load(path, dtype="float32", mesh=None):
+    """(LlamaConfig, params) of the checkpoint in directory ``path``. With ``mesh``, each weight
+    goes from the host straight to its devices, split as ``model.weight_sharding`` says: a model
+    larger than one device never sits whole on the first one. Each tensor is read from its file
+    only as it is placed, so the host never holds the checkpoint (the module's docstring)."""
+    root = pathlib.Path(path)
+    cfg = read_config(root)
+    index = _checkpoint_index(root)
 
     def host(name, transpose=True):  # torch's Linear is [out, in]
-        if name not in weights:
+        if name not in index:
             raise KeyError(f"{root}: checkpoint has no tensor {name!r}")
-        w = np.asarray(weights.pop(name), np.float32)
+        w = np.asarray(_read_tensor(name, index[name]), np.float32)
         return np.asarray(w.T if transpose else w, jnp.dtype(dtype))
 
-    def place(key, w):  # key: the weight's name in params
+    def place(key, w):  # key: the weight's name in params; w's host copy goes once it returns
         if mesh is None:
             return jnp.asarray(w)
         return jax.device_put(w, weight_sharding(key, w.shape, mesh))
@@ -121,12 +163,13 @@ def load(path, dtype="float32", mesh=None):
                  w_up="mlp.up_proj", w_down="mlp.down_proj")
     layers = [{key: place(key, host(f"layers.{i}.{name}.weight", "norm" not in key))
                for key, name in names.items()} for i in range(cfg.num_layers)]
-    embed = host("embed_tokens.weight", False)
-    if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
-        lm_head = embed.T
+    embed_host = host("embed_tokens.weight", False)
+    embed = place("embed", embed_host)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in index:
+        lm_head = place("lm_head", embed_host.T)
     else:
-        lm_head = host("lm_head.weight")
-    params = dict(embed=place("embed", embed), layers=layers,
-                  norm=place("norm", host("norm.weight", False)),
-                  lm_head=place("lm_head", lm_head))
+        del embed_host  # off the host before lm_head, as large, is read
+        lm_head = place("lm_head", host("lm_head.weight"))
+    params = dict(embed=embed, layers=layers, norm=place("norm", host("norm.weight", False)),
+                  lm_head=lm_head)
     return cfg, params
