@@ -266,6 +266,12 @@ def test_kernel_families_split_the_models_time_into_gemms_collectives_and_the_re
     got = metrics.kernel_summary(events, wall=100e-9)["families"]
     assert got == pytest.approx(dict(gemm=0.6, collective=0.1, elementwise=0.05, attention=0.2,
                                      cache=0.05))
+    # NCCL's gathers and scatters are collectives, not cache ops (they were, by their names)
+    events = [("ncclDevKernel_AllGather_RING_LL", 0, 10),
+              ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 10, 30), ("gemm", 40, 60)]
+    s = metrics.kernel_summary(events, wall=100e-9)
+    assert s["families"] == pytest.approx(dict(collective=0.4, gemm=0.6))
+    assert s["cache_share"] == 0
 
 
 def test_a_mesh_reports_every_devices_busy_share_and_the_least_busy_ones_summary():

@@ -68,6 +68,8 @@ def classify(name: str) -> str:
     if "jaxkv" in low:
         return "attention" if ("attention" in low or "prefill_tc" in low or "combine" in low) \
             else "cache"
+    if low.startswith("nccl"):  # the model's collectives (NCCL's AllGather, ReduceScatter)
+        return "other"
     if any(w in low for w in ("scatter", "dynamic_update_slice", "dynamic-update-slice",
                               "gather")):
         return "cache"
