@@ -93,7 +93,7 @@ def test_unrolled_layers_equal_the_scan():
     assert engine("fixed", unroll=True).cache_copies() == 0
 
 
-def test_unstacking_can_free_the_stacks_and_the_command_loads_one_layout():
+def test_unstacking_and_stacking_can_free_their_inputs_and_the_command_loads_one_layout():
     """The unrolled engines take a list of layers: ``load`` makes it from the drawn stacks and
     deletes them (a 70B model held twice over does not fit two H200s)."""
     stacked = M.init_stacked_params(CFG, 1, "float32")
@@ -103,6 +103,11 @@ def test_unstacking_can_free_the_stacks_and_the_command_loads_one_layout():
     for i, layer in enumerate(layers):
         for k, w in layer.items():
             np.testing.assert_array_equal(w, want["layers"][k][i])
+    # and back (a checkpoint loads as a list of layers): the layers go as their stacks are made
+    stacks = M.stack_layers(dict(stacked, layers=layers), consume=True)["layers"]
+    assert all(w.is_deleted() for layer in layers for w in layer.values())
+    for k, w in stacks.items():
+        np.testing.assert_array_equal(w, want["layers"][k])
     for how, kind in (("unroll", list), ("scan", dict)):
         args = serve_cli.parse_args(["--preset", "tiny", "--layers", how])
         args.sharding, args.dtype = None, "float32"

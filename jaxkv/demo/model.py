@@ -267,12 +267,19 @@ def unstack_layers(params: Params, consume: bool = False) -> Params:
     return dict(params, layers=layers)
 
 
-def stack_layers(params: Params) -> Params:
+def stack_layers(params: Params, consume: bool = False) -> Params:
     """The same model with its layers stacked (each weight ``[num_layers, ...]``): ``decoder``
-    then scans over the layers."""
+    then scans over the layers. ``consume``: each weight's layers are deleted once its stack is
+    made (a checkpoint loads as a list of layers), so that the model is held once more by one
+    weight's stack at most, as in ``unstack_layers``."""
     if isinstance(params["layers"], dict):
         return params
-    layers = {k: jnp.stack([layer[k] for layer in params["layers"]]) for k in params["layers"][0]}
+    layers = {}
+    for k in params["layers"][0]:
+        layers[k] = jnp.stack([layer[k] for layer in params["layers"]])
+        if consume:
+            for layer in params["layers"]:
+                layer[k].delete()
     return dict(params, layers=layers)
 
 

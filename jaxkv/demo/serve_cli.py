@@ -196,7 +196,7 @@ def load(args):
         source = f"preset {args.preset}, random"
     if args.layers == "unroll":
         return cfg, M.unstack_layers(params, consume=True), source
-    return cfg, M.stack_layers(params), source
+    return cfg, M.stack_layers(params, consume=True), source
 
 
 def ms(x) -> str:
