@@ -5,7 +5,10 @@ workload, and at what bandwidth do the one-launch transfers run for a given grid
 
 Separate dispatches, in order: the transfer (returns at once), the decode workload of
 ``jaxkv.bench --swap``, and the fence; against each alone. Bytes are checked after the fence.
+``PROBE_STEPS``: decode steps; ``PROBE_DECODE_ROWS``: the decode's rows (32; a serving engine
+decodes 256), over a reader drawn on the device.
 """
+import dataclasses
 import os
 import statistics
 import time
@@ -32,7 +35,38 @@ host = jax.device_put(np.zeros((M, 2, L, S, H, D), jnp.bfloat16),
 src = jnp.asarray(rng.permutation(P)[:M], jnp.int32)
 dst = jnp.asarray(rng.permutation(M), jnp.int32)
 nbytes = M * 2 * L * S * H * D * 2
-reader, work = bench.decode_workload(s)
+
+
+def decode_on_device(s):
+    """``bench.decode_workload``'s decode over a reader whose random bytes are drawn on the
+    device (the host's generator takes minutes for a pool of tens of GiB)."""
+    from jaxkv import PagedKVCache, attention
+    rows, per_row = s["decode_rows"], s["decode_pages_per_row"]
+    pages = rows * per_row
+    cache = PagedKVCache.create(
+        num_layers=L, num_pages=pages, page_size=S, num_kv_heads=H, head_dim=D, max_batch=rows,
+        max_pages_per_seq=per_row, dtype=jnp.bfloat16, layout="NHD")
+    draw = jax.jit(lambda key: jax.lax.bitcast_convert_type(
+        jax.random.bits(key, cache.k_pages.shape, jnp.uint16), jnp.bfloat16) * 0.01)
+    table = np.random.default_rng(1).permutation(pages).reshape(rows, per_row)
+    cache = dataclasses.replace(
+        cache, k_pages=draw(jax.random.key(3)), v_pages=draw(jax.random.key(4)),
+        page_table=jnp.asarray(table, jnp.int32),
+        lengths=jnp.full((rows,), per_row * S, jnp.int32),
+        ref_counts=jnp.ones((pages,), jnp.int32))
+    q = jax.random.normal(jax.random.key(2), (rows, s["q_heads"], D), jnp.bfloat16)
+
+    def work(reader):
+        return jax.lax.fori_loop(0, s["steps"] * L,
+                                 lambda i, x: attention.decode(x, reader, i % L), q)
+    return cache, work
+
+
+if "PROBE_DECODE_ROWS" in os.environ:  # a decode of another size (a serving engine's 256 rows)
+    s["decode_rows"] = int(os.environ["PROBE_DECODE_ROWS"])
+    reader, work = decode_on_device(s)
+else:
+    reader, work = bench.decode_workload(s)
 decode = jax.jit(work)
 
 
