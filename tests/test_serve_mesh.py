@@ -58,6 +58,29 @@ def test_a_swapping_engine_on_a_mesh_generates_what_one_device_recomputes(tmp_pa
     assert doc["recomputed"] == {"paged-swap": 24}
 
 
+def test_the_prefix_caching_engine_at_tp_2_reuses_what_the_oracle_does(tmp_path, capsys):
+    """``paged-prefix`` with heads over tp=2 (the batch unsplit: one index), the chat stream
+    under pool pressure with a host tier: reuse equals the oracle's best, spilled pages come
+    back, every request's tokens equal recomputation on one device, every page is counted."""
+    path = tmp_path / "serve.json"
+    rc = entry.main(["serve", "--mesh", "tp=2", "--engines", "paged-prefix", "--stream", "chat",
+                     "--requests", "32", "--max-batch", "8", "--kv-gib", "0.0004",
+                     "--host-kv-gib", "0.002", "--dtype", "float32", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    doc = json.loads(path.read_text())
+    m = doc["engines"]["paged-prefix"]
+    assert m["reuse_of_oracle"] == 1.0 and m["prefill_matched"] > 0
+    assert m["spilled_pages"] > 0 and m["miscounted_pages"] == 0
+    assert doc["recomputed"] == {"paged-prefix": 32}
+
+
+def test_the_prefix_caching_engine_refuses_a_split_batch(capsys):
+    with pytest.raises(SystemExit):
+        serve_cli.parse_args(["--mesh", "tp=2,dp=2", "--prefix-cache"])
+    assert "prefix-caching engine splits no batch" in capsys.readouterr().err
+
+
 def test_weights_split_megatron_style():
     s = cli.cache_sharding({"tp": 2, "dp": 2})
     params = M.init_stacked_params(M.PRESETS["tiny"], 0, "float32", s.mesh)
@@ -75,15 +98,15 @@ _COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-reduce|all-gather|all-to-
                          r"collective-permute|reduce-scatter)(-start)?\(")
 
 
-@pytest.mark.parametrize("name", ["paged", "linear", "fixed"])
+@pytest.mark.parametrize("name", ["paged", "linear", "fixed", "paged-prefix"])
 def test_no_collective_moves_cache_data(name):
     """Every collective of the compiled prefill, decode and evict is smaller than one layer's
     K of one row, and none has a cache leaf's shape (global or per device) or the logits'."""
     cfg = M.PRESETS["tiny"]
-    s = cli.cache_sharding({"tp": 2, "dp": 2})
+    s = cli.cache_sharding({"tp": 2} if name == "paged-prefix" else {"tp": 2, "dp": 2})
     params = M.init_stacked_params(cfg, 0, "float32", s.mesh)
     system, _ = S.make_stream(S.StreamConfig(requests=4), cfg.vocab_size)
-    paged = name == "paged"
+    paged = name.startswith("paged")
     plan = S.Plan(name, 4, 64 if paged else None, 16 if paged else None)
     kind = S.make_kind(name, cfg, "float32", plan, sharding=s)
     eng = S.ServeEngine(cfg, params, kind, batch=4, max_seq_len=256, system_prompt=system,

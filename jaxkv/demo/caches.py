@@ -375,10 +375,10 @@ class PagedKind:
     def _on_rows(self, cache, rows, method: str, tokens, num_tokens):
         """``cache.method(tokens, num_tokens)`` for the lanes' rows only: on a view of the cache
         holding just those rows' page-table rows and lengths (the same pools, counts and index),
-        so that the cost follows the lanes, not the batch; the rows written back. (The serving
-        loop runs on one device; a sharded cache's lanes would need the whole batch per shard.)"""
-        if self.sharding is not None:
-            raise ValueError("the serving demo's prefix caching runs unsharded")
+        so that the cost follows the lanes, not the batch; the rows written back. (With the
+        batch split, a lane's row lies in one shard, whose index alone can find its prefix.)"""
+        if self.batch_shards > 1:
+            raise ValueError("the serving demo's prefix caching runs with the batch unsplit")
         batch = cache.max_batch - 1
         live = rows < batch
         num_tokens = jnp.where(live, num_tokens, 0)

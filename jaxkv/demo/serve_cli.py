@@ -137,8 +137,8 @@ def parse_args(argv):
     if args.kv_dtype is not None and "paged-8bit" not in args.engines:
         args.engines.append("paged-8bit")  # asking for a dtype asks for its engine
     args.kv_dtype = args.kv_dtype or "fp8_e4m3"
-    if args.mesh and "paged-prefix" in args.engines:
-        p.error("--mesh: the prefix-caching engine serves on one device")
+    if args.mesh and args.mesh.get("dp", 1) > 1 and "paged-prefix" in args.engines:
+        p.error("--mesh: the prefix-caching engine splits no batch (tp only)")
     for e in args.engines:
         if e not in S.ENGINES:
             p.error(f"--engines: unknown engine {e!r}; choose from {', '.join(S.ENGINES)}")
