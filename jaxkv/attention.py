@@ -405,6 +405,8 @@ def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale
     _check_home(op, cache, q_lengths > 0)
     check(jnp.all((q_lengths == 0) | ((lengths >= 0) & (lengths + q_lengths <= src.readable))),
           f"{op}: lengths + q_lengths past the capacity (paged: past the pages a row holds)")
+    if q.shape[1] == 0:  # no query: an empty result, and no kernel (its grid would be empty)
+        return jnp.zeros(q.shape, q.dtype)
     if use == "cudnn":
         return _cudnn.prefill(q, cache, src.layer, q_lengths, scale)
     # One new token a row is a decode step: the split-KV kernel, not the prefill's 128-row tiles.

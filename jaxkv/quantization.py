@@ -182,9 +182,14 @@ def with_scales(cache, op: str, k_scale, v_scale):
 
 def float_dtype(op: str, dtype) -> np.dtype:
     """``dtype`` checked as a dtype to read values in: float32, bfloat16 or float16."""
-    if np.dtype(dtype) not in INPUT_DTYPES:
-        raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {np.dtype(dtype)}")
-    return np.dtype(dtype)
+    try:
+        got = np.dtype(dtype)
+    except TypeError:  # not a dtype at all ("foo")
+        got = None
+    if got not in INPUT_DTYPES:
+        shown = repr(dtype) if got is None else got
+        raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {shown}")
+    return got
 
 
 def read_values(op: str, scaling, stored, scale, dtype) -> jax.Array:

@@ -225,6 +225,16 @@ def test_paged_append_with_head_dim_zero():
     assert out[0].shape == kp.shape
 
 
+@pytest.mark.parametrize("kind", ["linear", "paged"])
+def test_a_prefill_of_no_query_gives_an_empty_result(kind):
+    # A chunk of T = 0 once divided by zero choosing the kernel's split count.
+    cache = (jaxkv.LinearKVCache.create(2, 4, 2, 16, 16, F32) if kind == "linear" else
+             jaxkv.PagedKVCache.create(2, 8, 4, 2, 16, 4, 3, dtype=F32))
+    q = jnp.zeros((4, 0, 4, 16), F32)
+    err, out = checked(lambda q: jaxkv.attention.prefill(q, cache, 0, jnp.zeros(4, jnp.int32)), q)
+    assert err is None and out.shape == (4, 0, 4, 16) and out.dtype == F32
+
+
 # --- the ambiguous ones, decided ---------------------------------------------------------------
 
 

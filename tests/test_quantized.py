@@ -1059,6 +1059,8 @@ def test_bad_arguments_are_refused_naming_them():
         c.append(0, jnp.ones((2, 1, 1, 8), jnp.int8), jnp.ones((2, 1, 1, 8), jnp.int8))
     with pytest.raises(TypeError, match="PagedKVCache.gather: dtype must be float32"):
         make("paged-HND", jnp.int8).gather(0, 4, dtype=jnp.int32)
+    with pytest.raises(TypeError, match="PagedKVCache.gather: dtype must be .* got 'foo'"):
+        make("paged-HND", jnp.int8).gather(0, 4, dtype="foo")  # not a dtype at all
 
 
 def test_with_scales_replaces_per_tensor_scales():
