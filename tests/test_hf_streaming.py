@@ -127,9 +127,10 @@ def test_a_missing_lm_head_is_the_embedding_transposed(tmp_path):
                                   tensors["model.embed_tokens.weight"].T)
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (CPU: conftest emulates 8)")
 def test_a_split_checkpoint_goes_to_the_mesh_split_as_drawn_weights_are(tmp_path):
     path, tensors = write_split_checkpoint(tmp_path / "ckpt", "bfloat16")
-    mesh = cli.cache_sharding({"tp": 2, "dp": 2}).mesh
+    mesh = cli.cache_sharding({"tp": 2}).mesh
     _, params = hf_loader.load(path, dtype="bfloat16", mesh=mesh)
     want = M.parameter_shardings(params, mesh)
     for (path_, x), sharding in zip(jax.tree_util.tree_leaves_with_path(params),
