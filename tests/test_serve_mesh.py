@@ -47,7 +47,7 @@ def test_a_swapping_engine_on_a_mesh_generates_what_one_device_recomputes(tmp_pa
     device, and the allocator audit counts every page (both tiers) right."""
     path = tmp_path / "serve.json"
     rc = entry.main(["serve", "--mesh", "tp=2,dp=2", "--engines", "paged-swap", "--requests",
-                     "24", "--max-batch", "8", "--kv-gib", "0.0003", "--max-seq-len", "128",
+                     "24", "--max-batch", "8", "--kv-gib", "0.00035", "--max-seq-len", "128",
                      "--mean-prompt", "24", "--mean-output", "48", "--dtype", "float32",
                      "--json", str(path)])
     out = capsys.readouterr().out
@@ -58,27 +58,38 @@ def test_a_swapping_engine_on_a_mesh_generates_what_one_device_recomputes(tmp_pa
     assert doc["recomputed"] == {"paged-swap": 24}
 
 
-def test_the_prefix_caching_engine_at_tp_2_reuses_what_the_oracle_does(tmp_path, capsys):
-    """``paged-prefix`` with heads over tp=2 (the batch unsplit: one index), the chat stream
-    under pool pressure with a host tier: reuse equals the oracle's best, spilled pages come
-    back, every request's tokens equal recomputation on one device, every page is counted."""
+@pytest.mark.parametrize("mesh", ["tp=2", "dp=4"])
+def test_the_prefix_caching_engine_on_a_mesh_reuses_its_prefixes(mesh, tmp_path, capsys):
+    """``paged-prefix`` on the chat stream under pool pressure. Heads over tp=2 (the batch
+    unsplit: one index), with a host tier: reuse equals the oracle's best and spilled pages come
+    back. Batch over dp=4 (an index a shard): a conversation's turns go to the shard that took
+    its first one, so most of the oracle's reuse is found (84% of it here; 69% without that).
+    Every request's tokens equal recomputation on one device, every page is counted."""
     path = tmp_path / "serve.json"
-    rc = entry.main(["serve", "--mesh", "tp=2", "--engines", "paged-prefix", "--stream", "chat",
-                     "--requests", "32", "--max-batch", "8", "--kv-gib", "0.0004",
-                     "--host-kv-gib", "0.002", "--dtype", "float32", "--json", str(path)])
+    tier = ["--kv-gib", "0.0004", "--host-kv-gib", "0.002"] if mesh == "tp=2" else [
+        "--kv-gib", "0.0012"]
+    rc = entry.main(["serve", "--mesh", mesh, "--engines", "paged-prefix", "--stream", "chat",
+                     "--requests", "48", "--max-batch", "8", *tier, "--dtype", "float32",
+                     "--json", str(path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     doc = json.loads(path.read_text())
     m = doc["engines"]["paged-prefix"]
-    assert m["reuse_of_oracle"] == 1.0 and m["prefill_matched"] > 0
-    assert m["spilled_pages"] > 0 and m["miscounted_pages"] == 0
-    assert doc["recomputed"] == {"paged-prefix": 32}
+    assert m["reuse_of_oracle"] >= (1.0 if mesh == "tp=2" else 0.8), m["reuse_of_oracle"]
+    assert m["miscounted_pages"] == 0 and (m["spilled_pages"] > 0) == (mesh == "tp=2")
+    assert doc["recomputed"] == {"paged-prefix": 48}
 
 
-def test_the_prefix_caching_engine_refuses_a_split_batch(capsys):
-    with pytest.raises(SystemExit):
-        serve_cli.parse_args(["--mesh", "tp=2,dp=2", "--prefix-cache"])
-    assert "prefix-caching engine splits no batch" in capsys.readouterr().err
+def test_a_batch_shards_pool_must_hold_a_whole_sequence(capsys):
+    """A row never leaves its batch shard: a pool that cannot hold --max-seq-len in each shard
+    is refused (a sequence no shard can finish was preempted and readmitted for ever). Without
+    --kv-gib each shard gets the preset's budget."""
+    with pytest.raises(SystemExit, match="in each of the 4 batch shards' pools"):
+        entry.main(["serve", "--mesh", "dp=4", "--engines", "paged", "--kv-gib", "0.0008",
+                    "--requests", "4"])
+    assert serve_cli.parse_args(["--mesh", "dp=4"]).kv_gib == 4 * serve_cli.DEFAULTS["tiny"][
+        "kv_gib"]
+    assert serve_cli.parse_args(["--mesh", "tp=4"]).kv_gib == serve_cli.DEFAULTS["tiny"]["kv_gib"]
 
 
 def test_weights_split_megatron_style():

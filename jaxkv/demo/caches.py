@@ -375,10 +375,10 @@ class PagedKind:
     def _on_rows(self, cache, rows, method: str, tokens, num_tokens):
         """``cache.method(tokens, num_tokens)`` for the lanes' rows only: on a view of the cache
         holding just those rows' page-table rows and lengths (the same pools, counts and index),
-        so that the cost follows the lanes, not the batch; the rows written back. (With the
-        batch split, a lane's row lies in one shard, whose index alone can find its prefix.)"""
+        so that the cost follows the lanes, not the batch; the rows written back. With the
+        batch split, on arrays of every row instead (``_on_batch``)."""
         if self.batch_shards > 1:
-            raise ValueError("the serving demo's prefix caching runs with the batch unsplit")
+            return self._on_batch(cache, rows, method, tokens, num_tokens)
         batch = cache.max_batch - 1
         live = rows < batch
         num_tokens = jnp.where(live, num_tokens, 0)
@@ -395,6 +395,22 @@ class PagedKind:
             lengths=cache.lengths.at[at].set(view.lengths, mode="drop"),
             new_tokens=cache.new_tokens, host=host)
         return cache if res is None else (cache, res)
+
+    def _on_batch(self, cache, rows, method: str, tokens, num_tokens):
+        """``_on_rows`` over a batch split into shards: the lanes' tokens and counts scattered
+        into arrays of every cache row (the others ask nothing), so that each shard's own index
+        serves the rows it holds (a view's rows could straddle shards)."""
+        live = rows < cache.max_batch - self.batch_shards
+        at = jnp.where(live, self._row(cache, rows), cache.max_batch)
+        every = jnp.zeros((cache.max_batch, tokens.shape[1]), jnp.int32)
+        every = every.at[at].set(tokens, mode="drop")
+        counts = jnp.zeros((cache.max_batch,), jnp.int32)
+        counts = counts.at[at].set(jnp.where(live, num_tokens, 0), mode="drop")
+        out = getattr(cache, method)(every, counts)
+        if method == "insert_prefix":
+            return out
+        cache, matched = out
+        return cache, jnp.where(live, matched[jnp.minimum(at, cache.max_batch - 1)], 0)
 
     def _per_shard(self, cache) -> int:
         """Cache rows per batch shard: its share of the batch and its prompt row (the last)."""

@@ -107,12 +107,15 @@ class Slots:
         return [(s * self.per_shard + i, r)
                 for s, shard in enumerate(self.shards) for i, r in enumerate(shard)]
 
-    def admit(self, pending: list[Request]) -> list[tuple[int, Request]]:
-        """Moves requests from the end of ``pending`` into free rows, each to the shard with the
-        most free rows (the first on a tie), and returns their (row, request)."""
+    def admit(self, pending: list[Request], prefer=None) -> list[tuple[int, Request]]:
+        """Moves requests from the end of ``pending`` into free rows, each to the shard
+        ``prefer(request)`` names where it has a free row, else to the shard with the most free
+        rows (the first on a tie), and returns their (row, request)."""
         admitted = []
         while pending:
-            s = max(range(len(self.shards)), key=lambda s: (-len(self.shards[s]), -s))
+            s = prefer(pending[-1]) if prefer else None
+            if s is None or len(self.shards[s]) == self.per_shard:
+                s = max(range(len(self.shards)), key=lambda s: (-len(self.shards[s]), -s))
             shard = self.shards[s]
             if len(shard) == self.per_shard:
                 break

@@ -31,7 +31,7 @@ class FreeSlots:
     def rows(self):
         return [(i, r) for i, r in enumerate(self.slots) if r is not None]
 
-    def admit(self, pending: list) -> list:
+    def admit(self, pending: list, prefer=None) -> list:  # (prefer: no shards to prefer)
         admitted = []
         for i in range(self.max_batch):
             if not pending:
@@ -111,6 +111,9 @@ class Schedule:
         self.usage: list = []
         self.uncached = num_pages  # never-cached free pages (a prefix cache), as last read
         self.sys_indexed = False  # prefix cache: a row has indexed the system prompt's full pages
+        # prefix cache over batch shards: the shard that last took each first page past the
+        # system prompt (each shard's index holds what its rows prefilled)
+        self.home: dict[bytes, int] | None = {} if engine.prefix and shards > 1 else None
         self.prefilling = 0  # rows still prefilling after the current chunk
         self.m = dict(iterations=0, prefill_calls=0, decode_calls=0, evict_calls=0,
                       decode_steps=0, preemptions=0, peak_live=0, peak_decoding=0, busy_host=0.0,
@@ -184,10 +187,29 @@ class Schedule:
             self.order += 1
             chosen.append(r)
             del self.waiting[i]
-        admitted = self.slots.admit(list(reversed(chosen)))
+        admitted = self.slots.admit(list(reversed(chosen)), self._home_shard)
+        if self.home is not None:
+            for row, r in admitted:
+                if (key := self._first_page(r)) is not None:
+                    self.home[key] = row // self.slots.per_shard
         self.live = self.slots.rows()
         self.m["peak_live"] = max(self.m["peak_live"], len(self.live))
         return admitted
+
+    def _first_page(self, r: ServeRequest) -> bytes | None:
+        """The tokens of ``r``'s first full page past the system prompt's (a conversation's first
+        message, a long shared prompt's start), or None where it has none."""
+        stop = (self.syslen // self.page_size + 1) * self.page_size - self.syslen
+        return r.ext[:stop].tobytes() if len(r.ext) > stop else None
+
+    def _home_shard(self, r: ServeRequest) -> int | None:
+        """Over batch shards with a prefix cache: the shard whose index may hold ``r``'s prefix
+        (the last to take its first page), so that a conversation's turns and a shared prompt's
+        requests meet their pages; None: no preference."""
+        if self.home is None:
+            return None
+        key = self._first_page(r)
+        return None if key is None else self.home.get(key)
 
     def _waits_for(self, ext: np.ndarray, prefilling: list) -> bool:
         """Whether a waiting request (its prompt and output ``ext``) shares full pages with a

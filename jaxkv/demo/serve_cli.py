@@ -51,7 +51,8 @@ def parse_args(argv):
         help="weights and cache (float32 on CPU, bfloat16 on GPU)")
     add("--engines", default=",".join(S.DEFAULT_ENGINES),
         help=f"comma-separated, from {', '.join(S.ENGINES)} ({','.join(S.DEFAULT_ENGINES)})")
-    add("--kv-gib", type=float, help="KV memory budget of every engine, GiB")
+    add("--kv-gib", type=float, help="KV memory budget of every engine, GiB (default: the "
+        "preset's, for each dp batch shard)")
     add("--kv-dtype", choices=sorted(S.KV_DTYPES), default=None,
         help="serve the paged-8bit engine too, its cache in this dtype (8 bits with "
              "per-token-head scales); an --engines list naming paged-8bit alone means fp8_e4m3")
@@ -108,6 +109,7 @@ def parse_args(argv):
     add("--json", metavar="PATH", help="write the results as JSON")
     add("--plot", metavar="PATH", help="write tokens/s against KV budget (matplotlib)")
     args = p.parse_args(argv)
+    kv_given = args.kv_gib is not None
     for name, value in DEFAULTS[args.preset].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -119,6 +121,8 @@ def parse_args(argv):
             p.error(f"--mesh: {e}")
         if set(args.mesh) - {"tp", "dp"}:
             p.error(f"--mesh: axes are tp and dp, got {', '.join(args.mesh)}")
+        if not kv_given:  # a batch shard serves its rows from its own pool, a replica's share
+            args.kv_gib *= args.mesh.get("dp", 1)
         cfg, model = M.PRESETS[args.preset], f"preset {args.preset}"
         if args.model and (pathlib.Path(args.model) / "config.json").is_file():
             from . import hf_loader  # the checkpoint's heads, before its weights load
@@ -137,8 +141,6 @@ def parse_args(argv):
     if args.kv_dtype is not None and "paged-8bit" not in args.engines:
         args.engines.append("paged-8bit")  # asking for a dtype asks for its engine
     args.kv_dtype = args.kv_dtype or "fp8_e4m3"
-    if args.mesh and args.mesh.get("dp", 1) > 1 and "paged-prefix" in args.engines:
-        p.error("--mesh: the prefix-caching engine splits no batch (tp only)")
     for e in args.engines:
         if e not in S.ENGINES:
             p.error(f"--engines: unknown engine {e!r}; choose from {', '.join(S.ENGINES)}")
@@ -326,14 +328,17 @@ def make_engine(name, args, cfg, params, system, kv_gib, per_token, mean_total):
     kv = int(kv_gib * 2**30)
     batch = args.max_batch or max(1, min(256, int(kv // per_token // mean_total)))
     p = S.plan(name, kv, per_token, args.max_seq_len, args.page_size, batch)
-    if args.sharding is not None and name != "fixed":  # rows and pages split over dp evenly
-        dp = args.sharding.batch_shards
+    dp = args.sharding.batch_shards if args.sharding is not None and name != "fixed" else 1
+    if dp > 1:  # rows and pages split over dp evenly
         pages = None if p.num_pages is None else p.num_pages // dp * dp
         p = S.Plan(p.name, max(dp, p.batch // dp * dp), pages, p.page_size)
-    if p.batch < 1 or (p.num_pages is not None and p.num_pages * args.page_size < args.max_seq_len
-                       + args.system_len + args.page_size):
+    # Each batch shard's pool must hold a whole sequence: a row never leaves its shard, and one
+    # that no shard can finish would be preempted and readmitted for ever.
+    if p.batch < 1 or (p.num_pages is not None and p.num_pages // dp * args.page_size
+                       < args.max_seq_len + args.system_len + args.page_size):
+        where = f" in each of the {dp} batch shards' pools" if dp > 1 else ""
         raise SystemExit(f"{name}: --kv-gib {kv_gib} does not hold one sequence of "
-                         f"--max-seq-len {args.max_seq_len}")
+                         f"--max-seq-len {args.max_seq_len}{where}")
     host_pages = 0
     swaps = (name == "paged-swap" or (args.preempt == "swap" and name in ("paged", "paged-8bit"))
              or (name == "paged-prefix" and args.host_kv_gib))  # the prefix cache spills
