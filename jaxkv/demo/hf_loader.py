@@ -4,8 +4,7 @@ A safetensors file is an 8-byte little-endian header length, a JSON header of na
 byte offsets, then raw data. ``load`` reads every file's header once, then each tensor's bytes
 only when that tensor is placed, and drops the host copy once it is on its devices: host memory
 holds about one tensor (and its converted copy) at a time, not the checkpoint (140 GB for a 70B
-model). Its reader is a few lines of numpy, so the demo needs no extra dependency;
-``read_safetensors`` uses the ``safetensors`` package when installed.
+model). Its reader is a few lines of numpy, so the demo needs no extra dependency.
 """
 
 from __future__ import annotations
@@ -68,16 +67,8 @@ def _read_tensor(name: str, stored: _Stored) -> np.ndarray:
 
 
 def read_safetensors(path) -> dict[str, np.ndarray]:
-    """Every tensor of one ``.safetensors`` file, as numpy arrays."""
-    try:
-        from safetensors.numpy import load_file
-    except ImportError:
-        pass
-    else:
-        try:
-            return load_file(str(path))
-        except TypeError:  # bf16 tensors: numpy has no bfloat16 of its own
-            pass
+    """Every tensor of one ``.safetensors`` file, as numpy arrays (by the module's reader, also
+    where the ``safetensors`` package is installed: the same arrays and errors everywhere)."""
     return {name: _read_tensor(name, stored) for name, stored in _read_header(path).items()}
 
 
