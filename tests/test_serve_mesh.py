@@ -62,12 +62,13 @@ def test_a_swapping_engine_on_a_mesh_generates_what_one_device_recomputes(tmp_pa
 def test_the_prefix_caching_engine_on_a_mesh_reuses_its_prefixes(mesh, tmp_path, capsys):
     """``paged-prefix`` on the chat stream under pool pressure. Heads over tp=2 (the batch
     unsplit: one index), with a host tier: reuse equals the oracle's best and spilled pages come
-    back. Batch over dp=4 (an index a shard): a conversation's turns go to the shard that took
-    its first one, so most of the oracle's reuse is found (84% of it here; 69% without that).
-    Every request's tokens equal recomputation on one device, every page is counted."""
+    back. Batch over dp=4 (an index a shard, a prefill lane a shard): a conversation's turns go
+    to the shard that took its first one, so most of the oracle's reuse is found (77% of it
+    here; 71% without that). Every request's tokens equal recomputation on one device, every
+    page is counted."""
     path = tmp_path / "serve.json"
     tier = ["--kv-gib", "0.0004", "--host-kv-gib", "0.002"] if mesh == "tp=2" else [
-        "--kv-gib", "0.0012"]
+        "--kv-gib", "0.002"]
     rc = entry.main(["serve", "--mesh", mesh, "--engines", "paged-prefix", "--stream", "chat",
                      "--requests", "48", "--max-batch", "8", *tier, "--dtype", "float32",
                      "--json", str(path)])
@@ -75,7 +76,7 @@ def test_the_prefix_caching_engine_on_a_mesh_reuses_its_prefixes(mesh, tmp_path,
     assert rc == 0, out
     doc = json.loads(path.read_text())
     m = doc["engines"]["paged-prefix"]
-    assert m["reuse_of_oracle"] >= (1.0 if mesh == "tp=2" else 0.8), m["reuse_of_oracle"]
+    assert m["reuse_of_oracle"] >= (1.0 if mesh == "tp=2" else 0.75), m["reuse_of_oracle"]
     assert m["miscounted_pages"] == 0 and (m["spilled_pages"] > 0) == (mesh == "tp=2")
     assert doc["recomputed"] == {"paged-prefix": 48}
 
@@ -141,12 +142,9 @@ def test_no_collective_moves_cache_data(name):
     assert any(op == "all-reduce" for _, op, _ in found)  # the model's, one per block
 
 
-@pytest.mark.parametrize("axes, rows", [({"tp": 2}, 2), ({"tp": 2, "dp": 2}, 3)])
-def test_a_prefill_attends_its_rows_alone_where_the_batch_is_not_split(axes, rows):
-    """Heads over tp alone: the paged prefill appends and attends through a view of the chunk's
-    rows (2 here), as on one device; with the batch split, through arrays of a shard's whole
-    batch and a prompt row (2 + 1 a device): a view's rows would straddle batch shards. (The
-    full-batch path at tp=2 made the 8B prefill attend 257 rows for 8, perf notes item 60.)"""
+def _paged_prefill_hlo(axes) -> str:
+    """The compiled prefill of a paged engine of 4 rows (chunks of 2 lanes x 16 tokens) over
+    ``axes``."""
     cfg = M.PRESETS["tiny"]
     s = cli.cache_sharding(axes)
     params = M.init_stacked_params(cfg, 0, "float32", s.mesh)
@@ -154,10 +152,28 @@ def test_a_prefill_attends_its_rows_alone_where_the_batch_is_not_split(axes, row
     kind = S.make_kind("paged", cfg, "float32", S.Plan("paged", 4, 64, 16), sharding=s)
     eng = S.ServeEngine(cfg, params, kind, batch=4, max_seq_len=256, system_prompt=system,
                         prefill_rows=2, prefill_chunk=16, decode_steps=4)
-    args = eng.example_args()["prefill2"]
-    hlo = eng.functions["prefill"].lower(*args).compile().as_text()
+    return eng.functions["prefill"].lower(*eng.example_args()["prefill2"]).compile().as_text()
+
+
+@pytest.mark.parametrize("axes, rows", [({"tp": 2}, 2), ({"tp": 2, "dp": 2}, 1)])
+def test_a_prefill_attends_its_rows_alone(axes, rows):
+    """The paged prefill appends and attends through a view of the chunk's rows: the 2 lanes
+    here, as on one device, where the batch is not split; over 2 batch shards, each device's
+    lane group, one row (not arrays of a shard's whole batch and its prompt row). (The
+    full-batch path at tp=2 made the 8B prefill attend 257 rows for 8, perf notes item 60.)"""
+    hlo = _paged_prefill_hlo(axes)
     calls = re.findall(r"= \((\w+)\[(\d+),[^\n]*custom_call_target=\"jaxkv_attention", hlo)
     assert calls and {int(n) for _, n in calls} == {rows}, calls
+
+
+@pytest.mark.parametrize("axes", [{"dp": 2}, {"tp": 2, "dp": 2}])
+def test_each_batch_shard_runs_the_model_on_its_own_lanes(axes):
+    """Over batch shards a prefill chunk's lanes split with them: each device's matmuls take its
+    own lane's 16 tokens (2 lanes over 2 shards) and its logits one row, not every lane's (every
+    device ran every lane, so dp=2 prefilled no faster than one device)."""
+    hlo = _paged_prefill_hlo(axes)
+    rows = {int(n) for n in re.findall(r"= \w+\[(\d+),\d+\]\S* dot\(", hlo)}
+    assert rows == {16, 1}, rows
 
 
 def test_host_arrays_reach_every_device_in_one_put():

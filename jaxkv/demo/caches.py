@@ -28,12 +28,13 @@ With a ``sharding`` whose batch axis has ``k`` devices (``--mesh dp=k``), the ``
   their shards, start from ``saved`` and become live
 - ``memory(cache) -> (bytes in use, bytes allocated)`` (host side)
 
-and for the serving benchmark (``serve.py``; unsharded caches):
+and for the serving benchmark (``serve.py``):
 
 - ``reserve_served(cache, new_lengths) -> (cache, served)``: ``reserve`` that also says which rows
   got room (bool [B]; paged: a row whose pages do not fit takes none and is not served)
 - ``attend_rows(cache, layer, rows, q, k, v, new_lengths, positions) -> (out, cache)``: a chunk
-  of prefill for a few rows only: ``rows`` int32 [R] (B for an unused entry), q [R, T, Hq, D],
+  of prefill for a few rows only: ``rows`` int32 [R] (B for an unused entry; over ``k`` batch
+  shards, ``k`` equal lane groups, group ``s`` naming rows of shard ``s``), q [R, T, Hq, D],
   k and v [R, Hkv, T, D], ``new_lengths`` [R], ``positions`` [R, T] -> out [R, T, Hq, D]
 - ``reserved_tokens(cache)``: int32, the tokens of memory the live sequences hold (linear: whole
   rows of ``max_seq_len``; paged: the pages in use)
@@ -90,18 +91,49 @@ def _for_new_rows(new, body, cache):
     return jax.lax.fori_loop(0, count, lambda i, c: body(rows[i], c), cache)
 
 
+def _lane_blocks(x, rows, shards: int):
+    """(``x`` [R, ...] as [shards, R / shards, ...], ``rows`` [W] as each lane group's rows
+    within its block [shards, W / shards]; a row past ``x``: R / shards, past every block)."""
+    per = x.shape[0] // shards
+    group = jnp.arange(rows.shape[0], dtype=jnp.int32) // (rows.shape[0] // shards)
+    local = jnp.where(rows < x.shape[0], rows - group * per, per)
+    return x.reshape(shards, per, *x.shape[1:]), local.reshape(shards, -1)
+
+
+def _take_rows(x, rows, shards: int = 1):
+    """``x[rows]``, where over ``shards`` batch shards the lanes are equal groups, group ``s``
+    naming rows of block ``s`` of ``x`` (schedule.Chunk): taken block by block, so that no row
+    crosses devices. A row past ``x`` gives one of its block's (its lane is unused)."""
+    if shards == 1:
+        return x[jnp.clip(rows, 0, x.shape[0] - 1)]
+    blocks, local = _lane_blocks(x, rows, shards)
+    local = jnp.minimum(local, blocks.shape[1] - 1)
+    return jax.vmap(lambda b, i: b[i])(blocks, local).reshape(-1, *x.shape[1:])
+
+
+def _put_rows(x, rows, values, shards: int = 1):
+    """``x.at[rows].set(values)`` block by block as ``_take_rows``; rows past ``x`` dropped."""
+    if shards == 1:
+        return x.at[rows].set(values, mode="drop")
+    blocks, local = _lane_blocks(x, rows, shards)
+    values = values.reshape(shards, -1, *values.shape[1:])
+    put = jax.vmap(lambda b, i, u: b.at[i].set(u, mode="drop"))
+    return put(blocks, local, values).reshape(x.shape)
+
+
 def _attend_rows_full(kind, cache, layer, rows, q, k, v, new_lengths, positions):
     """``attend_rows`` through the full-batch ``append`` and ``attend``: the chunk's rows are
     scattered into otherwise empty ``[B, ...]`` arrays (rows taking no part add no token)."""
-    batch = kind.lengths(cache).shape[0]
-    full = lambda x: jnp.zeros((batch, *x.shape[1:]), x.dtype).at[rows].set(x, mode="drop")  # noqa
+    batch, shards = kind.lengths(cache).shape[0], kind.batch_shards
+    full = lambda x: _put_rows(jnp.zeros((batch, *x.shape[1:]), x.dtype), rows, x, shards)  # noqa
     n = full(new_lengths)
     cache = kind.append(cache, layer, full(k), full(v), n)
-    at = jnp.clip(rows, 0, batch - 1)
     if kind.ops == "xla" and hasattr(kind, "kv"):  # dense attention over the chunk's rows only
         keys, values = kind.kv(cache, layer)
-        return dense_attention(q, keys[at], values[at], positions), cache
-    return kind.attend(cache, layer, full(q), full(positions), n)[at], cache
+        return dense_attention(q, _take_rows(keys, rows, shards),
+                               _take_rows(values, rows, shards), positions), cache
+    out = kind.attend(cache, layer, full(q), full(positions), n)
+    return _take_rows(out, rows, shards), cache
 
 
 # --- plain-XLA data movement, on layers [..., B, 2, H, S, D] (a leading layer axis or not) ---
@@ -374,16 +406,14 @@ class PagedKind:
 
     def _on_rows(self, cache, rows, method: str, tokens, num_tokens):
         """``cache.method(tokens, num_tokens)`` for the lanes' rows only: on a view of the cache
-        holding just those rows' page-table rows and lengths (the same pools, counts and index),
-        so that the cost follows the lanes, not the batch; the rows written back. With the
-        batch split, on arrays of every row instead (``_on_batch``)."""
-        if self.batch_shards > 1:
-            return self._on_batch(cache, rows, method, tokens, num_tokens)
-        batch = cache.max_batch - 1
-        live = rows < batch
+        holding just those rows' page-table rows and lengths (the same pools, counts and index;
+        over batch shards, each shard's lane group its own rows), so that the cost follows the
+        lanes, not the batch; the rows written back."""
+        shards = self.batch_shards
+        live = rows < cache.max_batch - shards
         num_tokens = jnp.where(live, num_tokens, 0)
-        at = self._row(cache, jnp.minimum(rows, batch - 1))
-        view = _rows_view(cache, at)
+        at = self._lane_rows(cache, rows)
+        view = _rows_view(cache, at, shards)
         out = getattr(view, method)(tokens, num_tokens)
         view, res = (out, None) if method == "insert_prefix" else out
         at = jnp.where(live, at, cache.max_batch)  # unused lanes write nothing back
@@ -391,26 +421,19 @@ class PagedKind:
         if host is not None:  # the rows' host tables: the whole batch's (match leaves them)
             host = dataclasses.replace(host, table=cache.host.table, incoming=cache.host.incoming)
         cache = dataclasses.replace(
-            view, page_table=cache.page_table.at[at].set(view.page_table, mode="drop"),
-            lengths=cache.lengths.at[at].set(view.lengths, mode="drop"),
+            view, page_table=_put_rows(cache.page_table, at, view.page_table, shards),
+            lengths=_put_rows(cache.lengths, at, view.lengths, shards),
             new_tokens=cache.new_tokens, host=host)
         return cache if res is None else (cache, res)
 
-    def _on_batch(self, cache, rows, method: str, tokens, num_tokens):
-        """``_on_rows`` over a batch split into shards: the lanes' tokens and counts scattered
-        into arrays of every cache row (the others ask nothing), so that each shard's own index
-        serves the rows it holds (a view's rows could straddle shards)."""
-        live = rows < cache.max_batch - self.batch_shards
-        at = jnp.where(live, self._row(cache, rows), cache.max_batch)
-        every = jnp.zeros((cache.max_batch, tokens.shape[1]), jnp.int32)
-        every = every.at[at].set(tokens, mode="drop")
-        counts = jnp.zeros((cache.max_batch,), jnp.int32)
-        counts = counts.at[at].set(jnp.where(live, num_tokens, 0), mode="drop")
-        out = getattr(cache, method)(every, counts)
-        if method == "insert_prefix":
-            return out
-        cache, matched = out
-        return cache, jnp.where(live, matched[jnp.minimum(at, cache.max_batch - 1)], 0)
+    def _lane_rows(self, cache, rows):
+        """The cache rows of a chunk's lanes (batch rows; over batch shards, lane group ``s``
+        holds rows of shard ``s``). An unused lane (a row past the batch) names its shard's
+        prompt row, where it adds no token."""
+        shards, per_shard = self.batch_shards, self._per_shard(cache)
+        group = jnp.arange(rows.shape[0], dtype=jnp.int32) // (rows.shape[0] // shards)
+        return jnp.where(rows < cache.max_batch - shards, self._row(cache, rows),
+                         group * per_shard + per_shard - 1)
 
     def _per_shard(self, cache) -> int:
         """Cache rows per batch shard: its share of the batch and its prompt row (the last)."""
@@ -451,16 +474,18 @@ class PagedKind:
     def reserved_tokens(self, cache):
         return jnp.sum(cache.ref_counts > 0, dtype=jnp.int32) * cache.page_size
 
+    def reserved_by_shard(self, cache):
+        """int32 [k]: the tokens of the pages each batch shard has in use (its own pool)."""
+        used = (cache.ref_counts > 0).reshape(self.batch_shards, -1)
+        return jnp.sum(used, axis=1, dtype=jnp.int32) * cache.page_size
+
     def attend_rows(self, cache, layer, rows, q, k, v, new_lengths, positions):
         """With jaxkv's ops, a view of the cache with the chunk's rows only (their page-table
         rows and lengths; the same pools) takes the append and the attention: no full-batch
-        arrays. Where the batch is not split (one device, or heads over ``tp`` alone): a view's
-        rows would straddle batch shards (a row past the batch names the prompt row, with no
-        tokens)."""
-        if not (self.ops == "jaxkv" and self.attention == "auto" and _kernel_attends(self.cfg)
-                and self.batch_shards == 1):
+        arrays. Over batch shards, each shard's view holds its lane group's rows."""
+        if not (self.ops == "jaxkv" and self.attention == "auto" and _kernel_attends(self.cfg)):
             return _attend_rows_full(self, cache, layer, rows, q, k, v, new_lengths, positions)
-        sub = _rows_view(cache, rows)
+        sub = _rows_view(cache, self._lane_rows(cache, rows), self.batch_shards)
         sub = sub.append(layer, k, v, new_lengths)
         out = _jaxkv_attend(sub, layer, q, new_lengths)
         return out, dataclasses.replace(cache, k_pages=sub.k_pages, v_pages=sub.v_pages,
@@ -602,14 +627,16 @@ def _pallas_blocks(pages_per_seq: int) -> tuple[int, int]:
 KINDS = {"linear": LinearKind, "manager": ManagerKind, "paged": PagedKind}
 
 
-def _rows_view(cache, rows):
-    """A paged cache holding only ``rows`` (int32 [n]): their page-table rows, lengths and host
-    tables; the same pools, counts and index."""
+def _rows_view(cache, rows, shards: int = 1):
+    """A paged cache holding only ``rows`` (int32 [n]; over batch shards, lane group ``s``
+    naming rows of shard ``s``): their page-table rows, lengths and host tables; the same pools,
+    counts and index."""
+    take = lambda x: _take_rows(x, rows, shards)  # noqa: E731
     host = cache.host
     if host is not None:
-        host = dataclasses.replace(host, table=host.table[rows], incoming=host.incoming[rows])
-    return dataclasses.replace(cache, page_table=cache.page_table[rows],
-                               lengths=cache.lengths[rows], new_tokens=cache.new_tokens[rows],
+        host = dataclasses.replace(host, table=take(host.table), incoming=take(host.incoming))
+    return dataclasses.replace(cache, page_table=take(cache.page_table),
+                               lengths=take(cache.lengths), new_tokens=take(cache.new_tokens),
                                host=host)
 
 

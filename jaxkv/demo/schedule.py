@@ -57,9 +57,11 @@ class FreeSlots:
 class Chunk:
     """One prefill call: ``width`` rows (lanes), each up to ``prefill_chunk`` prompt tokens."""
 
-    lanes: list  # (row, request) of the lanes in use
+    lanes: list  # (lane, row, request) of the lanes in use
     new: np.ndarray  # bool [B]: rows admitted now (they start from the system prompt)
-    rows: np.ndarray  # int32 [width]: the lanes' rows; B for an unused lane
+    # int32 [width]: the lanes' rows; B for an unused lane. Over k batch shards the lanes are k
+    # equal groups, group s holding rows of shard s (each device prefills its own rows).
+    rows: np.ndarray
     tokens: np.ndarray  # int32 [width, chunk]
     n: np.ndarray  # int32 [width]: tokens of each lane
     last: np.ndarray  # bool [width]: the chunk ends the lane's prompt
@@ -79,6 +81,10 @@ class Chunk:
             return (self.new, self.rows, self.seq, self.total, self.budget)
         return (self.new, self.rows, self.tokens, self.n, self.last, self.budget)
 
+    def on_lanes(self) -> tuple[bool, ...]:
+        """Which of ``arrays()`` lead with the lane axis (over batch shards: split with it)."""
+        return (True,) * 5 if self.seq is not None else (False,) + (True,) * 5
+
 
 # Waiting requests a prefix-caching engine looks past for one whose prefix is not being
 # prefilled (bounds the host's work per admission).
@@ -94,20 +100,25 @@ class Schedule:
         self.engine, self.requests = engine, requests
         kind, b = engine.kind, engine.batch
         self.page_size = getattr(kind, "page_size", None) if num_pages else None
-        self.num_pages = self.free_pages = num_pages
+        self.num_pages = num_pages
         self.syslen = len(engine.system_prompt)
         self.future = collections.deque(sorted(requests, key=lambda r: r.arrival))
         self.waiting: collections.deque[ServeRequest] = collections.deque()
         shards = getattr(kind, "batch_shards", 1)
         self.slots = loop.Slots(b, shards) if getattr(kind, "compacts", True) else FreeSlots(b)
+        # Over batch shards each has its rows and its pool: rows, pages and shortages are
+        # counted per shard (a row never leaves its shard, nor takes another's pages).
+        self.shards, self.per_shard = shards, b // shards
+        self.free = [num_pages // shards] * shards  # free pages of each shard, as last read
         self.leaving: set[int] = set()
         self.hold = False  # after a preemption, no admission until a request finishes
         self.to_host: list[ServeRequest] = []  # preempted, to swap out in the next iteration
         self.to_device: list[ServeRequest] = []  # swapped, to bring back in the next iteration
-        self.short = False  # a row got no page in the last iteration
+        self.short: set[int] = set()  # shards where a row got no page in the last iteration
         self.order = self.done = 0
         self.live: list = []
-        # [live rows, live tokens, reserved tokens, never-cached free pages] after each decode
+        # [live rows, live tokens, reserved tokens, never-cached free pages, then the reserved
+        # tokens of each batch shard] after each decode
         self.usage: list = []
         self.uncached = num_pages  # never-cached free pages (a prefix cache), as last read
         self.sys_indexed = False  # prefix cache: a row has indexed the system prompt's full pages
@@ -142,34 +153,46 @@ class Schedule:
         return mapping
 
     def pages_in_use(self, reserved_tokens) -> None:
+        """``reserved_tokens``: the tokens of the pages each batch shard has in use."""
         if self.page_size:
-            self.free_pages = self.num_pages - int(reserved_tokens) // self.page_size
+            share = self.num_pages // self.shards
+            self.free = [share - int(t) // self.page_size for t in reserved_tokens]
 
     def reserve_ahead(self, steps: int) -> None:
         """A decode call of ``steps`` is running and not read yet: admission counts the most
         pages it may take (every decoding row crossing ``ceil(steps / page_size)`` pages)."""
         if self.page_size:
-            rows = sum(r.phase == "decode" for _, r in self.live)
-            self.free_pages -= rows * _pages(steps, self.page_size)
+            for row, r in self.live:
+                if r.phase == "decode":
+                    self.free[self._shard(row)] -= _pages(steps, self.page_size)
+
+    def _shard(self, row: int) -> int:
+        return row // self.per_shard
 
     def admit(self) -> list:
         """Moves waiting requests into free rows, first come first served; paged: while the pool
         has pages for their prompts (beyond what the rows still prefilling will take, and a 1%
         watermark). A request preempted before is prefilled with the tokens it had made."""
         chosen, size = [], self.page_size
+        room = [0] * self.shards  # paged: pages each shard can still give
         if size:
-            pending = sum(_pages(self.syslen + len(r.ext), size)
-                          - _pages(self.syslen + r.offset, size)
-                          for _, r in self.slots.rows() if r.phase == "prefill")
-            room = self.free_pages - pending - max(1, self.num_pages // 100)
-            room -= self._swap_ins(room)
+            pending = [0] * self.shards
+            for row, r in self.slots.rows():
+                if r.phase == "prefill":
+                    pending[self._shard(row)] += (_pages(self.syslen + len(r.ext), size)
+                                                  - _pages(self.syslen + r.offset, size))
+            mark = max(1, self.num_pages // self.shards // 100)
+            room = [f - p - mark for f, p in zip(self.free, pending)]
+            self._swap_ins(room)
             if any(r.phase == "swapped" and r not in self.to_device for _, r in self.slots.rows()):
                 self.live = self.slots.rows()  # the swapped come back before anyone new
                 return self.slots.admit([])
-        free_rows = self.engine.batch - len(self.slots)
+        free_rows = ([self.engine.batch - len(self.slots)] if self.shards == 1 else
+                     [self.per_shard - len(rows) for rows in self.slots.shards])
         prefilling = [r for _, r in self.slots.rows() if r.phase == "prefill"]
+        shard_of: dict[int, int] = {}
         i = 0
-        while (i < len(self.waiting) and len(chosen) < free_rows
+        while (i < len(self.waiting) and any(free_rows)
                and not (self.hold and len(self.slots))):
             r = self.waiting[i]
             ext = np.concatenate([r.prompt, np.asarray(r.output, np.int32)])
@@ -177,39 +200,51 @@ class Schedule:
                 i += 1  # its prefix is still being prefilled by another row: later, it finds it
                 self.m["deferred"] += 1
                 continue
+            need = _pages(self.syslen + len(ext) + 1, size) - self.syslen // size if size else 0
+            s = self._pick_shard(ext, need, free_rows, room)
             if size:
-                need = _pages(self.syslen + len(ext) + 1, size) - self.syslen // size
-                if need > room and (chosen or len(self.slots)):
+                if need > room[s] and (chosen or len(self.slots)):
                     break
-                room -= need
+                room[s] -= need
+            free_rows[s] -= 1
+            shard_of[id(r)] = s
             r.ext, r.offset, r.phase, r.order = ext, 0, "prefill", self.order
             r.started = False
             self.order += 1
             chosen.append(r)
             del self.waiting[i]
-        admitted = self.slots.admit(list(reversed(chosen)), self._home_shard)
+        admitted = self.slots.admit(list(reversed(chosen)), lambda r: shard_of[id(r)])
         if self.home is not None:
             for row, r in admitted:
-                if (key := self._first_page(r)) is not None:
-                    self.home[key] = row // self.slots.per_shard
+                if (key := self._first_page(r.ext)) is not None:
+                    self.home[key] = self._shard(row)
         self.live = self.slots.rows()
         self.m["peak_live"] = max(self.m["peak_live"], len(self.live))
         return admitted
 
-    def _first_page(self, r: ServeRequest) -> bytes | None:
-        """The tokens of ``r``'s first full page past the system prompt's (a conversation's first
-        message, a long shared prompt's start), or None where it has none."""
+    def _first_page(self, ext: np.ndarray) -> bytes | None:
+        """The tokens of a request's first full page past the system prompt's (a conversation's
+        first message, a long shared prompt's start; ``ext``: its prompt and output), or None
+        where it has none."""
         stop = (self.syslen // self.page_size + 1) * self.page_size - self.syslen
-        return r.ext[:stop].tobytes() if len(r.ext) > stop else None
+        return ext[:stop].tobytes() if len(ext) > stop else None
 
-    def _home_shard(self, r: ServeRequest) -> int | None:
-        """Over batch shards with a prefix cache: the shard whose index may hold ``r``'s prefix
-        (the last to take its first page), so that a conversation's turns and a shared prompt's
-        requests meet their pages; None: no preference."""
-        if self.home is None:
-            return None
-        key = self._first_page(r)
-        return None if key is None else self.home.get(key)
+    def _pick_shard(self, ext: np.ndarray, need: int, free_rows: list, room: list) -> int:
+        """The batch shard for a request (prompt and output ``ext``, ``need`` pages): with a
+        prefix cache, the shard whose index may hold its prefix (the last to take its first
+        page), so that a conversation's turns and a shared prompt's requests meet their pages,
+        if it has a free row and the pages; else, of the shards with a free row and the pages,
+        the one with the most free rows (the first on a tie); else the one with the most pages
+        (which the caller finds short)."""
+        key = None if self.home is None else self._first_page(ext)
+        home = None if key is None else self.home.get(key)
+        if home is not None and free_rows[home] and room[home] >= need:
+            return home
+        open_ = [s for s in range(self.shards) if free_rows[s]]
+        fit = [s for s in open_ if room[s] >= need]
+        if fit:
+            return max(fit, key=lambda s: (free_rows[s], -s))
+        return max(open_, key=lambda s: (room[s], -s))
 
     def _waits_for(self, ext: np.ndarray, prefilling: list) -> bool:
         """Whether a waiting request (its prompt and output ``ext``) shares full pages with a
@@ -255,24 +290,24 @@ class Schedule:
         self.uncached += want  # until the next read: do not spill the same pages twice
         return want
 
-    def _swap_ins(self, room: int) -> int:
-        """Plans bringing swapped requests back, oldest first, while their pages fit in
-        ``room`` and no preemption is pending; returns the pages they take. With no row running,
-        the oldest comes back whatever the estimate says (the device decides), so that the
-        schedule always moves."""
+    def _swap_ins(self, room: list) -> None:
+        """Plans bringing swapped requests back, oldest first, while their pages fit in their
+        shards' ``room`` (taken from it) and no preemption is pending. With no row running, the
+        oldest comes back whatever the estimate says (the device decides), so that the schedule
+        always moves."""
         active = self._active()
         if self.hold and active:
-            return 0
-        swapped = sorted((r for _, r in self.slots.rows()
-                          if r.phase == "swapped" and r not in self.to_host), key=lambda r: r.order)
-        taken = 0
-        for r in swapped:
-            need = self._pages_held(r)
-            if taken + need > room and (active or taken):
+            return
+        swapped = sorted(((r.order, row, r) for row, r in self.slots.rows()
+                          if r.phase == "swapped" and r not in self.to_host), key=lambda x: x[0])
+        planned = 0
+        for _, row, r in swapped:
+            need, s = self._pages_held(r), self._shard(row)
+            if need > room[s] and (active or planned):
                 break
-            taken += need
+            room[s] -= need
+            planned += 1
             self.to_device.append(r)
-        return taken
 
     def _active(self) -> int:
         return sum(r.phase in ("prefill", "decode") for _, r in self.slots.rows())
@@ -321,11 +356,18 @@ class Schedule:
         e = self.engine
         waiting = sorted(((r.order, row, r) for row, r in self.live if r.phase == "prefill"),
                          key=lambda x: x[0])
-        lanes = [(row, r) for _, row, r in waiting[: e.prefill_rows]]
         self.prefilling = len(waiting)
-        if not (admitted or lanes):
+        k = e.lane_shards
+        groups: list[list] = [[] for _ in range(k)]  # each shard's oldest rows
+        for _, row, r in waiting:
+            group = groups[self._shard(row)]
+            if len(group) < e.prefill_rows // k:
+                group.append((row, r))
+        if not (admitted or any(groups)):
             return None
-        width = min(w for w in e.lane_sizes if w >= len(lanes))
+        width = min(w for w in e.lane_sizes if w // k >= max(map(len, groups)))
+        lanes = [(s * (width // k) + j, row, r)
+                 for s, group in enumerate(groups) for j, (row, r) in enumerate(group)]
         new = np.zeros((e.batch,), bool)
         new[[row for row, _ in admitted]] = True
         c = Chunk(lanes, new, np.full((width,), e.batch, np.int32),
@@ -335,7 +377,7 @@ class Schedule:
             c.new = np.zeros((width,), bool)
             c.seq = np.zeros((width, e.max_seq_len), np.int32)
             c.total = np.zeros((width,), np.int32)
-        for i, (row, r) in enumerate(lanes):
+        for i, row, r in lanes:
             part = r.ext[r.offset:r.offset + e.prefill_chunk]
             c.rows[i], c.n[i], c.tokens[i, :len(part)] = row, len(part), part
             c.last[i] = r.offset + len(part) == len(r.ext)
@@ -360,18 +402,18 @@ class Schedule:
                                                                               *got[4:])
         out, stalled, usage, done = got[:4]
         self.decoded(live, out, done, stalled, now())
-        self.pages_in_use(usage[2])
+        self.pages_in_use(usage[4:])
         self.uncached = int(usage[3])
         self.usage.append(usage)
         self.preempt_if_short()
         self.m["busy_host"] += time.perf_counter() - host
 
     def prefilled(self, c: Chunk, first: np.ndarray, ok: np.ndarray) -> None:
-        for i, (row, r) in enumerate(c.lanes):
+        for i, row, r in c.lanes:
             if _doing(r) != "prefill":  # preempted (recomputed) since the chunk was dispatched
                 continue
             if not ok[i]:  # no pages for the chunk
-                self.short = True
+                self.short.add(self._shard(row))
                 continue
             self.m["prefill_computed"] += int(c.n[i])
             r.offset += int(c.n[i])
@@ -381,7 +423,7 @@ class Schedule:
 
     def prefilled_prefix(self, c: Chunk, first, ok, n, last, matched) -> None:
         """A prefix-cache chunk's results: tokens run and matched per lane, as the device chose."""
-        for i, (row, r) in enumerate(c.lanes):
+        for i, row, r in c.lanes:
             if r.phase != "prefill":
                 continue
             if c.new[i]:
@@ -391,7 +433,7 @@ class Schedule:
                 r.offset = int(matched[i]) - self.syslen
             self.m["prefill_computed"] += int(n[i])
             if not ok[i]:
-                self.short = True
+                self.short.add(self._shard(row))
                 continue
             r.offset += int(n[i])
             # (its pages are indexed after each chunk; the system prompt's are shared by all)
@@ -414,7 +456,8 @@ class Schedule:
             r.output.extend(x for x in made[row] if x >= 0)
             if r.first_time is None:
                 r.first_time = t
-            self.short |= bool(stalled[row])
+            if stalled[row]:
+                self.short.add(self._shard(row))
             if done[row]:
                 if r in self.to_host:  # finished in the call that ran out of pages
                     self.to_host.remove(r)
@@ -426,12 +469,13 @@ class Schedule:
         self.m["peak_decoding"] = max(self.m["peak_decoding"], decoding)
 
     def preempt_if_short(self) -> None:
-        """Out of pages: the youngest request is preempted: its pages go to the host (a
-        swapping engine), or it leaves, back to the front of the queue, to be recomputed."""
-        short, self.short = self.short, False
-        victims = [r for _, r in self.live
-                   if r.phase in ("prefill", "decode") and id(r) not in self.leaving]
-        if short and victims:
+        """Out of pages: the youngest request of a shard that ran out is preempted: its pages go
+        to the host (a swapping engine), or it leaves, back to the front of the queue, to be
+        recomputed."""
+        short, self.short = self.short, set()
+        victims = [r for row, r in self.live if self._shard(row) in short
+                   and r.phase in ("prefill", "decode") and id(r) not in self.leaving]
+        if victims:
             v = max(victims, key=lambda r: r.order)
             v.preemptions += 1
             self.m["preemptions"] += 1

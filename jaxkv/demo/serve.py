@@ -22,8 +22,9 @@ donated (updated in place):
 
 The host, between calls: admits arrived requests into free rows (paged: while the pool has pages
 for their prompts, with a 1% watermark, as counted by the last decode call: reading the count after
-an eviction would make the GPU wait), picks the prefill chunks, reads the tokens, and on a
-shortage of pages preempts the youngest request, which later starts again from its prompt and the
+an eviction would make the GPU wait; over batch shards, each shard's rows and pool), picks the
+prefill chunks, reads the tokens, and on a shortage of pages preempts the youngest request (of
+the shard that ran short), which later starts again from its prompt and the
 tokens it had generated (recomputation, vLLM's default policy; greedy decoding makes the result the
 same); no request is admitted then until one finishes, so that the pool does not thrash.
 All layers run in a ``lax.scan`` over stacked weights with a traced layer index (``unroll``: a
@@ -137,7 +138,11 @@ class ServeEngine(loop.Engine):
         self.batch = self.max_batch = batch
         self.max_seq_len = max_seq_len
         self.system_prompt = np.asarray(system_prompt, np.int32)
-        self.lane_sizes = tuple(sorted(set(np.atleast_1d(prefill_rows).tolist())))
+        # Over k batch shards a chunk's lanes are k equal groups, one a shard (schedule.Chunk):
+        # each lane count rounds up to a multiple of k.
+        self.lane_shards = k = getattr(kind, "batch_shards", 1)
+        self.lane_sizes = tuple(sorted({-(-w // k) * k
+                                        for w in np.atleast_1d(prefill_rows).tolist()}))
         self.prefill_rows, self.prefill_chunk = self.lane_sizes[-1], prefill_chunk
         self.decode_steps = decode_steps
         self.mixed_steps = min(decode_steps, mixed_steps or decode_steps)
@@ -151,6 +156,11 @@ class ServeEngine(loop.Engine):
         mesh = getattr(kind, "mesh", None) or (sharding.mesh if sharding is not None else None)
         self.replicated = (None if mesh is None else
                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        # ... and a prefill chunk's lanes split over the batch shards, so that each device
+        # runs the model on its own rows' tokens (replicated, every device ran every lane)
+        self.split_lanes = (self.replicated if k == 1 else
+                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+                                sharding.batch)))
         self.functions = self._jit_functions()
         self._compiled = None
         self.step_counts = tuple(sorted({1, *self.halves(self.decode_steps),
@@ -246,9 +256,12 @@ class ServeEngine(loop.Engine):
             cache, tok, remaining, out, stalled = jax.lax.fori_loop(0, steps, body, init)
             live = kind.live(cache)
             uncached = kind.uncached_free_pages(cache) if self.spill else jnp.int32(0)
-            usage = jnp.stack([jnp.sum(live, dtype=i32),
-                               jnp.sum(jnp.where(live, kind.lengths(cache), 0), dtype=i32),
-                               kind.reserved_tokens(cache), uncached])
+            reserved = kind.reserved_tokens(cache)
+            by_shard = (kind.reserved_by_shard(cache) if hasattr(kind, "reserved_by_shard")
+                        else reserved[None])
+            usage = jnp.concatenate([jnp.stack([
+                jnp.sum(live, dtype=i32), jnp.sum(jnp.where(live, kind.lengths(cache), 0),
+                                                  dtype=i32), reserved, uncached]), by_shard])
             # `remaining` is donated to the next call; the host reads which rows are done
             return placed(cache), pin(tok), pin(remaining), out, stalled, usage, remaining == 0
 
@@ -295,6 +308,20 @@ class ServeEngine(loop.Engine):
         others, device to device, at each call)."""
         return jax.device_put(arrays, self.replicated)
 
+    def put_lanes(self, arrays, on_lanes) -> tuple:
+        """A prefill chunk's host arrays on the devices in one call, those that lead with the
+        lane axis (``on_lanes``, as ``schedule.Chunk.on_lanes``) split over the batch shards."""
+        if self.replicated is None:
+            return jax.device_put(arrays)
+        return jax.device_put(arrays, tuple(self.split_lanes if lanes else self.replicated
+                                            for lanes in on_lanes))
+
+    def warm_rows(self, width: int) -> np.ndarray:
+        """Rows for a warm-up chunk of ``width`` lanes: each lane group's within its shard."""
+        group, per = width // self.lane_shards, self.batch // self.lane_shards
+        lane = np.arange(width)
+        return ((lane // group) * per + np.minimum(lane % group, per - 1)).astype(np.int32)
+
     @property
     def whole_row(self) -> int:
         return -(-self.max_seq_len // self.kind.page_size)
@@ -327,14 +354,18 @@ class ServeEngine(loop.Engine):
         row = i32(self.batch)
         _, saved = jax.eval_shape(self.functions["save"], cache)
         bools = lambda n: jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=self.replicated)  # noqa
+        # a chunk's lane arrays: split over the batch shards (put_chunk)
+        lanes = lambda dtype, *s: jax.ShapeDtypeStruct(s, dtype, sharding=self.split_lanes)  # noqa
+        i, b = jnp.int32, jnp.bool_
         if self.prefix:
-            prefill = {f"prefill{r}": (params, cache, row, row, bools(r), i32(r),
-                                       i32(r, self.max_seq_len), i32(r), i32(r), i32())
+            prefill = {f"prefill{r}": (params, cache, row, row, lanes(b, r), lanes(i, r),
+                                       lanes(i, r, self.max_seq_len), lanes(i, r), lanes(i, r),
+                                       i32())
                        for r in self.lane_sizes}
         else:
             prefill = {f"prefill{r}": (params, cache, row, row, saved, bools(self.batch),
-                                       i32(r), i32(r, self.prefill_chunk), i32(r), bools(r),
-                                       i32(r), i32())
+                                       lanes(i, r), lanes(i, r, self.prefill_chunk), lanes(i, r),
+                                       lanes(b, r), lanes(i, r), i32())
                        for r in self.lane_sizes}
         decode = {f"decode{n}": (params, cache, row, row, i32(), n) for n in self.step_counts}
         swaps = {d: (cache, bools(self.batch), self.whole_row)
@@ -365,18 +396,19 @@ class ServeEngine(loop.Engine):
             no_eos, = self.put(np.int32(-1))
             for r in self.lane_sizes:
                 ones = np.ones((r,), np.int32)
-                lanes = np.minimum(np.arange(r, dtype=np.int32), b - 1)
+                lanes = self.warm_rows(r)
                 if self.prefix:
                     cache, tok, rem, *_ = fns[f"prefill{r}"](
-                        self.params, cache, tok, rem, *self.put(
-                            np.ones((r,), bool), lanes, np.zeros((r, self.max_seq_len), np.int32),
-                            ones, ones * 2), no_eos)
+                        self.params, cache, tok, rem, *self.put_lanes(
+                            (np.ones((r,), bool), lanes, np.zeros((r, self.max_seq_len), np.int32),
+                             ones, ones * 2), (True,) * 5), no_eos)
                 else:
+                    new = np.zeros((b,), bool)
+                    new[lanes] = True
                     cache, tok, rem, _, _ = fns[f"prefill{r}"](
-                        self.params, cache, tok, rem, saved, *self.put(
-                            np.arange(b) < min(r, b), lanes,
-                            np.zeros((r, self.prefill_chunk), np.int32), ones,
-                            np.ones((r,), bool), ones * 2), no_eos)
+                        self.params, cache, tok, rem, saved, *self.put_lanes(
+                            (new, lanes, np.zeros((r, self.prefill_chunk), np.int32), ones,
+                             np.ones((r,), bool), ones * 2), (False,) + (True,) * 5), no_eos)
                 for n in self.step_counts:
                     cache, tok, rem, *_ = fns[f"decode{n}"](self.params, cache, tok, rem, no_eos)
                 cache, tok, rem, _ = fns["evict"](cache, tok, rem,
@@ -399,20 +431,21 @@ class ServeEngine(loop.Engine):
         if self.prefix:  # every request prefills (or finds) the system prompt itself
             cache, saved = fns["save"](cache)
             return cache, tok, remaining, saved
+        no_eos, = self.put(np.int32(-1))
+        # a lane a shard, the first of each lane group (lane_sizes are multiples of the shards)
+        lanes = np.arange(shards) * (r // shards)
         for start in range(0, len(prompt), chunk):
             part = prompt[start:start + chunk]
-            for group in range(0, shards, r):
-                lanes = firsts[group:group + r]
-                tokens = np.zeros((r, chunk), np.int32)
-                tokens[:len(lanes), :len(part)] = part
-                rows = np.full((r,), b, np.int32)
-                rows[:len(lanes)] = lanes
-                n = np.zeros((r,), np.int32)
-                n[:len(lanes)] = len(part)
-                cache, tok, remaining, _, _ = fns[f"prefill{r}"](
-                    self.params, cache, tok, remaining, dummy, *self.put(
-                        none, rows, tokens, n, np.zeros((r,), bool), np.ones((r,), np.int32),
-                        np.int32(-1)))
+            tokens = np.zeros((r, chunk), np.int32)
+            tokens[lanes, :len(part)] = part
+            rows = np.full((r,), b, np.int32)
+            rows[lanes] = firsts
+            n = np.zeros((r,), np.int32)
+            n[lanes] = len(part)
+            cache, tok, remaining, _, _ = fns[f"prefill{r}"](
+                self.params, cache, tok, remaining, dummy, *self.put_lanes(
+                    (none, rows, tokens, n, np.zeros((r,), bool), np.ones((r,), np.int32)),
+                    (False,) + (True,) * 5), no_eos)
         cache, saved = fns["save"](cache)
         return cache, tok, remaining, saved
 
@@ -475,7 +508,8 @@ class ServeEngine(loop.Engine):
             if chunk is not None:
                 extra = () if self.prefix else (saved,)
                 cache, tok, remaining, *prefilled = fns[f"prefill{chunk.width}"](
-                    self.params, cache, tok, remaining, *extra, *self.put(*chunk.arrays()), eos)
+                    self.params, cache, tok, remaining, *extra,
+                    *self.put_lanes(chunk.arrays(), chunk.on_lanes()), eos)
                 m["prefill_calls"] += 1
             calls = []
             # The iteration's decode steps in two calls: the host waits for the first one's
@@ -518,7 +552,8 @@ class ServeEngine(loop.Engine):
         self.final_cache = cache
         audit = getattr(self.kind, "miscounted_pages", None)  # paged: the allocator's audit
         m["miscounted_pages"] = None if audit is None else audit(cache)
-        m.update(wall=wall, compile_s=compile_s, usage=np.array(sched.usage).reshape(-1, 4),
+        usage = np.array([u[:4] for u in sched.usage]).reshape(-1, 4)  # per shard: left out
+        m.update(wall=wall, compile_s=compile_s, usage=usage,
                  spilled_pages=int(sum(int(n) for n in m["spilled"])),
                  page_size=sched.page_size or 0,
                  profile=profile_summary(trace_dir, window) if trace_dir else None)

@@ -345,9 +345,7 @@ def make_engine(name, args, cfg, params, system, kv_gib, per_token, mean_total):
     if swaps and p.num_pages:  # the host tier: --host-kv-gib, or as many pages as the device
         host_gib = args.host_kv_gib or kv_gib
         host_pages = max(1, int(host_gib * 2**30) // (per_token * args.page_size))
-        if args.sharding is not None:  # an equal share per batch shard
-            dp = args.sharding.batch_shards
-            host_pages = max(dp, host_pages // dp * dp)
+        host_pages = max(dp, host_pages // dp * dp)  # an equal share per batch shard
     kind = S.make_kind(name, cfg, args.dtype, p, unroll=args.layers == "unroll",
                        kv_dtype=S.KV_DTYPES[args.kv_dtype], sharding=args.sharding,
                        host_pages=host_pages)
