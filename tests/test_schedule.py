@@ -15,7 +15,7 @@ PAGE = 16
 def engine(shards: int, batch: int = 8, lanes=(2, 4)):
     kind = types.SimpleNamespace(page_size=PAGE, batch_shards=shards)
     return types.SimpleNamespace(kind=kind, batch=batch, system_prompt=np.zeros(0, np.int32),
-                                 prefix=False, swap=False, lane_shards=shards, lane_sizes=lanes,
+                                 prefix=False, swap=False, lane_sizes=lanes,
                                  prefill_rows=max(lanes), prefill_chunk=32, decode_steps=4)
 
 

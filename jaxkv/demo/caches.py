@@ -91,12 +91,16 @@ def _for_new_rows(new, body, cache):
     return jax.lax.fori_loop(0, count, lambda i, c: body(rows[i], c), cache)
 
 
+def _lane_groups(width: int, shards: int) -> jax.Array:
+    """int32 [width]: each lane's group, the batch shard whose rows it holds (schedule.Chunk)."""
+    return jnp.arange(width, dtype=jnp.int32) // (width // shards)
+
+
 def _lane_blocks(x, rows, shards: int):
     """(``x`` [R, ...] as [shards, R / shards, ...], ``rows`` [W] as each lane group's rows
     within its block [shards, W / shards]; a row past ``x``: R / shards, past every block)."""
     per = x.shape[0] // shards
-    group = jnp.arange(rows.shape[0], dtype=jnp.int32) // (rows.shape[0] // shards)
-    local = jnp.where(rows < x.shape[0], rows - group * per, per)
+    local = jnp.where(rows < x.shape[0], rows - _lane_groups(rows.shape[0], shards) * per, per)
     return x.reshape(shards, per, *x.shape[1:]), local.reshape(shards, -1)
 
 
@@ -431,9 +435,8 @@ class PagedKind:
         holds rows of shard ``s``). An unused lane (a row past the batch) names its shard's
         prompt row, where it adds no token."""
         shards, per_shard = self.batch_shards, self._per_shard(cache)
-        group = jnp.arange(rows.shape[0], dtype=jnp.int32) // (rows.shape[0] // shards)
-        return jnp.where(rows < cache.max_batch - shards, self._row(cache, rows),
-                         group * per_shard + per_shard - 1)
+        prompt_rows = (_lane_groups(rows.shape[0], shards) + 1) * per_shard - 1
+        return jnp.where(rows < cache.max_batch - shards, self._row(cache, rows), prompt_rows)
 
     def _per_shard(self, cache) -> int:
         """Cache rows per batch shard: its share of the batch and its prompt row (the last)."""

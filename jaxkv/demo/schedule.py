@@ -117,8 +117,7 @@ class Schedule:
         self.short: set[int] = set()  # shards where a row got no page in the last iteration
         self.order = self.done = 0
         self.live: list = []
-        # [live rows, live tokens, reserved tokens, never-cached free pages, then the reserved
-        # tokens of each batch shard] after each decode
+        # [live rows, live tokens, reserved tokens, never-cached free pages] after each decode
         self.usage: list = []
         self.uncached = num_pages  # never-cached free pages (a prefix cache), as last read
         self.sys_indexed = False  # prefix cache: a row has indexed the system prompt's full pages
@@ -357,7 +356,7 @@ class Schedule:
         waiting = sorted(((r.order, row, r) for row, r in self.live if r.phase == "prefill"),
                          key=lambda x: x[0])
         self.prefilling = len(waiting)
-        k = e.lane_shards
+        k = self.shards
         groups: list[list] = [[] for _ in range(k)]  # each shard's oldest rows
         for _, row, r in waiting:
             group = groups[self._shard(row)]
@@ -404,7 +403,7 @@ class Schedule:
         self.decoded(live, out, done, stalled, now())
         self.pages_in_use(usage[4:])
         self.uncached = int(usage[3])
-        self.usage.append(usage)
+        self.usage.append(usage[:4])  # (then each batch shard's reserved tokens)
         self.preempt_if_short()
         self.m["busy_host"] += time.perf_counter() - host
 

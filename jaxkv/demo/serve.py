@@ -256,12 +256,12 @@ class ServeEngine(loop.Engine):
             cache, tok, remaining, out, stalled = jax.lax.fori_loop(0, steps, body, init)
             live = kind.live(cache)
             uncached = kind.uncached_free_pages(cache) if self.spill else jnp.int32(0)
-            reserved = kind.reserved_tokens(cache)
             by_shard = (kind.reserved_by_shard(cache) if hasattr(kind, "reserved_by_shard")
-                        else reserved[None])
+                        else kind.reserved_tokens(cache)[None])
             usage = jnp.concatenate([jnp.stack([
                 jnp.sum(live, dtype=i32), jnp.sum(jnp.where(live, kind.lengths(cache), 0),
-                                                  dtype=i32), reserved, uncached]), by_shard])
+                                                  dtype=i32), jnp.sum(by_shard), uncached]),
+                by_shard])
             # `remaining` is donated to the next call; the host reads which rows are done
             return placed(cache), pin(tok), pin(remaining), out, stalled, usage, remaining == 0
 
@@ -552,8 +552,7 @@ class ServeEngine(loop.Engine):
         self.final_cache = cache
         audit = getattr(self.kind, "miscounted_pages", None)  # paged: the allocator's audit
         m["miscounted_pages"] = None if audit is None else audit(cache)
-        usage = np.array([u[:4] for u in sched.usage]).reshape(-1, 4)  # per shard: left out
-        m.update(wall=wall, compile_s=compile_s, usage=usage,
+        m.update(wall=wall, compile_s=compile_s, usage=np.array(sched.usage).reshape(-1, 4),
                  spilled_pages=int(sum(int(n) for n in m["spilled"])),
                  page_size=sched.page_size or 0,
                  profile=profile_summary(trace_dir, window) if trace_dir else None)
