@@ -48,7 +48,7 @@ from . import _validate as validate
 from . import host_tier
 from . import quantization
 from ._checks import check
-from .layout import QUERIES, QUERY, ROWS
+from .layout import HEAD_VALUES, QUERIES, QUERY, ROWS
 from .linear import LinearKVCache
 from .manager import KVCacheManager
 from .paged import PagedKVCache
@@ -210,6 +210,69 @@ def _scales(op: str, src: _Source, k_scale, v_scale, scale):
             _softmax_scale(op, scale, src.head_dim))
 
 
+_FULL = np.int32(np.iinfo(np.int32).max)  # the kernels' window of full attention
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hybrid:
+    """A call's window, soft cap and sinks, checked, as the kernels take them."""
+
+    window: jax.Array  # int32 []: _FULL for full attention
+    span: int  # keys a query sees at most: the capacity, or a static window's width
+    soft_cap: float  # 0.0: none
+    sinks: jax.Array  # float32 [Hq], or [0]: none
+    plain: bool  # full attention, no cap, no sinks
+
+
+def _window(op: str, window, capacity: int) -> tuple[jax.Array, int]:
+    """(the kernels' window, the keys a query sees at most)."""
+    if window is None:
+        return jnp.asarray(_FULL), capacity
+    if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
+        if window < 1:
+            raise ValueError(f"{op}: window must be >= 1 (the tokens a query sees, itself "
+                             f"included), got {window}")
+        return jnp.asarray(min(int(window), int(_FULL)), jnp.int32), min(capacity, int(window))
+    if isinstance(window, bool) or not hasattr(window, "dtype"):
+        raise TypeError(f"{op}: window must be None, a Python int or an int32 scalar, got "
+                        f"{type(window).__name__}")
+    validate.rank(op, "window", window, 0)
+    if window.dtype != jnp.int32:
+        raise TypeError(f"{op}: window must be an int32 scalar, got {window.dtype}")
+    check(window >= 1, f"{op}: window < 1 (its queries see no key)")
+    return window, capacity
+
+
+def _soft_cap(op: str, soft_cap) -> float:
+    if soft_cap is None:
+        return 0.0
+    if isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float, np.floating,
+                                                              np.integer)):
+        raise TypeError(f"{op}: soft_cap must be None or a Python float (static), got "
+                        f"{type(soft_cap).__name__}")
+    if not (math.isfinite(soft_cap) and soft_cap > 0):
+        raise ValueError(f"{op}: soft_cap must be a finite float > 0, got {soft_cap}")
+    return float(soft_cap)
+
+
+def _sinks(op: str, sinks, q_heads: int) -> jax.Array:
+    if sinks is None:
+        return jnp.zeros((0,), jnp.float32)
+    validate.array(op, "sinks", sinks)
+    validate.shape(op, "sinks", sinks, (q_heads,), "[num_q_heads]")
+    if sinks.dtype != jnp.float32:
+        raise TypeError(f"{op}: sinks must be float32 [num_q_heads], got {sinks.dtype}")
+    return sinks
+
+
+def _hybrid(op: str, window, soft_cap, sinks, q_heads: int, capacity: int) -> _Hybrid:
+    """Checks ``window``, ``soft_cap`` and ``sinks`` at trace time; a traced window below 1 is
+    reported through checkify (its queries then see no key)."""
+    win, span = _window(op, window, capacity)
+    return _Hybrid(win, span, _soft_cap(op, soft_cap), _sinks(op, sinks, q_heads),
+                   plain=window is None and soft_cap is None and sinks is None)
+
+
 def _gpu_kernel(src: _Source) -> str:
     """Which split-KV kernel serves src on the GPU (ffi/cuda/attention_decode.cu's dispatch)."""
     dtype = np.dtype(src.k.dtype)
@@ -220,11 +283,12 @@ def _gpu_kernel(src: _Source) -> str:
     return "CUDA cores"
 
 
-def _splits(rows: int, src: _Source, q_heads: int) -> int:
-    """Blocks each (query, KV head) pair's keys are split over on the GPU (1: no combine)."""
+def _splits(rows: int, src: _Source, q_heads: int, span: int) -> int:
+    """Blocks each (query, KV head) pair's keys are split over on the GPU (1: no combine); a
+    query sees at most ``span`` keys."""
     per_block = math.ceil(q_heads // src.num_kv_heads / _MAX_HEADS_PER_BLOCK)
     pairs = rows * src.num_kv_heads * per_block
-    by_keys = max(1, src.capacity // _MIN_KEYS_PER_SPLIT)
+    by_keys = max(1, span // _MIN_KEYS_PER_SPLIT)
     kernel = _gpu_kernel(src)
     sms = _multiprocessors()
     if kernel in _RESIDENT_PER_SM:
@@ -240,7 +304,8 @@ def _multiprocessors() -> int:
     return int(getattr(jax.devices()[0], "core_count", None) or 132)
 
 
-def _call(target, q4, src: _Source, starts, counts, k_scale, v_scale, scale, splits):
+def _call(target, q4, src: _Source, starts, counts, k_scale, v_scale, scale, hybrid: _Hybrid,
+          splits):
     b, t, hq, d = q4.shape
     per_token = src.scaling == "per_token_head"
     work: tuple[int, ...] = (b, t, hq, splits, d + 2) if splits > 1 else (0,)
@@ -254,7 +319,8 @@ def _call(target, q4, src: _Source, starts, counts, k_scale, v_scale, scale, spl
         (jax.ShapeDtypeStruct(q4.shape, q4.dtype), jax.ShapeDtypeStruct(work, jnp.float32)),
         q4, src.k, src.v, src.page_table, starts, counts, src.layer, k_scale, v_scale,
         src.k_scales if per_token else none, src.v_scales if per_token else none,
-        scale=np.float32(scale), layout=np.int32(src.layout),
+        hybrid.window, hybrid.sinks, scale=np.float32(scale), soft_cap=np.float32(hybrid.soft_cap),
+        span=np.int32(hybrid.span), layout=np.int32(src.layout),
     )
     return out
 
@@ -265,7 +331,8 @@ serve the call, ``"jaxkv"`` jaxkv's kernels, ``"cudnn"`` JAX's cuDNN path (an er
 cannot serve the call)."""
 
 
-def _implementation(op: str, implementation, cache, q, k_scale, v_scale, src: _Source) -> str:
+def _implementation(op: str, implementation, cache, q, k_scale, v_scale, src: _Source,
+                    hybrid: _Hybrid) -> str:
     """Which kernel serves a call: ``implementation``, or the faster one that can."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, got "
@@ -273,6 +340,8 @@ def _implementation(op: str, implementation, cache, q, k_scale, v_scale, src: _S
     if implementation == "jaxkv" or (implementation is None and _jaxkv_is_faster(op, src, q)):
         return "jaxkv"
     why = _cudnn.unusable(cache, q.dtype, k_scale is not None or v_scale is not None)
+    if why is None and not hybrid.plain:
+        why = "window, soft_cap and sinks are served by jaxkv's kernels only"
     if implementation == "cudnn" and why is not None:
         raise ValueError(f"{op}: implementation='cudnn' cannot serve this call: {why}")
     return "jaxkv" if why else "cudnn"
@@ -310,9 +379,10 @@ def _compute_capability() -> str | None:
 _PER_SHARD = dict(defaults=dict(implementation="jaxkv"))
 
 
-@per_shard("attention.decode", q=Role(QUERY), kv_lengths=Role(ROWS), out=Role(QUERY), **_PER_SHARD)
+@per_shard("attention.decode", q=Role(QUERY), kv_lengths=Role(ROWS), sinks=Role(HEAD_VALUES),
+           out=Role(QUERY), **_PER_SHARD)
 def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_scale=None,
-           implementation=None):
+           window=None, soft_cap=None, sinks=None, implementation=None):
     """One query token per sequence attends over its cached tokens, read in place.
 
     **Arguments:**
@@ -333,6 +403,16 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
       cache constructed from raw bytes; optional for a float cache (default 1). An 8-bit cache
       made by ``create`` keeps its scales (``jaxkv.quantization``) and is read with them, per
       token and head or per tensor; passing these then is a ``ValueError``.
+    - ``window``: ``None`` (full attention), a Python int >= 1, or an int32 scalar (traced: a
+      ``scan`` over layers can mix window and global layers). The query at position ``p`` sees
+      the keys at ``(p - window, p]``, the last ``window`` tokens, itself included (transformers'
+      ``sliding_window``); the kernels read no page wholly outside it. A traced window below 1 is
+      reported through checkify, and its queries see no key.
+    - ``soft_cap``: ``None`` or a float > 0: each score, after ``scale``, becomes
+      ``soft_cap * tanh(s / soft_cap)`` before the softmax (Gemma 2: 50).
+    - ``sinks``: ``None`` or float32 ``[num_q_heads]``: each head's sink logit enters the
+      softmax's denominator and nothing else (gpt-oss),
+      ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``.
     - ``implementation``: ``None`` (default: the fastest that can serve the call), ``"jaxkv"``
       (jaxkv's own kernel, every cache kind) or ``"cudnn"`` (cuDNN's paged flash attention through
       jax's private binding: on a GPU, for a ``PagedKVCache`` (HND or NHD) in bfloat16 or
@@ -359,7 +439,8 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     validate.array(op, "kv_lengths", kv_lengths)
     validate.int32(op, "kv_lengths", kv_lengths)
     validate.shape(op, "kv_lengths", kv_lengths, (src.max_batch,), "[max_batch]")
-    use = _implementation(op, implementation, cache, q, k_scale, v_scale, src)
+    hybrid = _hybrid(op, window, soft_cap, sinks, q_heads, src.capacity)
+    use = _implementation(op, implementation, cache, q, k_scale, v_scale, src, hybrid)
     k_scale, v_scale, scale = _scales(op, src, k_scale, v_scale, scale)
     check((src.layer >= 0) & (src.layer < src.num_layers), f"{op}: layer_idx out of range")
     _check_home(op, cache, kv_lengths > 0)
@@ -370,21 +451,22 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     starts = kv_lengths - 1
     counts = (kv_lengths > 0).astype(jnp.int32)
     out = _call("jaxkv_attention_decode", q[:, None], src, starts, counts, k_scale, v_scale, scale,
-                _splits(src.max_batch, src, q_heads))
+                hybrid, _splits(src.max_batch, src, q_heads, hybrid.span))
     return out[:, 0]
 
 
-@per_shard("attention.prefill", q=Role(QUERIES), q_lengths=Role(ROWS), out=Role(QUERIES),
-           **_PER_SHARD)
+@per_shard("attention.prefill", q=Role(QUERIES), q_lengths=Role(ROWS), sinks=Role(HEAD_VALUES),
+           out=Role(QUERIES), **_PER_SHARD)
 def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale=None,
-            implementation=None):
+            window=None, soft_cap=None, sinks=None, implementation=None):
     """Ragged chunked prefill: new tokens attend causally to themselves and the cached prefix.
 
     Call after ``append`` and before ``commit``: ``q`` ``[max_batch, T, num_q_heads, head_dim]``
     holds the queries of the tokens just appended, at positions ``[lengths[b], lengths[b] +
     q_lengths[b])`` of row ``b`` (``lengths`` = ``cache.lengths``). Query ``t`` of row ``b`` attends
-    to tokens ``[0, lengths[b] + t]``. ``q_lengths``: int32 ``[max_batch]`` (0 for rows taking no
-    part). Other arguments as in ``decode`` (cuDNN, where it serves the call, runs as two calls
+    to tokens ``[0, lengths[b] + t]`` (with ``window``, the last ``window`` of them).
+    ``q_lengths``: int32 ``[max_batch]`` (0 for rows taking no part). Other arguments as in
+    ``decode`` (cuDNN, where it serves the call, runs as two calls
     merged by their log-sum-exps: the page-aligned prefix, then the rest causally).
 
     **Returns:** ``[max_batch, T, num_q_heads, head_dim]`` in ``q``'s dtype; queries at
@@ -396,7 +478,8 @@ def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale
     validate.array(op, "q_lengths", q_lengths)
     validate.int32(op, "q_lengths", q_lengths)
     validate.shape(op, "q_lengths", q_lengths, (src.max_batch,), "[max_batch]")
-    use = _implementation(op, implementation, cache, q, k_scale, v_scale, src)
+    hybrid = _hybrid(op, window, soft_cap, sinks, q_heads, src.capacity)
+    use = _implementation(op, implementation, cache, q, k_scale, v_scale, src, hybrid)
     k_scale, v_scale, scale = _scales(op, src, k_scale, v_scale, scale)
     lengths = cache.lengths
     check((src.layer >= 0) & (src.layer < src.num_layers), f"{op}: layer_idx out of range")
@@ -411,5 +494,5 @@ def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale
         return _cudnn.prefill(q, cache, src.layer, q_lengths, scale)
     # One new token a row is a decode step: the split-KV kernel, not the prefill's 128-row tiles.
     target = "jaxkv_attention_decode" if q.shape[1] == 1 else "jaxkv_attention_prefill"
-    return _call(target, q, src, lengths, q_lengths, k_scale, v_scale, scale,
-                 _splits(src.max_batch * q.shape[1], src, q_heads))
+    return _call(target, q, src, lengths, q_lengths, k_scale, v_scale, scale, hybrid,
+                 _splits(src.max_batch * q.shape[1], src, q_heads, hybrid.span))

@@ -17,6 +17,7 @@ KV_LAYERS = (None, "batch", "heads", None, None)  # new tokens of every layer [L
 SAVED = (None, "heads", None, None)  # a saved prompt's layer [2, H, T, D]
 QUERY = ("batch", "heads", None)  # decode queries [B, Hq, D]
 QUERIES = ("batch", None, "heads", None)  # prefill queries [B, T, Hq, D]
+HEAD_VALUES = ("heads",)  # a value per q head [Hq]: attention sinks
 # A count per batch shard (the active batch size): int32 [batch_shards] split by batch, each
 # shard's a scalar; an ordinary scalar when the batch is not split.
 COUNT = ("count",)

@@ -207,12 +207,17 @@ def pages_from_host(k_pages, v_pages, host_pool, src_pages, dst_pages, axis: int
 # --- attention ---
 
 
-def attention(q, k, v, starts, counts, scale=None, k_scale=1.0, v_scale=1.0):
+def attention(q, k, v, starts, counts, scale=None, k_scale=1.0, v_scale=1.0, window=None,
+              soft_cap=None, sinks=None):
     """Dense float32 attention, the oracle of ``jaxkv.attention``.
 
     q [B, T, Hq, D]; k, v [B, Hkv, S, D] (the cache's tokens, dequantized by ``k_scale`` and
-    ``v_scale``). Query t < counts[b] of row b attends to keys [0, starts[b] + t] (Hq / Hkv query
-    heads per KV head); other queries give zeros. Returns float32 [B, T, Hq, D].
+    ``v_scale``). Query t < counts[b] of row b, at position p = starts[b] + t, attends to keys
+    (p - window, p] (``window`` None: [0, p]; Hq / Hkv query heads per KV head); other queries
+    give zeros. ``soft_cap``: each score, after ``scale``, becomes ``soft_cap * tanh(s /
+    soft_cap)``. ``sinks`` (float32 [Hq]): head h's logit enters the softmax's denominator only,
+    ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``. A query that sees no key gives zeros.
+    Returns float32 [B, T, Hq, D].
     """
     b, t, hq, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
@@ -222,28 +227,40 @@ def attention(q, k, v, starts, counts, scale=None, k_scale=1.0, v_scale=1.0):
     k, v = f32(k) * k_scale, f32(v) * v_scale
     hi = jax.lax.Precision.HIGHEST
     scores = jnp.einsum("btkgd,bksd->bkgts", q, k, precision=hi) * scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     last = starts[:, None] + jnp.arange(t)[None, :]  # [B, T]: the last key each query sees
-    visible = jnp.arange(s)[None, None, :] <= last[:, :, None]
+    key = jnp.arange(s)[None, None, :]
+    visible = key <= last[:, :, None]
+    if window is not None:
+        visible &= key > last[:, :, None] - window
     live = jnp.arange(t)[None, :] < counts[:, None]
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # the sink as one more logit, dropped after the softmax
+        sink = jnp.broadcast_to(f32(sinks).reshape(1, hkv, hq // hkv, 1, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     probs = jnp.where(visible[:, None, None] & live[:, None, None, :, None], probs, 0.0)
     out = jnp.einsum("bkgts,bksd->btkgd", probs, v, precision=hi)
     return out.reshape(b, t, hq, d)
 
 
-def decode_attention(q, k, v, kv_lengths, scale=None, k_scale=1.0, v_scale=1.0):
-    """q [B, Hq, D] over keys [0, kv_lengths[b]) of k, v [B, Hkv, S, D]: float32 [B, Hq, D]
-    (zeros where the length is 0)."""
+def decode_attention(q, k, v, kv_lengths, scale=None, k_scale=1.0, v_scale=1.0, window=None,
+                     soft_cap=None, sinks=None):
+    """q [B, Hq, D] over keys [0, kv_lengths[b]) of k, v [B, Hkv, S, D] (the last ``window`` of
+    them): float32 [B, Hq, D] (zeros where the length is 0)."""
     out = attention(q[:, None], k, v, kv_lengths - 1, (kv_lengths > 0).astype(jnp.int32), scale,
-                    k_scale, v_scale)
+                    k_scale, v_scale, window, soft_cap, sinks)
     return out[:, 0]
 
 
-def prefill_attention(q, k, v, lengths, q_lengths, scale=None, k_scale=1.0, v_scale=1.0):
+def prefill_attention(q, k, v, lengths, q_lengths, scale=None, k_scale=1.0, v_scale=1.0,
+                      window=None, soft_cap=None, sinks=None):
     """q [B, T, Hq, D] at positions lengths[b] + t (t < q_lengths[b]): causal over k, v
     [B, Hkv, S, D], which already hold the new tokens. float32 [B, T, Hq, D]."""
-    return attention(q, k, v, lengths, q_lengths, scale, k_scale, v_scale)
+    return attention(q, k, v, lengths, q_lengths, scale, k_scale, v_scale, window, soft_cap,
+                     sinks)
 
 
 # 8-bit caches (jaxkv.quantization): the definition the quantizing kernels match bit for bit.

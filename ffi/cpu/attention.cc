@@ -1,5 +1,6 @@
 // CPU handlers of decode and prefill attention: exact float32 arithmetic, one query at a time
-// (scores of every live key, then a max-subtracted softmax, then the weighted sum of V).
+// (scores of every key in its window, soft-capped where asked, then a max-subtracted softmax whose
+// denominator takes the head's sink, then the weighted sum of V).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -106,16 +107,22 @@ void attend(const AttentionProblem& p) {
   const bool layer_ok = p.layer_ok();
   const float k_scale = *p.k_scale, v_scale = *p.v_scale;
   const int64_t D = p.head_dim;
+  const int32_t window = *p.window;
   std::vector<float> q(D), acc(D), keys, values, scores;
   std::vector<char> present;
   for (int32_t b = 0; b < p.batch; ++b) {
-    int32_t most = 0;
-    for (int32_t t = 0; t < p.tokens && layer_ok; ++t) most = std::max(most, p.keys(b, t));
+    // The keys any query of the row sees: [least, most), never a position outside its windows.
+    int32_t most = 0, least = INT32_MAX;
+    for (int32_t t = 0; t < p.tokens && layer_ok; ++t) {
+      if (p.first_key(b, t, window) == p.keys(b, t)) continue;
+      most = std::max(most, p.keys(b, t));
+      least = std::min(least, p.first_key(b, t, window));
+    }
     for (int32_t kvh = 0; kvh < c.heads; ++kvh) {
       keys.assign(most * D, 0.f);
       values.assign(most * D, 0.f);
       present.assign(most, 0);
-      for (int32_t s = 0; s < most; ++s) {
+      for (int32_t s = least; s < most; ++s) {
         const int64_t off = c.offset(*p.layer, b, kvh, s);
         if (off < 0) continue;  // no page: never read
         present[s] = 1;
@@ -129,27 +136,34 @@ void attend(const AttentionProblem& p) {
       }
       for (int32_t t = 0; t < p.tokens; ++t) {
         const int32_t n = layer_ok ? p.keys(b, t) : 0;
+        const int32_t first = layer_ok ? p.first_key(b, t, window) : 0;
         for (int32_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
           const int64_t qi = p.q_index(b, t, h);
           load_row(p.q + qi * qe, qf, D, 1.f, q.data());
           scores.assign(n, -INFINITY);
           float m = -INFINITY;
-          for (int32_t s = 0; s < n; ++s) {
+          for (int32_t s = first; s < n; ++s) {
             if (!present[s]) continue;
             float dot = 0.f;
             for (int64_t d = 0; d < D; ++d) dot += q[d] * keys[s * D + d];
             scores[s] = dot * k_scale * p.scale;
+            if (p.soft_cap > 0.f) scores[s] = p.soft_cap * std::tanh(scores[s] / p.soft_cap);
             m = std::max(m, scores[s]);
           }
           std::fill(acc.begin(), acc.end(), 0.f);
           float sum = 0.f;
-          for (int32_t s = 0; s < n; ++s) {
+          for (int32_t s = first; s < n; ++s) {
             if (!present[s]) continue;
             const float w = std::exp(scores[s] - m);
             sum += w;
             for (int64_t d = 0; d < D; ++d) acc[d] += w * values[s * D + d];
           }
-          const float norm = sum != 0.f ? v_scale / sum : 0.f;
+          // The sink joins the denominator, relative to the larger of it and the maximum.
+          float norm = sum != 0.f ? v_scale / sum : 0.f;
+          if (p.sinks != nullptr && sum != 0.f) {
+            const float top = std::max(m, p.sinks[h]), a = std::exp(m - top);
+            norm = v_scale * a / (sum * a + std::exp(p.sinks[h] - top));
+          }
           for (int64_t d = 0; d < D; ++d) store(p.out + (qi + d) * qe, p.q_type, acc[d] * norm);
         }
       }
@@ -162,10 +176,11 @@ ffi::Error attention_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> layer,
                          ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                          ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
+                         ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> sinks,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>>,
-                         float scale, int32_t layout) {
+                         float scale, float soft_cap, int32_t span, int32_t layout) {
   auto p = make_attention("attention", q, k, v, table, starts, counts, layer, k_scale, v_scale,
-                          k_scales, v_scales, out, scale, layout);
+                          k_scales, v_scales, window, sinks, out, scale, soft_cap, span, layout);
   if (p.has_error()) return p.error();
   attend(*p);
   return ffi::Error::Success();

@@ -13,10 +13,11 @@ ffi::Error attention_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                           ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> layer,
                           ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                           ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
+                          ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> sinks,
                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> work,
-                          float scale, int32_t layout) {
+                          float scale, float soft_cap, int32_t span, int32_t layout) {
   auto p = make_attention("attention", q, k, v, table, starts, counts, layer, k_scale, v_scale,
-                          k_scales, v_scales, out, scale, layout);
+                          k_scales, v_scales, window, sinks, out, scale, soft_cap, span, layout);
   if (p.has_error()) return p.error();
   if (p->batch == 0 || p->tokens == 0 || p->q_heads == 0) return ffi::Error::Success();
   auto wd = work->dimensions();

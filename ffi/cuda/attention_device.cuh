@@ -137,6 +137,40 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: 2^-inf = 0
   return y;
 }
 
+// tanh on the multi-function unit (tanh.approx.f32, about 2^-11 relative error): one
+// instruction, as cheap as the softmax's exp2.
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// A score's soft cap in whatever units the kernel keeps scores (c is the cap in those units, and
+// inv_c its reciprocal): c * tanh(s / c). Soft-capping commutes with any positive factor applied
+// to both score and cap, so a kernel whose scores are pre-scaled by scale * log2 e caps them at
+// soft_cap * log2 e. kExact takes tanhf (the float32 kernels), else the one-instruction tanh.
+template <bool kExact = false>
+__device__ __forceinline__ float soft_capped(float s, float c, float inv_c) {
+  return c * (kExact ? tanhf(s * inv_c) : tanh_approx(s * inv_c));
+}
+
+// The factor that turns a query head's unnormalized output into its attention output, given the
+// running maximum m and sum of its weights (base 2: weights 2^(s - m)) and the head's sink logit
+// in the same units (-inf: no sink). The sink enters the denominator only:
+// out = acc 2^(m - top) / (sum 2^(m - top) + 2^(sink - top)), top = max(m, sink), so that no
+// term overflows whatever the sink; a head that saw no key (sum 0) gives zeros.
+__device__ __forceinline__ float sink_norm(float m, float sum, float sink) {
+  if (!(sum > 0.f)) return 0.f;
+  if (!(sink > -INFINITY)) return 1.f / sum;
+  const float top = fmaxf(m, sink), a = exp2f(m - top);
+  return a / (sum * a + exp2f(sink - top));
+}
+// A head's sink logit in base 2 (times log2 e), the units of scores scaled by scale * log2 e;
+// -inf where the call has no sinks.
+__device__ __forceinline__ float sink_log2(const AttentionProblem& p, int head) {
+  return p.sinks != nullptr ? p.sinks[head] * kLog2e : -INFINITY;
+}
+
 // A pair of T in one register (the first in the low half) as two floats, and back.
 template <class T>
 __device__ __forceinline__ float2 unpack2(uint32_t w) {

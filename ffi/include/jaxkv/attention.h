@@ -3,10 +3,13 @@
 // Every cache kind is read through one addressing view (kv_view.h). The kernels get the whole buffer and the layer index: a slice of a stacked buffer handed to a
 // custom call would be a copy of the layer on every call.
 //
-// One generic problem covers decode and prefill: query t < counts[b] of row b attends to the cache
-// tokens [0, starts[b] + t] (decode: one query, starts = kv_length - 1); other queries, and rows
-// of a layer out of range, return zeros. Positions past the capacity or without a page are never
-// read (the Python side reports them through checkify).
+// One generic problem covers decode and prefill: query t < counts[b] of row b, at position
+// p = starts[b] + t, attends to the cache tokens (p - window, p], the last `window` of [0, p]
+// (decode: one query, starts = kv_length - 1; full attention: window = INT32_MAX); other queries,
+// and rows of a layer out of range, return zeros. Each score, after the softmax scale, may be
+// soft-capped (soft_cap * tanh(s / soft_cap)); a head's sink logit, where given, enters the
+// softmax's denominator only. Positions past the capacity or without a page are never read (the
+// Python side reports them through checkify).
 #pragma once
 
 #include <cstdint>
@@ -33,7 +36,12 @@ struct AttentionProblem {
   const float* v_scale;   // []
   KVView scales;          // an 8-bit cache's scales per token and head (scales.k null: none)
   float* v_maxima;        // [B, H] of the workspace, or null: the wgmma prefill's largest V scales
+  const int32_t* window;  // []: keys a query sees, itself included (INT32_MAX: all; <= 0: none)
+  const float* sinks;     // [q_heads]: each head's sink logit, or null: no sink
   float scale;            // softmax scale
+  float soft_cap;         // > 0: scores after `scale` become soft_cap * tanh(s / soft_cap); 0: none
+  int32_t span;           // keys one query sees at most (capacity, or a static window's width):
+                          // the split-KV kernels size their splits by it
   int32_t batch, tokens, q_heads, head_dim;
   int32_t group;          // q heads per KV head
   ffi::DataType q_type, kv_type;
@@ -44,6 +52,13 @@ struct AttentionProblem {
     const int64_t n = int64_t{starts[b]} + t + 1;
     if (n <= 0) return 0;
     return n > kv.capacity ? kv.capacity : static_cast<int32_t>(n);
+  }
+  // The first key query t of row b sees under `window` (*this->window, read once by the caller):
+  // keys [first_key, keys) are its window; first_key == keys when it sees none.
+  JAXKV_HD int32_t first_key(int32_t b, int32_t t, int32_t window_) const {
+    const int32_t n = keys(b, t);
+    const int64_t f = int64_t{starts[b]} + t + 1 - window_;
+    return f <= 0 ? 0 : (f >= n ? n : static_cast<int32_t>(f));
   }
   JAXKV_HD bool layer_ok() const { return *layer >= 0 && *layer < kv.num_layers; }
   // Element offset of (b, t, q head h, 0) in q and out.
@@ -67,9 +82,13 @@ auto bind_attention(Binding b) {
       .template Arg<ffi::Buffer<ffi::F32>>()  // v_scale []
       .template Arg<ffi::AnyBuffer>()         // k_scales per token and head (kv_view.h), or [0]
       .template Arg<ffi::AnyBuffer>()         // v_scales
+      .template Arg<ffi::Buffer<ffi::S32>>()  // window []: INT32_MAX for full attention
+      .template Arg<ffi::Buffer<ffi::F32>>()  // sinks [Hq], or [0]: none
       .template Ret<ffi::AnyBuffer>()         // out [B, T, Hq, D], q's dtype
       .template Ret<ffi::Buffer<ffi::F32>>()  // workspace [B, T, Hq, splits, D + 2] (splits 1: [0])
       .template Attr<float>("scale")          // softmax scale
+      .template Attr<float>("soft_cap")       // 0: none
+      .template Attr<int32_t>("span")         // keys a query sees at most (split sizes)
       .template Attr<int32_t>("layout");      // KVLayout
 }
 
@@ -86,8 +105,9 @@ inline ffi::ErrorOr<AttentionProblem> make_attention(
     const char* op, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
-    ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales, ffi::Result<ffi::AnyBuffer> out,
-    float scale, int32_t layout) {
+    ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales, ffi::Buffer<ffi::S32> window,
+    ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
+    int32_t span, int32_t layout) {
   auto bad = [op](const std::string& what) { return ffi::Unexpected(invalid(op, what)); };
   if (!attention_dtypes_ok(q.element_type(), k.element_type()) ||
       v.element_type() != k.element_type() || out->element_type() != q.element_type())
@@ -126,6 +146,15 @@ inline ffi::ErrorOr<AttentionProblem> make_attention(
       return bad("scales do not fit the cache");
     p.scales = *s;
   }
+  if (window.element_count() != 1) return bad("window must be an int32 scalar");
+  if (sinks.element_count() != 0 && static_cast<int64_t>(sinks.element_count()) != p.q_heads)
+    return bad("sinks must be [q_heads] or empty");
+  if (!(soft_cap >= 0.f) || soft_cap > 3.0e38f) return bad("soft_cap must be finite and >= 0");
+  if (span < 0) return bad("span must be >= 0");
+  p.window = window.typed_data();
+  p.sinks = sinks.element_count() != 0 ? sinks.typed_data() : nullptr;
+  p.soft_cap = soft_cap;
+  p.span = span < c.capacity ? span : c.capacity;
   p.group = p.q_heads / c.heads;
   p.q = static_cast<const char*>(q.untyped_data());
   p.out = static_cast<char*>(out->untyped_data());
