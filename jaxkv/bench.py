@@ -4,6 +4,8 @@
     python -m jaxkv.bench --op append --op compact_kv_cache --size cpu
     python -m jaxkv.bench --json out.json --markdown docs/benchmarks.md --plot docs/benchmarks.png
     python -m jaxkv.bench --op paged_append --peers   # beside FlashInfer and PyTorch (GPU)
+    python -m jaxkv.bench --op attention_decode --op attention_prefill --peers \
+        --match window --match 'soft cap' --match sinks   # hybrid attention, and its full rows
 
 For each case: the bytes the op must move at least, the device time per op (the op repeated inside
 one jitted loop, donated carry, median of several calls), the achieved bandwidth and its ratio to
@@ -42,7 +44,8 @@ def parse(argv):
     p.add_argument("--op", action="append", choices=C.OPS,
                    help="only this op (repeatable; default: all)")
     p.add_argument("--match", action="append", metavar="TEXT",
-                   help="only the cases whose name contains TEXT (repeatable: any of them)")
+                   help="only the cases whose name contains TEXT (repeatable: any of them), and "
+                        "the rows their targets compare with")
     p.add_argument("--size", choices=("cpu", "gpu"),
                    help="cpu: tiny shapes; gpu: the issue's H200 sizes (default: by backend)")
     p.add_argument("--reps", type=int, default=5, help="timed calls per implementation (median)")
@@ -209,9 +212,19 @@ def main(argv=None) -> dict:
     backend = jax.default_backend()
     on_gpu = backend == "gpu"
     size = args.size or ("gpu" if on_gpu else "cpu")
-    chosen = [c for c in C.cases(size) if (not args.op or c.op in args.op)
+    every = C.cases(size)
+    chosen = [c for c in every if (not args.op or c.op in args.op)
               and (not args.match or any(text in c.name for text in args.match))
               and not (args.no_sweep and c.sweep)]
+    # A target relative to another row (8-bit against bf16, a window against full attention)
+    # needs that row in the same run: it joins the chosen ones, in its place (and the rows its
+    # own target compares with).
+    while True:
+        versus = {c.target.versus[0] for c in chosen if c.target and c.target.versus}
+        more = [c for c in every if any(c is x for x in chosen) or c.name in versus]
+        if len(more) == len(chosen):
+            break
+        chosen = more
     if args.list:
         for c in chosen:
             target = c.target.text if c.target else "plot point"

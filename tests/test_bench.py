@@ -56,8 +56,10 @@ def test_json_has_every_number(run):
         # not at head_dim 128 on Hopper, where jaxkv's kernels are the default past the
         # smallest decode grids: this test's cases are head_dim 64).
         hopper = " D128 " in r["case"] and jaxkv.attention._compute_capability() == "9.0"
+        # Nor with a window, soft cap or sinks, which only jaxkv's kernels serve.
         cudnn = (r["op"].startswith("attention") and "paged" in r["case"] and on_gpu()
-                 and not any(name in r["case"] for name in ("float8", "int8")) and not hopper)
+                 and not any(name in r["case"] for name in ("float8", "int8")) and not hopper
+                 and not any(name in r["case"] for name in HYBRID))
         assert k["launches"] == (0 if cudnn else 1)
         # The op's work happens inside the timed loop, not once before it (loop-invariant code
         # motion), on both sides.
@@ -123,6 +125,24 @@ def test_peers_are_skipped_with_a_note_off_gpu(run):
     md = paths["markdown"].read_text()
     assert "## Peers" in md and "FlashInfer append_paged_kv_cache" in md
     assert "skipped (needs a CUDA GPU)" in md
+
+
+def test_hybrid_rows_ran_beside_their_full_rows(run):
+    """The window, soft-cap and sinks rows ran at CPU size with the full rows they compare with,
+    each with its measured ratio in the JSON and the table; the window rows with XLA's read of
+    the window's pages beside the masked whole rows."""
+    report, paths = run
+    rows = {r["case"]: r for r in report["rows"]}
+    hybrid = [r for r in report["rows"] if any(h in r["case"] for h in HYBRID)]
+    assert len(hybrid) == 12
+    md = paths["markdown"].read_text()
+    for r in hybrid:
+        assert r["status"] == "ok", r["reason"]
+        v = r["versus"]
+        assert v["ratio"] == pytest.approx(R.device_time(r["jaxkv"])
+                                           / R.device_time(rows[v["case"]]["jaxkv"]))
+        assert f"[{v['ratio']:.3g}x the row compared with; target <= {v['limit']:.3g}x]" in md
+        assert ("window pages+dense" in r["xla"]) == ("window" in r["case"])
 
 
 def _fake_case():
@@ -215,10 +235,96 @@ def test_match_keeps_only_the_named_cases(capsys):
                 "--match", "decode B256 H8 D128 page 16 NHD, one layer"])
     lines = capsys.readouterr().out.splitlines()
     names = [line.split(None, 1)[1] for line in lines]
-    # The one-layer decode row and its two 8-bit rows; the int8 rows of append_layers and prefill.
-    assert len(lines) == 5, lines
-    assert all("into int8" in n or "decode B256 H8 D128 page 16 NHD, one layer" in n for n in names)
+    # The one-layer decode row and its two 8-bit rows; the int8 rows of append_layers and prefill,
+    # and the two bf16 rows those compare with (their targets need them in the same run).
+    assert len(lines) == 7, lines
+    compared = ["prefill 5000 tokens H8 D128 page 16 NHD ",
+                "decode B256 H8 D128 page 16 NHD, 32 layers in one launch, per layer "]
+    assert all("into int8" in n or "decode B256 H8 D128 page 16 NHD, one layer" in n
+               or any(n.startswith(c) for c in compared) for n in names)
+    assert all(any(n.startswith(c) for n in names) for c in compared)
     assert all(line.startswith("paged_append") for line in lines)
+
+
+HYBRID = ("window", "soft cap", "sinks")
+
+
+def test_match_adds_the_rows_hybrid_attention_compares_with(capsys):
+    """--match window etc.: the issue's hybrid-attention rows, and the full rows of the same run
+    that their targets are relative to (bf16 and 8-bit), nothing else."""
+    bench.main(["--size", "gpu", "--list", "--op", "attention_decode", "--op",
+                "attention_prefill", "--match", "window", "--match", "soft cap", "--match",
+                "sinks"])
+    names = [line.split(None, 1)[1].split("  ")[0].strip()
+             for line in capsys.readouterr().out.splitlines()]
+    full = ["paged NHD B64 N4096 32/8 heads D128 page 16",
+            "paged NHD B8 2048 new on 2048 32/8 heads D128 page 16"]
+    full += [f"{n} float8_e4m3fn per_token_head" for n in full]
+    assert sorted(n for n in names if not any(h in n for h in HYBRID)) == sorted(full)
+    assert len(names) == len(full) + 12  # 4 decode and 2 prefill rows, bf16 and fp8
+
+
+@pytest.mark.parametrize("size", ["cpu", "gpu"], ids=["small", "h200"])  # "gpu" marks GPU-only
+def test_hybrid_rows(size):
+    """The issue's hybrid rows: each compares with a full row of its dtype in the same list; a
+    window row's bytes are those inside the window (decode: the last min(window, length) tokens;
+    prefill: those some new token sees); FlashInfer beside the bf16 rows without sinks, planned
+    with window_left = window - 1 and logits_soft_cap."""
+    from jaxkv._bench import peers_flashinfer as F
+
+    every = {c.name: c for c in C.cases(size)}
+    rows = [c for c in every.values() if c.op.startswith("attention") and any(
+        h in c.name for h in HYBRID)]
+    assert len(rows) == 12
+    for c in rows:
+        full, ratio = c.target.versus
+        assert full in every and not any(h in full for h in HYBRID), c.name
+        assert ("float8" in full) == ("float8" in c.name) and c.name.startswith(full)
+        assert every[full].params["window"] is None
+        window = c.params["window"]
+        specs = P.specs(c)
+        if "float8" in c.name or "sinks" in c.name:
+            assert specs == [] and c.target.peer_speedup is None
+        else:
+            (spec,) = specs
+            plan = F._hybrid(c)
+            assert plan == ({"window_left": window - 1} if window else {}) | (
+                {"logits_soft_cap": 50.0} if "soft cap" in c.name else {})
+            assert all(f"{k}={v:g}" in spec.name for k, v in plan.items())
+        Hq, H, D = (32, 8, 128) if size == "gpu" else (8, 2, 64)
+        if window is None:  # the full row's bytes, and the sinks' float32 [Hq]
+            assert c.min_bytes == every[full].min_bytes + ("sinks" in c.name) * 4 * Hq
+            continue
+        if c.op == "attention_prefill":
+            B, T = (8, 2048) if size == "gpu" else (2, 32)
+            tokens, q_bytes = window + T - 1, 2 * B * T * Hq * D * 2
+        else:
+            B = 64 if size == "gpu" else 4
+            tokens, q_bytes = window, 2 * B * Hq * D * 2
+        per_token = 2 * H * (D * 1 + 4) if "float8" in c.name else 2 * H * D * 2
+        assert c.min_bytes == B * tokens * per_token + q_bytes, c.name
+        assert ratio == (0.30 if c.op == "attention_decode" else 0.45)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [None, jnp.float8_e4m3fn])
+def test_window_pages_formulation_equals_the_reference(layout, dtype):
+    """XLA's window formulation (only the pages a window touches, jnp.take) on ragged rows, a
+    window not on a page boundary, soft cap and sinks: the oracle's numbers."""
+    from jaxkv import reference
+
+    B, Hq, H, D, page, window = 3, 4, 2, 16, 4, 6
+    lengths = np.array([1, 9, 16])
+    cache = C.quantized(C._paged_pools(1, B, 4, page, H, D, lengths, layout, 3), dtype)
+    q = C.rand((B, Hq, D), C.BF16, 4)
+    sinks = jnp.asarray(np.linspace(-1, 2, Hq), jnp.float32)
+    hy = dict(window=window, soft_cap=5.0, sinks=sinks)
+    k, v, pos = C._window_pages(cache, 0, jnp.maximum(cache.lengths - window, 0), window)
+    got = C._dense_attention(q[:, None], k, v, cache.lengths - 1, pos, **hy)[:, 0]
+    kd, vd = cache.gather(0, 16, split=True, dtype=jnp.float32)
+    want = reference.decode_attention(q, kd, vd, cache.lengths, **hy)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2,
+                               atol=2e-2)
 
 
 def test_missing_op_is_not_an_error():
@@ -237,6 +343,33 @@ def test_a_row_without_a_target_says_so_on_every_device():
     assert R.cells(row)[-1] == "no target"
     row.update(target="t")  # a target off the GPU: not evaluated there
     assert R.cells(row)[-1] == "n/a (cpu)"
+
+
+def test_targets_relative_to_peers_and_rows_show_their_ratios():
+    """The window decode's ">= 4x FlashInfer" and "<= 30% of the full decode": missed and met,
+    the measured ratio of the two rows beside the verdict."""
+    k = dict(time_s=2e-6, kernel_time_s=100e-6, copy_frac=0.9, launches=1, mem_overhead_frac=0.0,
+             mem_measured=True, mem_extra_bytes=0)
+    full = dict(op="attention_decode", case="full", status="ok",
+                jaxkv=dict(k, kernel_time_s=400e-6))
+    peers = dict(fi=dict(status="ok", time_s=350e-6, kernel_time_s=350e-6, gbps=1.0))
+    row = dict(op="attention_decode", case="full window", status="ok", min_bytes=1000, jaxkv=k,
+               xla={}, xla_best=None, speedup=None, sweep=False, target="t", peers=peers)
+    R.compare_peers(row, copy_gbps=1.0)
+    target = C.Target("t", versus=("full", 0.30), peer_speedup=4.0)
+    R.evaluate(row, target, on_gpu=True, rows=[full, row])
+    assert row["met"] is False and row["versus"]["ratio"] == pytest.approx(0.25)
+    assert row["failed"] == ["fi 350 us < 4 x 100 us"]
+    assert "[0.25x the row compared with; target <= 0.3x]" in R.cells(row)[-1]
+    peers["fi"].update(kernel_time_s=420e-6)
+    R.compare_peers(row, copy_gbps=1.0)
+    R.evaluate(row, target, on_gpu=True, rows=[full, row])
+    assert row["met"] is True
+    row["jaxkv"] = dict(k, kernel_time_s=130e-6)  # 0.325x the full row, 3.2x the peer
+    R.evaluate(row, target, on_gpu=True, rows=[full, row])
+    assert row["met"] is False and len(row["failed"]) == 2
+    R.evaluate(row, target, on_gpu=True)  # the full row not in the run: no ratio shown
+    assert "versus" not in row and "no row 'full'" in row["failed"][-1]
 
 
 def test_targets_fail_when_missed():

@@ -40,6 +40,8 @@ class Target:
     no_kv_bytes: bool = False  # nothing of the size of the KV data moves
     mem_frac: float = 0.01  # extra device memory of one op / cache bytes
     beats_peers: bool = False  # device time <= the fastest peer's (where a peer was timed)
+    # the fastest peer's device time >= this x jaxkv's (where a peer was timed)
+    peer_speedup: float | None = None
     # device time <= ratio x the device time of another row of the same run (its case name)
     versus: tuple[str, float] | None = None
 
@@ -609,17 +611,63 @@ def paged_compact(B, N, H, D, page, iters, target=None) -> Case:
 # --- attention (jaxkv.attention) ------------------------------------------------------------------
 
 
-def _dense_attention(q, k, v, lengths, layer_start=None):
+def _dense_attention(q, k, v, lengths, positions=None, window=None, soft_cap=None, sinks=None):
     """XLA's masked dense attention over every position (what a reader without a kernel does):
-    q [B, T, Hq, D], k/v [B, Hkv, S, D]; query t of row b sees keys <= lengths[b] + t."""
+    q [B, T, Hq, D], k/v [B, Hkv, S, D]; query t of row b sees keys <= lengths[b] + t, with
+    ``window`` only the last ``window`` of them. ``positions``: int32 [B, S], each key's position
+    (default: its index). ``soft_cap``: scores (after the scale) become ``soft_cap * tanh(s /
+    soft_cap)``; ``sinks`` (float32 [Hq]): a logit per head in the softmax's denominator only."""
     B, T, Hq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
+    G = Hq // Hkv
+    qg = q.reshape(B, T, Hkv, G, D)
     s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(D)
-    last = lengths[:, None] + jnp.arange(T)[None, :]
-    s = jnp.where((jnp.arange(S)[None, None, :] <= last[:, :, None])[:, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    last = (lengths[:, None] + jnp.arange(T)[None, :])[:, :, None]  # [B, T, 1]
+    pos = (jnp.arange(S)[None, :] if positions is None else positions)[:, None, :]  # [B|1, 1, S]
+    visible = pos <= last
+    if window is not None:
+        visible &= pos > last - window
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    if sinks is None:
+        p = jax.nn.softmax(s, axis=-1)
+    else:  # the sink as one more logit, dropped after the softmax
+        sink = jnp.broadcast_to(sinks.reshape(1, Hkv, G, 1, 1), (*s.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+    p = p.astype(v.dtype)
     return jnp.einsum("bkgts,bksd->btkgd", p, v).reshape(B, T, Hq, D)
+
+
+def _window_pages(c, layer, first, count: int, dtype=BF16):
+    """XLA's read of only the pages a window touches: for each row b the pages holding positions
+    ``[first[b], first[b] + count)`` (one more than ``count`` needs where they do not start on a
+    page), taken from layer ``layer`` of the paged cache ``c`` with ``jnp.take``: ``(k, v,
+    positions)``, k/v [B, H, n, D] (an 8-bit cache's dequantized into ``dtype``), positions
+    int32 [B, n]. Pages past the table's end are clipped to its last entry; their positions lie
+    past every row's length, so a causal mask drops them."""
+    page, B = c.page_size, c.page_table.shape[0]
+    n = min(-(-count // page) + 1, c.max_pages_per_seq)
+    idx = first[:, None] // page + jnp.arange(n)[None, :]  # [B, n] logical pages
+    pages = jnp.take_along_axis(c.page_table, jnp.minimum(idx, c.max_pages_per_seq - 1), axis=1)
+    positions = (idx[:, :, None] * page + jnp.arange(page)).reshape(B, n * page)
+
+    def take(pool):  # pool [L, P, S, H, ...] (NHD) or [L, H, P, S, ...] (HND)
+        pool = lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False)
+        if c.layout == "NHD":  # [B, n, S, H, ...] -> [B, H, n * S, ...]
+            g = jnp.take(pool, pages, axis=0, mode="clip")
+            return jnp.moveaxis(g.reshape(B, n * page, *g.shape[3:]), 2, 1)
+        g = jnp.moveaxis(jnp.take(pool, pages, axis=1, mode="clip"), 0, 1)  # [B, H, n, S, ...]
+        return g.reshape(*g.shape[:2], n * page, *g.shape[4:])
+
+    k, v = take(c.k_pages), take(c.v_pages)
+    if c.scaling == "per_token_head":  # the scale pools are pools without D
+        k = reference.dequantize(k, take(c.k_scales), dtype)
+        v = reference.dequantize(v, take(c.v_scales), dtype)
+    elif c.scaling is not None:  # per tensor: the layer's scale
+        k = reference.dequantize(k, c.k_scales[layer][None], dtype)
+        v = reference.dequantize(v, c.v_scales[layer][None], dtype)
+    return k, v, positions
 
 
 def _kv_bytes(lengths, H, D, dtype=None, scaling="per_token_head") -> int:
@@ -722,54 +770,97 @@ def _beside_default(op: str, cache, q, attend) -> dict:
     A = jaxkv.attention
     if jax.default_backend() != "gpu" or A._cudnn.unusable(cache, q.dtype, False):
         return {}
-    default = A._implementation(op, None, cache, q, None, None, A._source(op, cache, 0))
+    src = A._source(op, cache, 0)
+    plain = A._hybrid(op, None, None, None, q.shape[-2], src.capacity)  # no window, cap, sinks
+    default = A._implementation(op, None, cache, q, None, None, src, plain)
     if default == "cudnn":
         return {OWN_KERNEL: lambda i, q, c: attend(i, q, c, "jaxkv")}
     return {CUDNN: lambda i, q, c: attend(i, q, c, "cudnn")}
 
 
+def _variant(window, soft_cap, sinks: bool, Hq: int, span: int, seed: int) -> tuple[str, dict]:
+    """(the case-name suffix, the build's keywords of jaxkv.attention) of a hybrid-attention
+    row: ``window``, ``soft_cap``, and with ``sinks`` a float32 [Hq] sink logit per head near
+    log(``span``), the keys a query sees, so that the sink takes a visible share of the softmax."""
+    parts = ([f"window {window}"] if window is not None else []) + (
+        [f"soft cap {soft_cap:g}"] if soft_cap is not None else []) + (["sinks"] if sinks else [])
+    kwargs = dict(window=window, soft_cap=soft_cap)
+    if sinks:
+        rng = np.random.default_rng(seed)
+        kwargs["sinks"] = np.float32(np.log(span)) + rng.standard_normal(Hq).astype(np.float32)
+    return (" " + ", ".join(parts) if parts else ""), kwargs
+
+
+def _hybrid_args(kwargs: dict) -> dict:
+    """The keywords of jaxkv.attention (and of _dense_attention) that are set: sinks as an array."""
+    out = {k: v for k, v in kwargs.items() if v is not None}
+    if "sinks" in out:
+        out["sinks"] = jnp.asarray(out["sinks"])
+    return out
+
+
 def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None, dtype=None,
-                           scaling="per_token_head") -> Case:
+                           scaling="per_token_head", window=None, soft_cap=None,
+                           sinks=False) -> Case:
     """One decode step of attention per op over a paged pool of 2 layers (layer i % 2), every
     row N tokens. The output is the next op's query, so nothing is loop-invariant. ``dtype``: an
     8-bit cache in place of bf16, scaled per token and head or (``scaling="per_tensor"``, the
     one FlashInfer's fp8 decode can read, so the one with its peer) per layer; float16: the
-    cache and the queries in float16, cuDNN's kernel beside jaxkv's as for bf16."""
+    cache and the queries in float16, cuDNN's kernel beside jaxkv's as for bf16.
+
+    Hybrid attention (jaxkv's kernels only: cuDNN serves none of it): ``window`` (each query
+    sees its last ``window`` tokens: the minimum bytes are those inside the window, and XLA's
+    formulations are the whole rows masked and the window's pages alone), ``soft_cap``, and
+    ``sinks`` (a sink logit per head); FlashInfer beside the bf16 ones without sinks."""
     pages_per_seq = -(-N // page)
     num_pages = B * pages_per_seq
     lengths = np.full(B, N)
     values, eight_bit = (dtype, None) if _half(dtype) else (BF16, dtype)  # values' dtype
+    seen = lengths if window is None else np.minimum(lengths, window)  # keys a query sees
+    suffix, hybrid = _variant(window, soft_cap, sinks, Hq, int(seen.max()), 113)
+    plain = not suffix
 
     def build():
         cache = quantized(_paged_pools(2, B, pages_per_seq, page, H, D, lengths, layout, 110,
                                        values), eight_bit, scaling)
         q = rand((B, Hq, D), values, 112)
+        hy = _hybrid_args(hybrid)
 
         def kernel(i, q, c):
-            return jaxkv.attention.decode(q, c, i % 2)
+            return jaxkv.attention.decode(q, c, i % 2, **hy)
 
         def gather_dense(i, q, c):
             k, v = c.gather(i % 2, N, split=True, dtype=None if eight_bit is None else BF16)
-            return _dense_attention(q[:, None], k, v, c.lengths - 1)[:, 0]
+            return _dense_attention(q[:, None], k, v, c.lengths - 1, **hy)[:, 0]
+
+        def window_dense(i, q, c):  # only the pages the window touches
+            k, v, pos = _window_pages(c, i % 2, jnp.maximum(c.lengths - window, 0), window)
+            return _dense_attention(q[:, None], k, v, c.lengths - 1, pos, **hy)[:, 0]
 
         def attend(i, q, c, implementation):
             return jaxkv.attention.decode(q, c, i % 2, implementation=implementation)
 
-        other = _beside_default("attention.decode", cache, q, attend) if eight_bit is None else {}
-        return q, cache, kernel, {"gather+dense": gather_dense, **other}
+        xla = {"gather+dense": gather_dense}
+        if window is not None:
+            xla["window pages+dense"] = window_dense
+        if eight_bit is None and plain:
+            xla.update(_beside_default("attention.decode", cache, q, attend))
+        return q, cache, kernel, xla
 
     elem, scale = _scale_bytes(dtype, scaling)
     token = 2 * H * (D * elem + scale)
     label = _cache_label(dtype, scaling)
+    peer = (dtype is None or scaling == "per_tensor") and not sinks
     return Case("attention_decode", f"paged {layout} B{B} N{N} {Hq}/{H} heads D{D} page {page}"
-                f"{label}", build,
-                _kv_bytes(lengths, H, D, dtype, scaling) + 2 * B * Hq * D * BF16.itemsize,
+                f"{label}{suffix}", build,
+                _kv_bytes(seen, H, D, dtype, scaling) + 2 * B * Hq * D * BF16.itemsize
+                + (4 * Hq if sinks else 0),
                 2 * num_pages * page * token, iters, target=target,
-                requires=("attention",), series=f"paged {layout}{label}",
+                requires=("attention",), series=f"paged {layout}{label}{suffix}",
                 note="min bytes: the live K/V tokens read once (8-bit: data and scales), plus q "
-                "and the output",
-                peer="attention" if dtype is None or scaling == "per_tensor" else "",
-                params=dict(layout=layout))
+                "and the output" + ("; with a window only the tokens inside it" if window else ""),
+                peer="attention" if peer else "",
+                params=dict(layout=layout, window=window, soft_cap=soft_cap))
 
 
 def attention_decode_linear(B, S, Hq, H, D, ragged, iters, target=None, dtype=None) -> Case:
@@ -846,43 +937,69 @@ def attention_decode_manager(B, S, Hq, H, D, iters, target=None, dtype=None) -> 
 
 
 def attention_prefill_paged(B, prefix, T, Hq, H, D, page, iters, target=None,
-                            dtype=None) -> Case:
+                            dtype=None, window=None, soft_cap=None, sinks=False) -> Case:
     """Chunked prefill: T new tokens per row (already appended) attend causally over a cached
     prefix of `prefix` tokens; 2 layers (layer i % 2), the output feeds the next op's queries.
-    ``dtype``: an 8-bit cache (per-token-head scales) in place of bf16."""
+    ``dtype``: an 8-bit cache (per-token-head scales) in place of bf16. ``window``, ``soft_cap``,
+    ``sinks``: hybrid attention, as in ``attention_decode_paged`` (with a window the minimum
+    bytes are the keys some query of the row sees: the last ``window + T - 1``)."""
     pages_per_seq = -(-(prefix + T) // page)
     num_pages = B * pages_per_seq
     lengths = np.full(B, prefix)
+    total = lengths + T
+    seen = total if window is None else np.minimum(total, window + T - 1)  # keys any query sees
+    span = int(total.max()) if window is None else min(int(total.max()), window)
+    suffix, hybrid = _variant(window, soft_cap, sinks, Hq, span, 133)
+    plain = not suffix
 
     def build():
         cache = quantized(_paged_pools(2, B, pages_per_seq, page, H, D, lengths, "NHD", 130),
                           dtype)
         q = rand((B, T, Hq, D), BF16, 132)
         new = i32(np.full(B, T))
+        hy = _hybrid_args(hybrid)
 
         def kernel(i, q, c):
-            return jaxkv.attention.prefill(q, c, i % 2, new)
+            return jaxkv.attention.prefill(q, c, i % 2, new, **hy)
 
         def gather_dense(i, q, c):  # the new tokens are appended, not committed: lengths + T
             k, v = dataclasses.replace(c, lengths=c.lengths + T).gather(
                 i % 2, prefix + T, split=True, dtype=None if dtype is None else BF16)
-            return _dense_attention(q, k, v, c.lengths)
+            return _dense_attention(q, k, v, c.lengths, **hy)
+
+        def window_dense(i, q, c):  # only the pages some query's window touches
+            first = jnp.maximum(c.lengths - window + 1, 0)
+            k, v, pos = _window_pages(c, i % 2, first, window + T - 1)
+            return _dense_attention(q, k, v, c.lengths, pos, **hy)
 
         def attend(i, q, c, implementation):
             return jaxkv.attention.prefill(q, c, i % 2, new, implementation=implementation)
 
-        other = _beside_default("attention.prefill", cache, q, attend) if dtype is None else {}
-        return q, cache, kernel, {"gather+dense": gather_dense, **other}
+        xla = {"gather+dense": gather_dense}
+        if window is not None:
+            xla["window pages+dense"] = window_dense
+        if dtype is None and plain:
+            xla.update(_beside_default("attention.prefill", cache, q, attend))
+        return q, cache, kernel, xla
 
     label = _cache_label(dtype)
     elem, scale = _scale_bytes(dtype)
+    cache_bytes = 2 * num_pages * page * 2 * H * (D * elem + scale)
+    out_bytes = B * T * Hq * D * BF16.itemsize
+    if target is not None and not plain:
+        # The output is not written over the donated queries (the plain prefill's neither): a
+        # buffer of q's size beside the cache, allowed here so that the hybrid rows' targets
+        # are about their time, which is what the issue's table asks.
+        target = dataclasses.replace(target, mem_frac=target.mem_frac + out_bytes / cache_bytes)
     return Case("attention_prefill", f"paged NHD B{B} {T} new on {prefix} {Hq}/{H} heads D{D} "
-                f"page {page}{label}", build,
-                _kv_bytes(lengths + T, H, D, dtype) + 2 * B * T * Hq * D * 2,
-                2 * num_pages * page * 2 * H * (D * elem + scale), iters, target=target,
-                requires=("attention",), series=f"paged prefill{label}",
-                note="compute-bound: the bandwidth column is only the bytes read once",
-                peer="attention" if dtype is None else "", params=dict(layout="NHD", T=T))
+                f"page {page}{label}{suffix}", build,
+                _kv_bytes(seen, H, D, dtype) + 2 * out_bytes + (4 * Hq if sinks else 0),
+                cache_bytes, iters, target=target,
+                requires=("attention",), series=f"paged prefill{label}{suffix}",
+                note="compute-bound: the bandwidth column is only the bytes read once"
+                + ("; with a window only the keys some query sees" if window else ""),
+                peer="attention" if dtype is None and not sinks else "",
+                params=dict(layout="NHD", T=T, window=window, soft_cap=soft_cap))
 
 
 def attention_prefill_linear(B, prefix, T, Hq, H, D, iters, target=None) -> Case:
@@ -942,6 +1059,47 @@ def t_prefill_8bit(bf16: Case) -> Target:
 def t_attn_8bit(bf16: Case) -> Target:
     return Target(">= 85% of copy BW on the bytes read (data + scales); >= 1.7x the bf16 row",
                   copy_frac=0.85, versus=(bf16.name, 1 / 1.7))
+
+
+def hybrid_decode(B, N, Hq, H, D, page, window, iters, dtype=None) -> list[Case]:
+    """The issue's hybrid-attention decode rows on the paged NHD decode of this size (``dtype``:
+    its 8-bit cache, per-token-head scales): a ``window``, soft cap 50, sinks, and both; each
+    timed against the full decode row of the same dtype (``attention_decode_paged`` of the same
+    arguments), which must be in the same run (``bench.main`` adds it). FlashInfer beside the
+    bf16 window and soft-cap rows (it reads no per-token-head scales and has no sinks)."""
+    make = functools.partial(attention_decode_paged, B, N, Hq, H, D, page, "NHD", iters,
+                             dtype=dtype)
+    full = make().name
+    eight = dtype is not None
+    window_target = Target(
+        "<= 30% of the full decode's time (the row without 'window'); >= 85% of copy BW on the "
+        "bytes inside the window" + (" (data + scales)" if eight else
+                                     "; >= 4x FlashInfer's window decode"),
+        copy_frac=0.85, versus=(full, 0.30), peer_speedup=None if eight else 4.0)
+    plain = Target("<= 1.05x the plain decode's time (the row without soft cap and sinks)",
+                   versus=(full, 1.05))
+    return [make(window_target, window=window), make(plain, soft_cap=50.0),
+            make(plain, sinks=True), make(plain, soft_cap=50.0, sinks=True)]
+
+
+def hybrid_prefill(B, prefix, T, Hq, H, D, page, window, iters, dtype=None) -> list[Case]:
+    """The issue's hybrid-attention prefill rows on the paged NHD prefill of this size: a
+    ``window`` and soft cap 50, each against the full prefill row of the same dtype (in the same
+    run) and, in bf16, FlashInfer's prefill with the same window or cap."""
+    make = functools.partial(attention_prefill_paged, B, prefix, T, Hq, H, D, page, iters,
+                             dtype=dtype)
+    full = make().name
+    peer = dtype is None
+    return [
+        make(Target("<= 45% of the full prefill's time (the row without 'window')"
+                    + ("; <= FlashInfer's window prefill" if peer else ""),
+                    versus=(full, 0.45), beats_peers=peer), window=window),
+        make(Target("<= 1.10x the plain prefill's time (the row without 'soft cap')"
+                    + ("; <= FlashInfer's soft-cap prefill" if peer else ""),
+                    versus=(full, 1.10), beats_peers=peer), soft_cap=50.0),
+    ]
+
+
 MIXED = [(8, 128), (4, 256), (16, 64), (2, 128)]
 EIGHT_BIT = (jnp.float8_e4m3fn, jnp.int8)
 
@@ -976,9 +1134,15 @@ def cases(size: str) -> list[Case]:
                                    dtype=jnp.float8_e4m3fn),
             attention_decode_paged(4, 128, 8, 2, 64, 16, "HND", 3, dtype=jnp.float8_e4m3fn,
                                    scaling="per_tensor"),
+            # Hybrid attention (window 32 of 128, soft cap, sinks) against the full NHD rows.
+            attention_decode_paged(4, 128, 8, 2, 64, 16, "NHD", 3, T_ATTN_DECODE),
+            *[c for dt in (None, jnp.float8_e4m3fn)
+              for c in hybrid_decode(4, 128, 8, 2, 64, 16, 32, 3, dtype=dt)],
             attention_prefill_paged(2, 32, 32, 8, 2, 64, 16, 2),
             attention_prefill_paged(2, 32, 32, 8, 2, 64, 16, 2, t_prefill_8bit(
                 attention_prefill_paged(2, 32, 32, 8, 2, 64, 16, 2)), dtype=jnp.float8_e4m3fn),
+            *[c for dt in (None, jnp.float8_e4m3fn)
+              for c in hybrid_prefill(2, 32, 32, 8, 2, 64, 16, 16, 2, dtype=dt)],
             attention_prefill_linear(2, 32, 32, 8, 2, 64, 2),
         ]
     # The issue's sizes on the H200, and a few smaller points per op for the plot.
@@ -1057,9 +1221,15 @@ def gpu_cases() -> list[Case]:
           for dt in EIGHT_BIT],
         *[attention_decode_manager(64, 4096, 32, 8, 128, 20, t_attn_8bit(
             attention_decode_manager(64, 4096, 32, 8, 128, 20)), dtype=dt) for dt in EIGHT_BIT],
+        # Hybrid attention (the issue's speed table): a window of 1024, soft cap 50, sinks, in
+        # bf16 and fp8 (per-token-head scales), each against the full row of its dtype above.
+        *[c for dt in (None, jnp.float8_e4m3fn)
+          for c in hybrid_decode(64, 4096, 32, 8, 128, 16, 1024, 20, dtype=dt)],
         attention_prefill_paged(8, 2048, 2048, 32, 8, 128, 16, 3),
         attention_prefill_paged(8, 2048, 2048, 32, 8, 128, 16, 3, t_prefill_8bit(
             attention_prefill_paged(8, 2048, 2048, 32, 8, 128, 16, 3)), dtype=jnp.float8_e4m3fn),
+        *[c for dt in (None, jnp.float8_e4m3fn)
+          for c in hybrid_prefill(8, 2048, 2048, 32, 8, 128, 16, 1024, 3, dtype=dt)],
         attention_prefill_linear(8, 2048, 2048, 32, 8, 128, 3),
     ]
 

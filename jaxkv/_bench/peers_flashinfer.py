@@ -34,8 +34,23 @@ def specs(case) -> list:
     if case.peer == "attention":
         name = ("FlashInfer BatchDecodeWithPagedKVCacheWrapper" if case.op == "attention_decode"
                 else "FlashInfer BatchPrefillWithPagedKVCacheWrapper (fa2)")
-        return [Spec(name, "flashinfer", attention)]
+        variant = ", ".join(f"{k}={v:g}" for k, v in _hybrid(case).items())
+        return [Spec(f"{name}, {variant}" if variant else name, "flashinfer", attention)]
     return []
+
+
+def _hybrid(case) -> dict:
+    """The plan() keywords of a hybrid-attention case: jaxkv's ``window`` (the query at p sees
+    (p - window, p]) is FlashInfer's ``window_left = window - 1`` (it sees [p - window_left, p]),
+    ``soft_cap`` its ``logits_soft_cap`` (both cap the scores after the scale). FlashInfer's
+    wrappers have no sinks: a case with sinks has no FlashInfer peer."""
+    p = case.params
+    out = {}
+    if p.get("window") is not None:
+        out["window_left"] = int(p["window"]) - 1
+    if p.get("soft_cap") is not None:
+        out["logits_soft_cap"] = float(p["soft_cap"])
+    return out
 
 
 def _i32(a, device):
@@ -135,7 +150,9 @@ def attention(case, carry, consts):
     """The wrapper planned once on the case's page table (layer 0, as jaxkv's step i = 0 reads),
     then ``run`` per call; its output is compared with jaxkv's within ``TOLERANCE``. An fp8 pool
     (scaled per tensor: FlashInfer takes one K and one V scale) is read as FlashInfer's fp8
-    cache, with layer 0's scales."""
+    cache, with layer 0's scales. A window or soft cap goes to ``plan`` (``_hybrid``); the page
+    list stays every page of the row, as a serving loop that keeps the pages passes it (jaxkv's
+    kernel gets the same page table): the window is applied by ``window_left`` alone."""
     import flashinfer
     import torch
 
@@ -144,6 +161,7 @@ def attention(case, carry, consts):
         raise ValueError("FlashInfer peer: paged caches only (this case reads a LinearKVCache)")
     if cache.scaling == "per_token_head":
         raise ValueError("FlashInfer peer: one scale per tensor, not per token and head")
+    hybrid = _hybrid(case)  # window_left, logits_soft_cap: planned like the rest
     layout = cache.layout
     H, D, page = cache.num_kv_heads, cache.head_dim, cache.page_size
     Hq = q.shape[-2]
@@ -157,7 +175,7 @@ def attention(case, carry, consts):
     if case.op == "attention_decode":
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, layout)
         wrapper.plan(*_csr(table, lengths, page, "cuda"), Hq, H, D, page,
-                     q_data_type=torch.bfloat16, kv_data_type=pools[0].dtype)
+                     q_data_type=torch.bfloat16, kv_data_type=pools[0].dtype, **hybrid)
         tq = view(q)
     else:
         B, T = q.shape[0], q.shape[1]
@@ -166,7 +184,8 @@ def attention(case, carry, consts):
         # "fa2": the "auto" default picks FA3 on Hopper, whose sources the trimmed wheel lacks.
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, layout, backend="fa2")
         wrapper.plan(qo_indptr, *_csr(table, lengths + T, page, "cuda"), Hq, H, D, page,
-                     causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                     causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                     **hybrid)
     out = {}
 
     def call(j):

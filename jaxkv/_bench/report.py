@@ -53,14 +53,23 @@ def evaluate(row: dict, target, on_gpu: bool, rows=()) -> None:
         peer = row["peers"][best]
         if device_time(k) > peer_time(peer):
             failed.append(f"{fmt_time(device_time(k))} > {best} {fmt_time(peer_time(peer))}")
+    if target.peer_speedup is not None and best:
+        peer = row["peers"][best]
+        if peer_time(peer) < target.peer_speedup * device_time(k):
+            failed.append(f"{best} {fmt_time(peer_time(peer))} < {target.peer_speedup:g} x "
+                          f"{fmt_time(device_time(k))}")
+    row.pop("versus", None)
     if target.versus is not None:
         name, ratio = target.versus
         other = next((r for r in rows if r["case"] == name and r["status"] == "ok"), None)
         if other is None:
             failed.append(f"no row {name!r} in this run to compare with")
-        elif device_time(k) > ratio * device_time(other["jaxkv"]):
-            failed.append(f"{fmt_time(device_time(k))} > {ratio:.3g} x {fmt_time(device_time(other['jaxkv']))}"
-                          " of the row compared with")
+        else:  # the measured ratio, shown beside the verdict (fmt_versus)
+            row["versus"] = dict(case=name, ratio=device_time(k) / device_time(other["jaxkv"]),
+                                 limit=ratio)
+            if device_time(k) > ratio * device_time(other["jaxkv"]):
+                failed.append(f"{fmt_time(device_time(k))} > {ratio:.3g} x "
+                              f"{fmt_time(device_time(other['jaxkv']))} of the row compared with")
     mem = k.get("mem_overhead_frac")
     if mem is not None and mem > target.mem_frac:
         failed.append(f"memory +{mem:.1%} of the cache")
@@ -114,6 +123,15 @@ def fmt_x(x) -> str:
     return "n/a" if x is None else f"{x:.2f}x"
 
 
+def fmt_versus(row: dict) -> str:
+    """The measured ratio of a target relative to another row of the run (its device time over
+    that row's), beside the limit: "" where the row has none."""
+    v = row.get("versus")
+    if not v:
+        return ""
+    return f" [{v['ratio']:.3g}x the row compared with; target <= {v['limit']:.3g}x]"
+
+
 def fmt_mem(impl: dict | None) -> str:
     if not impl or impl.get("mem_overhead_frac") is None:
         return "n/a"
@@ -139,6 +157,8 @@ def cells(row: dict, peers: bool = False) -> list[str]:
         met = "plot point"
     elif not row["target"]:  # measured for comparison only: nothing to meet, on any device
         met = "no target"
+    if not row["sweep"]:
+        met += fmt_versus(row)
     if row.get("explanation"):
         met += f" ({row['explanation']})"
     return [
@@ -226,7 +246,9 @@ def markdown(report: dict, plot_name: str | None) -> str:
            "the kernel jaxkv's default did not pick: cuDNN's, or jaxkv's own as \"jaxkv "
            "kernel\"); speed-up: its loop time over jaxkv's. mem: "
            "device memory one op allocates beyond its inputs and required outputs, as a share "
-           "of the cache."]
+           "of the cache. met: a target relative to another row of the run (an 8-bit row "
+           "against its bf16 row, a window or soft-cap row against the full row) shows the "
+           "measured ratio of the two device times in brackets, beside its limit."]
     cols = columns(report)
     peers = cols is not COLUMNS
     if peers:
