@@ -7,10 +7,17 @@ used. Finding a prompt's pages is one sort of the pages by hash, a binary search
 and an exact comparison of the candidates' token ids and parents: the hash only narrows the
 search, equality is always of the ids themselves, so two different prefixes never share a page.
 
+Each indexed page also records its namespace (``match_prefix`` / ``insert_prefix``'s
+``namespace``, one per row: a tenant's, so that no request can learn from its time to first token
+whether another tenant sent a prefix). A page's chain belongs to one namespace: the namespace is
+folded into the hash of the chain's first page (namespace 0 adds nothing: the hashes without
+namespaces) and compared, like the token ids, on every page a lookup finds; equal tokens under
+two namespaces are two chains and two sets of pages.
+
 Invariants, kept by every function here:
-- an indexed page's parent is indexed, one level up (unindexing a page unindexes its
-  descendants), so by induction a page found by walking from ``ROOT`` holds exactly the tokens
-  of the chain that found it;
+- an indexed page's parent is indexed, one level up, in the same namespace (unindexing a page
+  unindexes its descendants), so by induction a page found by walking from ``ROOT`` holds
+  exactly the tokens of the chain that found it, and belongs to its namespace;
 - an indexed page is never written: it is full, a sequence appends only past its length, and
   ``copy_pages`` into an indexed page unindexes it first.
 
@@ -30,6 +37,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._checks import check
 
@@ -49,6 +57,8 @@ class PageIndex:
     parent: jax.Array  # int32 [num_pages]: the page before it in its chain, or ROOT
     depth: jax.Array  # int32 [num_pages]: its position in the chain (pages), or UNINDEXED
     used: jax.Array  # int32 [num_pages]: when last matched or inserted (a per-call clock)
+    # int32 [num_pages]: the namespace an indexed page (and its whole chain) belongs to
+    namespace: jax.Array
 
     @staticmethod
     def empty(num_pages: int, page_size: int, full) -> "PageIndex":
@@ -57,7 +67,8 @@ class PageIndex:
                          chain_hash=full((num_pages,), jnp.uint32, 0),
                          parent=full((num_pages,), jnp.int32, ROOT),
                          depth=full((num_pages,), jnp.int32, UNINDEXED),
-                         used=full((num_pages,), jnp.int32, 0))
+                         used=full((num_pages,), jnp.int32, 0),
+                         namespace=full((num_pages,), jnp.int32, 0))
 
     @property
     def indexed(self) -> jax.Array:
@@ -98,7 +109,8 @@ def move(index: PageIndex, src: jax.Array, dst: jax.Array) -> PageIndex:
         chain_hash=moved.chain_hash.at[d].set(take(index.chain_hash), mode="drop"),
         parent=moved.parent.at[d].set(take(moved.parent), mode="drop"),
         depth=moved.depth.at[d].set(take(index.depth), mode="drop"),
-        used=moved.used.at[d].set(take(index.used), mode="drop"))
+        used=moved.used.at[d].set(take(index.used), mode="drop"),
+        namespace=moved.namespace.at[d].set(take(index.namespace), mode="drop"))
 
 
 # --- hashing -----------------------------------------------------------------------------------
@@ -111,25 +123,35 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def chain_hashes(pages: jax.Array) -> jax.Array:
-    """uint32 ``[B, K]``: hash of pages ``0 .. k`` of each row, from token ids ``[B, K, S]``.
+def chain_hashes(pages: jax.Array, namespace: jax.Array | None = None) -> jax.Array:
+    """uint32 ``[B, K]``: hash of pages ``0 .. k`` of each row, from token ids ``[B, K, S]``,
+    under each row's ``namespace`` (int32 ``[B]``; None: 0).
 
     A sum of mixed (token, position) words: order-sensitive, and a prefix sum over pages, so
-    every (row, page) is hashed at once rather than one page after the other."""
+    every (row, page) is hashed at once rather than one page after the other. The namespace is
+    a mixed word added to the first page's sum, so to every page's hash: ``_mix`` is a bijection
+    with ``_mix(0) = 0``, so namespace 0 hashes as before and equal tokens under two namespaces
+    never hash equal."""
     _, k, s = pages.shape
     position = jnp.arange(k * s, dtype=jnp.uint32).reshape(k, s)
     words = _mix(pages.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) + position + jnp.uint32(1))
-    return jnp.cumsum(_mix(jnp.sum(words, axis=-1, dtype=jnp.uint32)), axis=1, dtype=jnp.uint32)
+    hashes = jnp.cumsum(_mix(jnp.sum(words, axis=-1, dtype=jnp.uint32)), axis=1,
+                        dtype=jnp.uint32)
+    if namespace is None:
+        return hashes
+    return hashes + _mix(namespace.astype(jnp.uint32) * jnp.uint32(0x85EBCA77))[:, None]
 
 
 # --- lookup ------------------------------------------------------------------------------------
-def lookup(index: PageIndex, pages: jax.Array, hashes: jax.Array, limit: jax.Array):
-    """The indexed chain each row's tokens walk from ``ROOT``.
+def lookup(index: PageIndex, pages: jax.Array, hashes: jax.Array, limit: jax.Array,
+           namespace: jax.Array | None = None):
+    """The indexed chain each row's tokens walk from ``ROOT`` in the row's namespace.
 
-    ``pages`` int32 ``[B, K, S]``, ``hashes`` their ``chain_hashes``, ``limit`` int32 ``[B]``:
-    pages a row may match. **Returns** ``(found, run)``: ``found`` int32 ``[B, K]``, the indexed
-    page holding (row, k)'s tokens whose chain hash agrees (or -1); ``run`` int32 ``[B]``, the
-    pages from the first that ``found`` walks parent to child, below ``limit``."""
+    ``pages`` int32 ``[B, K, S]``, ``hashes`` their ``chain_hashes`` (under ``namespace``),
+    ``limit`` int32 ``[B]``: pages a row may match; ``namespace`` int32 ``[B]`` (None: 0).
+    **Returns** ``(found, run)``: ``found`` int32 ``[B, K]``, the indexed page of the row's
+    namespace holding (row, k)'s tokens whose chain hash agrees (or -1); ``run`` int32 ``[B]``,
+    the pages from the first that ``found`` walks parent to child, below ``limit``."""
     num_pages = index.depth.shape[0]
     b, k, _ = pages.shape
     key = jnp.where(index.indexed, index.chain_hash, jnp.uint32(0xFFFFFFFF))
@@ -141,7 +163,9 @@ def lookup(index: PageIndex, pages: jax.Array, hashes: jax.Array, limit: jax.Arr
     slot = jnp.minimum(slot, num_pages - 1)
     cand = order[slot]  # [B, K, C]
     level = jnp.arange(k, dtype=jnp.int32)[None, :, None]
+    space = jnp.zeros((b,), jnp.int32) if namespace is None else namespace
     same = (in_range & (sorted_key[slot] == hashes[..., None]) & (index.depth[cand] == level)
+            & (index.namespace[cand] == space[:, None, None])
             & jnp.all(index.tokens[cand] == pages[:, :, None, :], axis=-1))
     found = jnp.where(jnp.any(same, -1),
                       jnp.take_along_axis(cand, jnp.argmax(same, -1)[..., None], -1)[..., 0], -1)
@@ -171,16 +195,22 @@ def token_pages(tokens: jax.Array, page_size: int, max_pages: int):
     return tokens[:, :k * page_size].reshape(b, k, page_size)
 
 
-def row_ok(op: str, tokens: jax.Array, num_tokens: jax.Array, capacity: int) -> jax.Array:
-    """bool ``[B]``: ``num_tokens`` in ``[0, min(T, capacity)]`` and no negative id among a
-    row's first ``num_tokens`` tokens (each failure reported through ``checkify``)."""
+def row_ok(op: str, tokens: jax.Array, num_tokens: jax.Array, capacity: int,
+           namespace: jax.Array | None = None) -> jax.Array:
+    """bool ``[B]``: ``num_tokens`` in ``[0, min(T, capacity)]``, no negative id among a
+    row's first ``num_tokens`` tokens and, for a row asking (``num_tokens > 0``), a namespace
+    ``>= 0`` (each failure reported through ``checkify``)."""
     t = tokens.shape[1]
     count_ok = (num_tokens >= 0) & (num_tokens <= t) & (num_tokens <= capacity)
     check(count_ok, f"{op}: num_tokens must be in [0, min(T, max_pages_per_seq * page_size)]")
     live = jnp.arange(t)[None, :] < num_tokens[:, None]
     ids_ok = ~jnp.any(live & (tokens < 0), axis=1)
     check(ids_ok, f"{op}: token ids must be >= 0")
-    return count_ok & ids_ok
+    if namespace is None:
+        return count_ok & ids_ok
+    space_ok = (namespace >= 0) | (num_tokens == 0)
+    check(space_ok, f"{op}: namespace must be >= 0 (the row matches and inserts nothing)")
+    return count_ok & ids_ok & space_ok
 
 
 # --- unindexing ---------------------------------------------------------------------------------
@@ -208,24 +238,30 @@ def eviction_order(index: PageIndex, free: jax.Array) -> jax.Array:
 
 # --- inserting ----------------------------------------------------------------------------------
 def insert(index: PageIndex, page_table: jax.Array, pages: jax.Array, full: jax.Array,
-           max_depth: int) -> PageIndex:
+           max_depth: int, namespace: jax.Array | None = None) -> PageIndex:
     """Indexes each row's first ``full[b]`` pages (``page_table[b, :full[b]]`` holding the token
-    ids ``pages[b]``), skipping the chain already indexed.
+    ids ``pages[b]``) under the row's ``namespace`` (int32 ``[B]``; None: 0), skipping the chain
+    already indexed there.
 
     Rows that add the same new chain in one call (the same prompt computed twice before either
-    was indexed) index it once: the first row's pages. A later row indexes only what extends past
-    that chain, under the first row's page, once its whole prefix is compared equal."""
+    was indexed, in one namespace) index it once: the first row's pages. A later row indexes only
+    what extends past that chain, under the first row's page, once its whole prefix is compared
+    equal. A row's pages already indexed under another namespace (a fork of another tenant's
+    row) stay there: the row indexes none of them, nor any page below them."""
     num_pages = index.depth.shape[0]
     b, k, s = pages.shape
-    hashes = chain_hashes(pages)
-    found, run = lookup(index, pages, hashes, full)
+    space = jnp.zeros((b,), jnp.int32) if namespace is None else namespace
+    hashes = chain_hashes(pages, namespace)
+    found, run = lookup(index, pages, hashes, full, space)
     level = jnp.arange(k, dtype=jnp.int32)[None, :]
     own = page_table[:, :k]
     rows = jnp.arange(b, dtype=jnp.int32)
     pending = (level >= run[:, None]) & (level < full[:, None])
-    # The first earlier row with a pending page of the same chain hash at that level.
+    # The first earlier row of the namespace with a pending page of the same chain hash at that
+    # level.
     earlier = (pending[:, None, :] & pending[None, :, :]
                & (hashes[:, None, :] == hashes[None, :, :])
+               & (space[:, None] == space[None, :])[:, :, None]
                & (rows[None, :, None] < rows[:, None, None]))  # [row, earlier row, level]
     dup = jnp.any(earlier, axis=1)
     canon = jnp.argmax(earlier, axis=1).astype(jnp.int32)  # [B, K]
@@ -254,19 +290,52 @@ def insert(index: PageIndex, page_table: jax.Array, pages: jax.Array, full: jax.
         chain_hash=index.chain_hash.at[target].set(hashes, mode="drop"),
         parent=index.parent.at[target].set(parent, mode="drop"),
         depth=index.depth.at[target].set(jnp.broadcast_to(level, (b, k)), mode="drop"),
+        namespace=index.namespace.at[target].set(jnp.broadcast_to(space[:, None], (b, k)),
+                                                 mode="drop"),
     )
     # Exactness, whatever the hashes did: each row's chain must walk from ROOT through pages
-    # holding its own token ids, level by level. A row whose chain does not (a borrowed prefix
-    # that differs, a page claimed by another row) takes its new pages out again, and with them
-    # every page below them, so no indexed page ever hangs under a parent that is not its own.
+    # of its namespace holding its own token ids, level by level. A row whose chain does not (a
+    # borrowed prefix that differs, a page claimed by another row, a page of another namespace)
+    # takes its new pages out again, and with them every page below them, so no indexed page
+    # ever hangs under a parent that is not its own.
     covered = (level < run[:, None]) | (pending & (level < first_own[:, None])) | mine
     end = jnp.max(jnp.where(covered, level + 1, 0), axis=1)
     c = jnp.clip(chain, 0, num_pages - 1)
     linked = ((chain >= 0) & (chain < num_pages) & (index.depth[c] == level)
-              & (index.parent[c] == parent) & jnp.all(index.tokens[c] == pages, axis=-1))
+              & (index.parent[c] == parent) & (index.namespace[c] == space[:, None])
+              & jnp.all(index.tokens[c] == pages, axis=-1))
     broken = ~jnp.all(linked | (level >= end[:, None]), axis=1)
     rejected = jnp.zeros((num_pages + 1,), bool).at[
         jnp.where(mine & broken[:, None], own, num_pages)].set(True)[:num_pages]
     index = unindex(index, rejected, max_depth)
     used_chain = jnp.where((level < end[:, None]) & ~broken[:, None], chain, -1)
     return touch(index, used_chain)
+
+
+# --- auditing (on the host) ---------------------------------------------------------------------
+def cross_namespace_entries(index: PageIndex, shards: int = 1) -> int:
+    """Indexed entries whose chain (the entry and its parents up to ``ROOT``) is not whole
+    (indexed pages, one level apart) and of one namespace, counted on the host. 0 for any index
+    the functions here keep (so no page is reachable from two namespaces): an audit of the
+    invariant, independent of the code that keeps it, for a server's end of run and for
+    tests. ``shards``: the batch shards of a sharded cache (each indexes its own pages, with
+    parent ids of its own: its block of the entries is audited on its own)."""
+    blocks = [np.asarray(x).reshape(shards, -1)
+              for x in (index.depth, index.parent, index.namespace)]
+    bad = 0
+    for depth, parent, space in zip(*blocks):
+        n = depth.shape[0]
+        indexed = depth != UNINDEXED
+        up = np.clip(parent, 0, n - 1)
+        at_root = parent == ROOT
+        edge_ok = np.where(at_root, depth == 0,
+                           (parent >= 0) & (parent < n) & indexed[up]
+                           & (depth[up] == depth - 1) & (space[up] == space))
+        broken = indexed & ~edge_ok
+        # a broken edge anywhere above an entry breaks its chain: pointer jumping to the root
+        jump = np.where(indexed & ~at_root & edge_ok, up, np.arange(n))
+        for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
+            broken = broken | broken[jump]
+            jump = jump[jump]
+        bad += int(np.sum(broken & indexed))
+    return bad

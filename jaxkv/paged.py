@@ -615,9 +615,10 @@ class PagedKVCache:
         return validate.static_int(op, name, pages, lo=lo, hi=INT32_MAX)
 
     # The prefix cache.
-    @per_shard(tokens=Role(ROWS), num_tokens=Role(ROWS), out=(None, Role(ROWS)))
-    def match_prefix(self, tokens: jax.Array, num_tokens: jax.Array, *,
-                     max_host_pages: int | None = None):
+    @per_shard(tokens=Role(ROWS), num_tokens=Role(ROWS), namespace=Role(ROWS),
+               out=(None, Role(ROWS)))
+    def match_prefix(self, tokens: jax.Array, num_tokens: jax.Array,
+                     namespace: jax.Array | None = None, *, max_host_pages: int | None = None):
         """Starts empty rows on the cached pages of their prompts' longest indexed prefix.
 
         ``tokens`` int32 ``[max_batch, T]``: each row's prompt; ``num_tokens`` int32
@@ -627,10 +628,27 @@ class PagedKVCache:
         left to compute: it gives the logits). The pages are mapped into the row's page table
         (shared: reference counts + 1) and ``lengths[b]`` becomes ``k * page_size``.
 
+        ``namespace`` int32 ``[max_batch]`` (default: all 0, one namespace shared by every
+        row): a row finds only pages inserted under its own namespace, so a tenant's time to
+        first token tells nothing of another tenant's prompts (docs/prefix-caching.md).
+
         **Returns:** ``(cache, matched)``, ``matched`` int32 ``[max_batch]``: tokens each row
-        starts with. An asking row that is not empty, a count outside ``[0, min(T, capacity)]``
-        or a negative id among a row's tokens is reported through ``checkify``; such a row
-        matches nothing and changes nothing.
+        starts with. An asking row that is not empty, a count outside ``[0, min(T, capacity)]``,
+        a negative id among a row's tokens or a negative namespace is reported through
+        ``checkify``; such a row matches nothing and changes nothing.
+
+        >>> cache = PagedKVCache.create(num_layers=1, num_pages=8, page_size=2, num_kv_heads=1,
+        ...                             head_dim=8, max_batch=2, max_pages_per_seq=4,
+        ...                             dtype=jnp.float32, prefix_cache=True)
+        >>> tokens = jnp.tile(jnp.arange(8, dtype=jnp.int32), (2, 1))
+        >>> n, tenant = jnp.array([8, 0], jnp.int32), jnp.array([1, 2], jnp.int32)
+        >>> cache, _ = cache.reserve(n)
+        >>> cache = cache.commit(n).insert_prefix(tokens, n, namespace=tenant)
+        >>> ask = jnp.array([0, 8], jnp.int32)
+        >>> cache.match_prefix(tokens, ask, namespace=tenant)[1]  # row 1: tenant 2
+        Array([0, 0], dtype=int32)
+        >>> cache.match_prefix(tokens, ask, namespace=jnp.array([0, 1], jnp.int32))[1]
+        Array([0, 6], dtype=int32)
 
         With a host tier, pages the index holds on the host (``spill_prefix``) are found too and
         come back to device pages (taken as ``reserve`` takes them) in one transfer of at most
@@ -640,20 +658,21 @@ class PagedKVCache:
         come back.
         """
         op = "PagedKVCache.match_prefix"
-        index = self._index_args(op, tokens, num_tokens)
+        index = self._index_args(op, tokens, num_tokens, namespace)
         rows, size = self.max_batch, self.page_size
         capacity = self.max_pages_per_seq * size
         asking = num_tokens > 0
         empty = (self.lengths == 0) & (self.pages_held == 0) & ~self.on_host
         check(empty | ~asking,
               f"{op}: a row asking for a prefix must be empty (release it; a row on the host too)")
-        ok = page_index.row_ok(op, tokens, num_tokens, capacity) & empty & asking
+        ok = page_index.row_ok(op, tokens, num_tokens, capacity, namespace) & empty & asking
         pages = page_index.token_pages(tokens, size, self.max_pages_per_seq)
         k = pages.shape[1]
         if k == 0:
             return self, jnp.zeros((rows,), jnp.int32)
         limit = jnp.where(ok, (num_tokens - 1) // size, 0)
-        found, run = page_index.lookup(index, pages, page_index.chain_hashes(pages), limit)
+        found, run = page_index.lookup(index, pages, page_index.chain_hashes(pages, namespace),
+                                       limit, namespace)
         cache = self
         if index.entries > self.num_pages:  # pages found on the host come back to the device
             cache, found, run = host_tier.bring_back(
@@ -675,21 +694,26 @@ class PagedKVCache:
             prefix_cache=page_index.touch(now, mapped))
         return cache, matched
 
-    @per_shard(tokens=Role(ROWS), num_tokens=Role(ROWS))
-    def insert_prefix(self, tokens: jax.Array, num_tokens: jax.Array) -> "PagedKVCache":
+    @per_shard(tokens=Role(ROWS), num_tokens=Role(ROWS), namespace=Role(ROWS))
+    def insert_prefix(self, tokens: jax.Array, num_tokens: jax.Array,
+                      namespace: jax.Array | None = None) -> "PagedKVCache":
         """Makes each row's full pages covering ``tokens[b, :num_tokens[b]]`` findable by
-        ``match_prefix`` (``tokens``, ``num_tokens`` as there; 0: the row is skipped).
+        ``match_prefix`` (``tokens``, ``num_tokens``, ``namespace`` as there; 0 tokens: the row
+        is skipped) for rows of the same namespace only.
 
         Call it once the row's tokens are appended and committed: a count past ``lengths[b]``
         is reported through ``checkify`` and the row indexes nothing. Idempotent: a chain
         already indexed is not indexed twice, and rows adding the same new chain in one call
-        index it once. Bad rows are reported as for ``match_prefix`` and index nothing.
+        index it once (under one namespace; equal tokens under two namespaces are two chains of
+        two sets of pages). A row holding pages of another namespace's chain (forked from a row
+        of another tenant) does not index them. Bad rows are reported as for ``match_prefix``
+        and index nothing.
         """
         op = "PagedKVCache.insert_prefix"
-        index = self._index_args(op, tokens, num_tokens)
+        index = self._index_args(op, tokens, num_tokens, namespace)
         size = self.page_size
         capacity = self.max_pages_per_seq * size
-        ok = page_index.row_ok(op, tokens, num_tokens, capacity)
+        ok = page_index.row_ok(op, tokens, num_tokens, capacity, namespace)
         committed = num_tokens <= self.lengths
         check(committed,
               f"{op}: num_tokens past a row's length (append and commit the tokens first)")
@@ -698,15 +722,19 @@ class PagedKVCache:
             return self
         full = jnp.where(ok & committed, num_tokens // size, 0)
         full = jnp.minimum(jnp.minimum(full, self.pages_held), pages.shape[1])
-        index = page_index.insert(index, self.page_table, pages, full, self.max_pages_per_seq)
+        index = page_index.insert(index, self.page_table, pages, full, self.max_pages_per_seq,
+                                  namespace)
         return dataclasses.replace(self, prefix_cache=index)
 
-    def _index_args(self, op: str, tokens, num_tokens) -> page_index.PageIndex:
+    def _index_args(self, op: str, tokens, num_tokens, namespace) -> page_index.PageIndex:
         """The trace-time checks of ``match_prefix`` / ``insert_prefix``; the index."""
         if self.prefix_cache is None:
             raise ValueError(f"{op}: the cache has no prefix index "
                              "(PagedKVCache.create(..., prefix_cache=True))")
-        for name, x in (("tokens", tokens), ("num_tokens", num_tokens)):
+        named = [("tokens", tokens), ("num_tokens", num_tokens)]
+        if namespace is not None:  # None: every row in namespace 0
+            named.append(("namespace", namespace))
+        for name, x in named:
             validate.array(op, name, x)
             validate.int32(op, name, x)
         validate.rank(op, "tokens", tokens, 2, "[max_batch, T]")
@@ -714,6 +742,8 @@ class PagedKVCache:
             raise ValueError(f"{op}: tokens must be [max_batch, T] = [{self.max_batch}, T], got "
                              f"{list(tokens.shape)}")
         validate.shape(op, "num_tokens", num_tokens, (self.max_batch,), "[max_batch]")
+        if namespace is not None:
+            validate.shape(op, "namespace", namespace, (self.max_batch,), "[max_batch]")
         return self.prefix_cache
 
     # Data.

@@ -376,3 +376,163 @@ def test_index_arrays_of_another_dtype_are_refused(bad):
     x = jnp.zeros((2, 3), jnp.float32)
     with pytest.raises(TypeError, match="compact_tensor_batch: batch_mapping must be int32"):
         jaxkv.compact_tensor_batch(x, jnp.zeros((2,), bad))
+
+
+# --- the prefix cache's namespaces ----------------------------------------------------------------
+# A paged cache with a prefix index and a host tier, under random sequences of requests (match,
+# reserve, append, commit, insert: one jitted step), releases, pool pressure, spills, forks and
+# copies, each request in one of several namespaces (sometimes a hostile one). Every token a
+# request writes is a function of its namespace, its id and its position, so reading back a
+# row's tokens shows whose pages it holds.
+
+NS_PAGES, NS_HOST, NS_SIZE, NS_ROWS, NS_MAX = 8, 4, 2, 3, 4
+NS_T = NS_SIZE * NS_MAX
+# three prompts over two ids: the first two share their first two pages
+NS_PROMPTS = np.array([[0, 1, 0, 1, 0, 1, 0, 1], [0, 1, 0, 1, 1, 1, 0, 0],
+                       [1, 1, 0, 0, 1, 0, 1, 1]], np.int32)
+
+
+def ns_value(space, token, position):
+    """What a request of namespace ``space`` writes for ``token`` at ``position`` (K; V is this
+    + 0.5): distinct for every (namespace, token, position) drawn."""
+    return (np.maximum(space, -1) * 100 + token * 10 + position).astype(np.float32)
+
+
+def _ns_request(cache, tokens, n, space):
+    cache = cache.release(n > 0)  # a row asking ends what it held: a new request in its place
+    cache, matched = cache.match_prefix(tokens, n, space)
+    rest = jnp.maximum(n - matched, 0)
+    cache, served = cache.reserve(rest)
+    rest = jnp.where(served, rest, 0)
+    pos = matched[:, None] + jnp.arange(NS_T, dtype=jnp.int32)[None, :]
+    tok = jnp.take_along_axis(tokens, jnp.clip(pos, 0, NS_T - 1), axis=1)
+    val = (jnp.maximum(space, -1)[:, None] * 100 + tok * 10 + pos).astype(jnp.float32)
+    k = jnp.broadcast_to(val[:, None, :, None], (NS_ROWS, 1, NS_T, 2))
+    cache = cache.append(0, k, k + 0.5, rest).commit(rest)
+    cache = cache.insert_prefix(tokens, jnp.where(n > 0, cache.lengths, 0), space)
+    return cache, matched
+
+
+def _ns_pressure(cache, n):
+    cache, served = cache.reserve(n)
+    n = jnp.where(served, n, 0)
+    junk = jnp.full((NS_ROWS, 1, NS_T, 2), -7.0, jnp.float32)
+    return cache.append(0, junk, junk, n).commit(n)
+
+
+def _ns_fork(cache, src, dst, tokens, space):
+    cache, forked = cache.fork(src, dst[None])
+    n = jnp.zeros((NS_ROWS,), jnp.int32).at[dst].set(jnp.where(forked[0], cache.lengths[dst], 0))
+    return cache.insert_prefix(tokens, n, space), forked
+
+
+def _rows_of(strategy):
+    return st.lists(strategy, min_size=NS_ROWS, max_size=NS_ROWS)
+
+
+_NS_OPS = {
+    "request": st.tuples(
+        st.just("request"), _rows_of(st.sampled_from([True, True, False])),
+        _rows_of(st.sampled_from([0, 0, 1, 1, 2, 2, -1, INT32_MIN])), _rows_of(st.integers(0, 2)),
+        _rows_of(st.sampled_from([NS_T, NS_T, NS_T - 1, 5, 3, 1]))),
+    "release": st.tuples(st.just("release"), _rows_of(st.booleans())),
+    "pressure": st.tuples(st.just("pressure"), st.integers(0, NS_ROWS - 1), st.integers(1, NS_T)),
+    "spill": st.tuples(st.just("spill"), st.integers(1, NS_HOST)),
+    "fork": st.tuples(st.just("fork"), st.integers(0, NS_ROWS - 1), st.integers(0, NS_ROWS - 1)),
+    "copy": st.tuples(st.just("copy"), st.integers(0, NS_PAGES - 1),
+                      st.integers(0, NS_PAGES - 1)),
+}
+# requests most often (each ends its row's request before: the index fills, pages go free and
+# stay cached), then the rest: releases, pool pressure evicting cached pages, spills to the host
+# (found there by later requests), forks and copies onto free pages
+ns_ops = st.lists(st.sampled_from(["request"] * 5 + ["release", "pressure", "spill", "spill",
+                                                     "fork", "copy"]).flatmap(_NS_OPS.get),
+                  min_size=10, max_size=18)
+
+
+@examples(24)
+@given(ops=ns_ops)
+def test_prefix_namespaces_never_share_a_page(ops):
+    """After every step: no page is found by a row of another namespace (the data each row
+    reads back is its own namespace's, and every page a match mapped is of the row's
+    namespace), reference counts equal the table entries naming each page, the index's chains
+    are whole and each of one namespace, and a hostile namespace is reported (checkify) while
+    its row matches and indexes nothing."""
+    cache = jaxkv.PagedKVCache.create(
+        num_layers=1, num_pages=NS_PAGES, page_size=NS_SIZE, num_kv_heads=1, head_dim=2,
+        max_batch=NS_ROWS, max_pages_per_seq=NS_MAX, dtype=jnp.float32, prefix_cache=True,
+        host_pages=NS_HOST)
+    kind = [None] * NS_ROWS  # "request", "pressure" or None (empty)
+    space = np.zeros(NS_ROWS, np.int32)
+    tokens = np.zeros((NS_ROWS, NS_T), np.int32)
+    for op in ops:
+        empty = (np.asarray(cache.lengths) == 0) & (np.asarray(cache.pages_held) == 0)
+        msg = None
+        if op[0] == "request":
+            _, ask, spaces, prompts, counts = op
+            n = np.where(ask, counts, 0).astype(np.int32)
+            space = np.where(n > 0, spaces, space).astype(np.int32)
+            tokens = np.where((n > 0)[:, None], NS_PROMPTS[prompts], tokens)
+            msg, (cache, matched) = checked("ns_request", _ns_request)(
+                cache, jnp.asarray(tokens), jnp.asarray(n), jnp.asarray(space))
+            hostile = bool(np.any((n > 0) & (space < 0)))
+            assert (msg is not None and "namespace must be >= 0" in msg) == hostile, msg
+            matched = np.asarray(matched)
+            assert np.all(matched[space < 0] == 0)
+            ix = cache.prefix_cache
+            for b in np.flatnonzero(matched):  # the pages a match mapped: the row's namespace
+                pages = np.asarray(cache.page_table[b, :matched[b] // NS_SIZE])
+                assert np.all(np.asarray(ix.namespace)[pages] == space[b]), (b, pages)
+            for b in np.flatnonzero(n):  # (its old request ended)
+                kind[b] = "request" if int(cache.lengths[b]) else None
+        elif op[0] == "release":
+            mask = np.asarray(op[1])
+            cache = checked("ns_release", jaxkv.PagedKVCache.release)(cache, jnp.asarray(mask))[1]
+            kind = [None if m else k for m, k in zip(mask, kind)]
+        elif op[0] == "pressure":
+            _, b, count = op
+            if not empty[b]:
+                continue
+            n = np.zeros(NS_ROWS, np.int32)
+            n[b] = count
+            cache = checked("ns_pressure", _ns_pressure)(cache, jnp.asarray(n))[1]
+            kind[b] = "pressure" if int(cache.lengths[b]) else None
+        elif op[0] == "spill":
+            msg, (cache, _) = checked("ns_spill", lambda c, k: c.spill_prefix(NS_HOST, k))(
+                cache, jnp.int32(op[1]))
+            assert msg is None, msg
+        elif op[0] == "fork":
+            _, src, dst = op
+            if kind[src] != "request" or dst == src:
+                continue
+            space[dst], tokens[dst] = space[src], tokens[src]  # a fork stays with its tenant
+            msg, (cache, forked) = checked("ns_fork", _ns_fork)(
+                cache, jnp.int32(src), jnp.int32(dst), jnp.asarray(tokens), jnp.asarray(space))
+            assert (msg is not None and "namespace must be >= 0" in msg) == (
+                bool(forked[0]) and space[dst] < 0 and int(cache.lengths[dst]) > 0), msg
+            kind[dst] = "request" if bool(forked[0]) else None
+        else:  # copy a page onto a free one (cached or not): it leaves the index
+            _, src, pick = op
+            free = np.flatnonzero(np.asarray(cache.ref_counts) == 0)
+            if not len(free) or free[pick % len(free)] == src:
+                continue
+            pair = jnp.array([src], jnp.int32), jnp.array([free[pick % len(free)]], jnp.int32)
+            msg, cache = checked("ns_copy", jaxkv.PagedKVCache.copy_pages)(cache, *pair)
+            assert msg is None, msg
+        # Reference counts equal the table entries naming each page (device and host pools).
+        table = np.asarray(cache.page_table)
+        named = np.bincount(table[table >= 0], minlength=NS_PAGES)
+        np.testing.assert_array_equal(np.asarray(cache.ref_counts), named)
+        assert not np.any(np.asarray(cache.host.ref_counts))
+        # The index: every chain whole and of one namespace.
+        assert jaxkv.page_index.cross_namespace_entries(cache.prefix_cache) == 0
+        # The data each request's row reads back: its own namespace's, for its own tokens.
+        got = np.asarray(checked("ns_gather", lambda c: c.gather(0, NS_T))(cache)[1])
+        lengths = np.asarray(cache.lengths)
+        for b in range(NS_ROWS):
+            if kind[b] != "request":
+                continue
+            pos = np.arange(lengths[b])
+            want = ns_value(space[b], tokens[b, :lengths[b]], pos)
+            np.testing.assert_array_equal(got[b, 0, 0, :lengths[b], 0], want, f"row {b} K")
+            np.testing.assert_array_equal(got[b, 1, 0, :lengths[b], 1], want + 0.5, f"row {b} V")

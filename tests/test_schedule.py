@@ -86,3 +86,26 @@ def test_a_shard_out_of_pages_preempts_its_own_youngest():
     sched.decoded(sched.live, out, np.zeros(8, bool), stalled, 0.0)
     sched.preempt_if_short()
     assert [r.preemptions for _, r in admitted] == [int(r is youngest_of_0) for _, r in admitted]
+
+
+def test_a_request_waits_only_for_its_own_tenants_prefilling_prefix():
+    """Prefix caching with tenants: a waiting request whose prefix a row of its own tenant is
+    still prefilling waits for it (it will find the pages); the same prefix prefilled by another
+    tenant's row never becomes findable to it, so it is admitted now. Over batch shards, the
+    shard that last took a prefix is remembered per tenant. Each lane carries its tenant."""
+    e = engine(2)
+    e.prefix, e.max_seq_len = True, 128
+    rs = requests(4)
+    rs[1].prompt = rs[0].prompt.copy()  # same tenant as request 0
+    rs[2].prompt, rs[2].tenant = rs[0].prompt.copy(), 1  # the same tokens, another tenant
+    rs[3].prompt, rs[3].tenant = rs[0].prompt.copy(), 1
+    sched = S.Schedule(e, rs, 64)
+    sched.arrive(0.0)
+    sched.pages_in_use([0, 0])
+    admitted = sched.admit()
+    # request 1 waits for request 0's pages; request 2 (tenant 1) goes, and 3 waits for it
+    assert [r.id for _, r in admitted] == [0, 2]
+    assert [r.id for r in sched.waiting] == [1, 3] and sched.m["deferred"] == 2
+    assert {key[0] for key in sched.home} == {0, 1}
+    c = sched.prefill_chunk(admitted)
+    assert sorted((int(c.space[i]), r.id) for i, _, r in c.lanes) == [(0, 0), (1, 2)]

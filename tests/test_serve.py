@@ -365,6 +365,7 @@ def test_serve_preempt_swap_reports_swaps_and_agrees(tmp_path, capsys, monkeypat
     (["--sweep", "4,x"], "--sweep: expected GiB"),
     (["--rate", "-1"], "--rate must be positive"),
     (["--duration", "-1"], "--duration must be at least 0"),
+    (["--tenants", "0"], "--tenants must be at least 1"),
 ])
 def test_serve_bad_arguments_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -516,6 +517,94 @@ def test_serve_prefix_cache_flag_reports_reuse(tmp_path, capsys, monkeypatch):
     assert on["prefill_requested"] == off["prefill_requested"]
     assert off["prefill_matched"] == 0 and on["reuse_of_oracle"] > 0.5
     assert "prefix tokens reused / oracle's best" in out
+
+
+def test_tenants_own_whole_conversations_and_the_oracle_counts_within_a_tenant():
+    """--tenants N: the same requests, each conversation's turns all of one tenant (chat) or
+    request i of tenant i % N; the oracle's best counts pages of a tenant's own earlier requests
+    only (the system prompt is cached once per tenant)."""
+    _, one = S.make_stream(CHAT, CFG.vocab_size)
+    system, chat = S.make_stream(dataclasses.replace(CHAT, tenants=2), CFG.vocab_size)
+    assert [r.prompt.tolist() for r in chat] == [r.prompt.tolist() for r in one]
+    assert {r.tenant for r in one} == {0} and {r.tenant for r in chat} == {0, 1}
+    for a in chat:  # a later turn (it starts with an earlier turn's prompt): the same tenant
+        for b in chat:
+            if len(b.prompt) > len(a.prompt) and np.array_equal(b.prompt[:len(a.prompt)],
+                                                                a.prompt):
+                assert a.tenant == b.tenant
+    assert [r.tenant for r in S.fresh(chat)] == [r.tenant for r in chat]
+    _, shared = S.make_stream(dataclasses.replace(SHARED, tenants=3), CFG.vocab_size)
+    assert [r.tenant for r in shared] == [r.id % 3 for r in shared]
+    best = S.oracle_reuse(system, chat, 4)
+    assert sum(best.values()) < sum(S.oracle_reuse(system, one, 4).values())
+    # the first request of each tenant finds nothing, not even the system prompt's page
+    for t in (0, 1):
+        assert best[min(r.id for r in chat if r.tenant == t)] == 0
+
+
+@functools.cache
+def _tenant_engine():
+    return prefix_engine(SYSTEM, num_pages=24)  # compiled once for both tests
+
+
+@pytest.mark.parametrize("tenants", [True, False], ids=["two tenants", "one tenant"])
+def test_another_tenant_sending_the_same_prompt_computes_every_token(tenants):
+    """The side channel, closed at the server: tenant A's request is served and its pages
+    cached; then tenant B sends the same tokens: B matches 0 tokens and its prefill computes
+    every one (the system prompt's too: each tenant caches its own), so its time to first token
+    tells it nothing of A's prompt. With one tenant B finds every full page. Tokens equal
+    recomputation either way, and the end-of-run audit finds no page across tenants."""
+    prompt = np.arange(1, 21, dtype=np.int32)
+    reqs = [S.ServeRequest(0, prompt, 4, 0.0, tenant=0),
+            S.ServeRequest(1, prompt.copy(), 4, 1.0, tenant=1 if tenants else 0)]
+    eng = _tenant_engine()
+    m = eng.run(reqs)
+    a, b = reqs
+    assert a.first_time < b.arrival  # A's prompt was prefilled and indexed before B arrived
+    want = serve_cli.recompute(CFG, PARAMS, SYSTEM, reqs, 2, 40, None)
+    assert [r.output for r in reqs] == want
+    total = len(SYSTEM) + len(prompt)  # 25: 6 full pages of 4, then 1 token
+    assert a.matched == 0 and a.computed == total
+    if tenants:
+        assert b.matched == 0 and b.computed == total
+    else:
+        assert b.matched == 24 and b.computed == 1
+    assert m["cross_tenant_pages"] == 0
+    # the audit is of the index itself: a cached page moved to another tenant under its
+    # parent is counted, with the page below it
+    kind, cache = eng.kind, eng.final_cache
+    ix = cache.prefix_cache
+    assert kind.cross_namespace_pages(cache) == 0
+    chain = np.flatnonzero(np.asarray(ix.depth) == 4)
+    crossed = dataclasses.replace(ix, namespace=ix.namespace.at[chain[0]].add(7))
+    assert kind.cross_namespace_pages(dataclasses.replace(cache, prefix_cache=crossed)) == 2
+
+
+def test_serve_tenants_reports_reuse_per_tenant_and_audits_the_index(tmp_path, capsys,
+                                                                    monkeypatch):
+    """`serve --stream chat --prefix-cache --tenants 2`: each conversation a tenant's, reuse
+    reported per tenant (within each tenant's oracle best), and the audit of the index at the
+    end: no page cached across tenants. The tokens equal recomputation."""
+    monkeypatch.setitem(M.PRESETS, "tiny", CFG)
+    path = tmp_path / "serve.json"
+    rc = entry.main(["serve", "--engines", "paged-prefix", "--stream", "chat", "--tenants", "2",
+                     "--turns", "3", "--turn-gap", "0", "--requests", "9", "--max-seq-len",
+                     "40", "--system-len", "5", "--mean-prompt", "7", "--mean-output", "5",
+                     "--kv-gib", str(4 * 40 * PER_TOKEN / 2**30), "--page-size", "4",
+                     "--prefill-chunk", "4", "--decode-steps", "4", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    doc = json.loads(path.read_text())
+    run = doc["engines"]["paged-prefix"]
+    assert run["cross_tenant_pages"] == 0
+    assert [t["tenant"] for t in run["tenants"]] == [0, 1]
+    assert sum(t["reused"] for t in run["tenants"]) == run["prefill_matched"] > 0
+    assert sum(t["computed"] for t in run["tenants"]) == run["prefill_computed"]
+    assert all(t["reused"] <= t["oracle"] for t in run["tenants"])
+    assert "pages cached across tenants (index audit)" in out
+    assert "paged-prefix: per tenant, prefix tokens reused / its oracle's best" in out
+    n = run["requests"]
+    assert f"paged-prefix {n}/{n} identical" in out and "2 tenants" in out
 
 
 @pytest.mark.parametrize("preset", sorted(M.PRESETS))

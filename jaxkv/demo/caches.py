@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from jaxkv import reference
+from jaxkv import page_index, reference
 from jaxkv.sharding import leaf_specs
 
 from .model import LlamaConfig, dense_attention
@@ -399,26 +399,33 @@ class PagedKind:
     def host_pages_held(self, cache):
         return self._unpad(cache.host.held)
 
-    def match(self, cache, rows, tokens, num_tokens):
+    def match(self, cache, rows, tokens, num_tokens, namespace=None):
         """``match_prefix`` for the batch rows ``rows`` (a row past the batch: an unused lane)
-        with their ``tokens`` [lanes, T] and ``num_tokens`` [lanes]; matched [lanes]."""
-        return self._on_rows(cache, rows, "match_prefix", tokens, num_tokens)
+        with their ``tokens`` [lanes, T], ``num_tokens`` [lanes] and ``namespace`` [lanes] (the
+        requests' tenants; None: all 0); matched [lanes]."""
+        return self._on_rows(cache, rows, "match_prefix", tokens, num_tokens, namespace)
 
-    def insert(self, cache, rows, tokens, num_tokens):
+    def insert(self, cache, rows, tokens, num_tokens, namespace=None):
         """``insert_prefix`` for the batch rows ``rows``."""
-        return self._on_rows(cache, rows, "insert_prefix", tokens, num_tokens)
+        return self._on_rows(cache, rows, "insert_prefix", tokens, num_tokens, namespace)
 
-    def _on_rows(self, cache, rows, method: str, tokens, num_tokens):
-        """``cache.method(tokens, num_tokens)`` for the lanes' rows only: on a view of the cache
-        holding just those rows' page-table rows and lengths (the same pools, counts and index;
-        over batch shards, each shard's lane group its own rows), so that the cost follows the
-        lanes, not the batch; the rows written back."""
+    def cross_namespace_pages(self, cache) -> int:
+        """Cached pages (of either tier) whose chain crosses namespaces (tenants), by an audit of
+        the index on the host (``page_index.cross_namespace_entries``): 0 when no page is
+        reachable from two tenants. Read after a run."""
+        return page_index.cross_namespace_entries(cache.prefix_cache, self.batch_shards)
+
+    def _on_rows(self, cache, rows, method: str, tokens, num_tokens, namespace=None):
+        """``cache.method(tokens, num_tokens, namespace)`` for the lanes' rows only: on a view
+        of the cache holding just those rows' page-table rows and lengths (the same pools,
+        counts and index; over batch shards, each shard's lane group its own rows), so that the
+        cost follows the lanes, not the batch; the rows written back."""
         shards = self.batch_shards
         live = rows < cache.max_batch - shards
         num_tokens = jnp.where(live, num_tokens, 0)
         at = self._lane_rows(cache, rows)
         view = _rows_view(cache, at, shards)
-        out = getattr(view, method)(tokens, num_tokens)
+        out = getattr(view, method)(tokens, num_tokens, namespace)
         view, res = (out, None) if method == "insert_prefix" else out
         at = jnp.where(live, at, cache.max_batch)  # unused lanes write nothing back
         host = view.host  # its pools and counts: a match spills and brings pages back

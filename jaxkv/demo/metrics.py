@@ -56,7 +56,27 @@ def summarize(requests: list[ServeRequest], m: dict, per_token: int, allocated: 
         prefill_matched=m["prefill_matched"], oracle_reuse=best,
         miscounted_pages=m.get("miscounted_pages"),
         reuse_of_oracle=(sum(r.matched for r in started) / best) if best else None,
+        tenants=per_tenant(requests, oracle),
+        cross_tenant_pages=m.get("cross_tenant_pages"),
     )
+
+
+def per_tenant(requests: list[ServeRequest], oracle: dict | None = None) -> list[dict]:
+    """Per tenant (a prefix cache shares pages within a tenant only): its requests started,
+    the prompt tokens they requested, found cached (first admissions) and computed, and its
+    oracle's best (``oracle_reuse``: what its own earlier requests could give them)."""
+    out: dict[int, dict] = {}
+    for r in requests:
+        t = out.setdefault(r.tenant, dict(tenant=r.tenant, requests=0, requested=0, reused=0,
+                                          computed=0, oracle=0))
+        if not r.started:
+            continue
+        t["requests"] += 1
+        t["requested"] += r.requested
+        t["reused"] += r.matched
+        t["computed"] += r.computed
+        t["oracle"] += oracle[r.id] if oracle else 0
+    return [out[k] for k in sorted(out)]
 
 
 def classify(name: str) -> str:

@@ -67,9 +67,12 @@ class Chunk:
     last: np.ndarray  # bool [width]: the chunk ends the lane's prompt
     budget: np.ndarray  # int32 [width]: tokens the request may still generate
     # Prefix cache: each lane's whole sequence [width, max_seq_len] and its length; the device
-    # picks the chunk from the row's length (``new``: bool [width], the row's first lane).
+    # picks the chunk from the row's length (``new``: bool [width], the row's first lane), and
+    # each lane's namespace (int32 [width]: its request's tenant) keeps the pages it finds and
+    # makes findable to its tenant's.
     seq: np.ndarray | None = None
     total: np.ndarray | None = None
+    space: np.ndarray | None = None
 
     @property
     def width(self) -> int:
@@ -78,12 +81,12 @@ class Chunk:
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The prefill call's host arrays (the engine puts them on its devices in one call)."""
         if self.seq is not None:
-            return (self.new, self.rows, self.seq, self.total, self.budget)
+            return (self.new, self.rows, self.seq, self.total, self.budget, self.space)
         return (self.new, self.rows, self.tokens, self.n, self.last, self.budget)
 
     def on_lanes(self) -> tuple[bool, ...]:
         """Which of ``arrays()`` lead with the lane axis (over batch shards: split with it)."""
-        return (True,) * 5 if self.seq is not None else (False,) + (True,) * 5
+        return (True,) * 6 if self.seq is not None else (False,) + (True,) * 5
 
 
 # Waiting requests a prefix-caching engine looks past for one whose prefix is not being
@@ -120,10 +123,13 @@ class Schedule:
         # [live rows, live tokens, reserved tokens, never-cached free pages] after each decode
         self.usage: list = []
         self.uncached = num_pages  # never-cached free pages (a prefix cache), as last read
-        self.sys_indexed = False  # prefix cache: a row has indexed the system prompt's full pages
-        # prefix cache over batch shards: the shard that last took each first page past the
-        # system prompt (each shard's index holds what its rows prefilled)
-        self.home: dict[bytes, int] | None = {} if engine.prefix and shards > 1 else None
+        # prefix cache: the tenants a row of which has indexed the system prompt's full pages
+        # (each tenant its own: its namespace's)
+        self.sys_indexed: set[int] = set()
+        # prefix cache over batch shards: the shard that last took each (tenant, first page past
+        # the system prompt) (each shard's index holds what its rows prefilled)
+        self.home: dict[tuple[int, bytes], int] | None = (
+            {} if engine.prefix and shards > 1 else None)
         self.prefilling = 0  # rows still prefilling after the current chunk
         self.m = dict(iterations=0, prefill_calls=0, decode_calls=0, evict_calls=0,
                       decode_steps=0, preemptions=0, peak_live=0, peak_decoding=0, busy_host=0.0,
@@ -195,12 +201,13 @@ class Schedule:
                and not (self.hold and len(self.slots))):
             r = self.waiting[i]
             ext = np.concatenate([r.prompt, np.asarray(r.output, np.int32)])
-            if self.engine.prefix and i < _DEFER_SCAN and self._waits_for(ext, prefilling + chosen):
+            if self.engine.prefix and i < _DEFER_SCAN and self._waits_for(
+                    ext, r.tenant, prefilling + chosen):
                 i += 1  # its prefix is still being prefilled by another row: later, it finds it
                 self.m["deferred"] += 1
                 continue
             need = _pages(self.syslen + len(ext) + 1, size) - self.syslen // size if size else 0
-            s = self._pick_shard(ext, need, free_rows, room)
+            s = self._pick_shard(ext, r.tenant, need, free_rows, room)
             if size:
                 if need > room[s] and (chosen or len(self.slots)):
                     break
@@ -216,7 +223,7 @@ class Schedule:
         if self.home is not None:
             for row, r in admitted:
                 if (key := self._first_page(r.ext)) is not None:
-                    self.home[key] = self._shard(row)
+                    self.home[r.tenant, key] = self._shard(row)
         self.live = self.slots.rows()
         self.m["peak_live"] = max(self.m["peak_live"], len(self.live))
         return admitted
@@ -228,15 +235,16 @@ class Schedule:
         stop = (self.syslen // self.page_size + 1) * self.page_size - self.syslen
         return ext[:stop].tobytes() if len(ext) > stop else None
 
-    def _pick_shard(self, ext: np.ndarray, need: int, free_rows: list, room: list) -> int:
+    def _pick_shard(self, ext: np.ndarray, tenant: int, need: int, free_rows: list,
+                    room: list) -> int:
         """The batch shard for a request (prompt and output ``ext``, ``need`` pages): with a
         prefix cache, the shard whose index may hold its prefix (the last to take its first
-        page), so that a conversation's turns and a shared prompt's requests meet their pages,
-        if it has a free row and the pages; else, of the shards with a free row and the pages,
-        the one with the most free rows (the first on a tie); else the one with the most pages
-        (which the caller finds short)."""
+        page for its tenant), so that a conversation's turns and a shared prompt's requests meet
+        their pages, if it has a free row and the pages; else, of the shards with a free row and
+        the pages, the one with the most free rows (the first on a tie); else the one with the
+        most pages (which the caller finds short)."""
         key = None if self.home is None else self._first_page(ext)
-        home = None if key is None else self.home.get(key)
+        home = None if key is None else self.home.get((tenant, key))
         if home is not None and free_rows[home] and room[home] >= need:
             return home
         open_ = [s for s in range(self.shards) if free_rows[s]]
@@ -245,21 +253,23 @@ class Schedule:
             return max(fit, key=lambda s: (free_rows[s], -s))
         return max(open_, key=lambda s: (room[s], -s))
 
-    def _waits_for(self, ext: np.ndarray, prefilling: list) -> bool:
-        """Whether a waiting request (its prompt and output ``ext``) shares full pages with a
-        row still prefilling that has not yet made them findable (the index gets a row's pages
-        chunk by chunk): admitted now, it would compute them again. Under load, turns of one
-        conversation and requests of one long prompt arrive while the first of them is still
-        prefilling: a burst then reuses the oracle's best (tests/test_serve.py). (On an H100 at
+    def _waits_for(self, ext: np.ndarray, tenant: int, prefilling: list) -> bool:
+        """Whether a waiting request (its prompt and output ``ext``, of ``tenant``) shares full
+        pages with a row of its tenant still prefilling that has not yet made them findable (the
+        index gets a row's pages chunk by chunk): admitted now, it would compute them again
+        (another tenant's pages it would never find: it does not wait for them). Under load,
+        turns of one conversation and requests of one long prompt arrive while the first of them
+        is still prefilling: a burst then reuses the oracle's best (tests/test_serve.py). (On an H100 at
         16 chat conversations/s reuse stayed near 72% of the unbounded oracle's, which counts
         pages the pool has evicted: docs/serving.md.) The system prompt's pages, shared by every
-        request, only until a first row has indexed them (at the start)."""
+        request, only until a first row (of the tenant) has indexed them (at the start)."""
         size = self.page_size
+        prefilling = [other for other in prefilling if other.tenant == tenant]
         if not size or not prefilling:
             return False
         sys_pages = self.syslen // size
         total = self.syslen + len(ext)
-        if not self.sys_indexed and min(sys_pages, (total - 1) // size) > 0:
+        if tenant not in self.sys_indexed and min(sys_pages, (total - 1) // size) > 0:
             return True  # the system prompt's pages: the first row to prefill them indexes them
         if total <= (sys_pages + 1) * size:
             return False  # no full page past the system prompt's to share
@@ -376,6 +386,7 @@ class Schedule:
             c.new = np.zeros((width,), bool)
             c.seq = np.zeros((width, e.max_seq_len), np.int32)
             c.total = np.zeros((width,), np.int32)
+            c.space = np.zeros((width,), np.int32)
         for i, row, r in lanes:
             part = r.ext[r.offset:r.offset + e.prefill_chunk]
             c.rows[i], c.n[i], c.tokens[i, :len(part)] = row, len(part), part
@@ -384,8 +395,10 @@ class Schedule:
             if e.prefix:
                 whole = np.concatenate([e.system_prompt, r.ext])
                 c.seq[i, :len(whole)], c.total[i], c.new[i] = whole, len(whole), not r.started
+                c.space[i] = r.tenant
             if not r.started:
                 self.m["prefill_requested"] += self.syslen + len(r.ext)
+                r.requested += self.syslen + len(r.ext)
                 r.started = True
         self.prefilling -= int(c.last.sum())  # prefix cache: at least (a match only helps)
         return c
@@ -415,6 +428,7 @@ class Schedule:
                 self.short.add(self._shard(row))
                 continue
             self.m["prefill_computed"] += int(c.n[i])
+            r.computed += int(c.n[i])
             r.offset += int(c.n[i])
             if c.last[i]:
                 r.output.append(int(first[i]))
@@ -431,13 +445,16 @@ class Schedule:
                 self.m["prefill_matched"] += int(matched[i])
                 r.offset = int(matched[i]) - self.syslen
             self.m["prefill_computed"] += int(n[i])
+            r.computed += int(n[i])
             if not ok[i]:
                 self.short.add(self._shard(row))
                 continue
             r.offset += int(n[i])
-            # (its pages are indexed after each chunk; the system prompt's are shared by all)
+            # (its pages are indexed after each chunk; the system prompt's are shared by all
+            # the tenant's requests)
             size = self.page_size
-            self.sys_indexed |= self.syslen + r.offset >= self.syslen // size * size
+            if self.syslen + r.offset >= self.syslen // size * size:
+                self.sys_indexed.add(r.tenant)
             if last[i]:
                 r.output.append(int(first[i]))
                 r.phase = "decode"

@@ -189,14 +189,16 @@ class ServeEngine(loop.Engine):
             cache = kind.admit(cache, saved, new)
             return chunk(params, cache, tok, remaining, rows, tokens, n, last, budget, eos)
 
-        def prefill_prefix(params, cache, tok, remaining, new, rows, seq, total, budget, eos):
+        def prefill_prefix(params, cache, tok, remaining, new, rows, seq, total, budget, space,
+                           eos):
             # With a prefix cache: each lane carries its request's whole sequence (system prompt,
-            # prompt, output so far). A row's first lane (new) starts it on the cached pages of
-            # its longest indexed prefix; every lane then runs the next chunk from the row's
-            # length, and the pages it filled become findable: all on the device.
+            # prompt, output so far) and its tenant (space: the prefix index's namespace). A
+            # row's first lane (new) starts it on the cached pages of its tenant's longest
+            # indexed prefix; every lane then runs the next chunk from the row's length, and the
+            # pages it filled become findable to its tenant: all on the device.
             at = jnp.clip(rows, 0, batch - 1)
             width = seq.shape[1]
-            cache, matched = kind.match(cache, rows, seq, jnp.where(new, total, 0))
+            cache, matched = kind.match(cache, rows, seq, jnp.where(new, total, 0), space)
             start = kind.lengths(cache)[at]
             size = self.prefill_chunk
             n = jnp.where(rows < batch, jnp.clip(total - start, 0, size), 0)
@@ -206,7 +208,7 @@ class ServeEngine(loop.Engine):
             cache, tok, remaining, first, ok = chunk(params, cache, tok, remaining, rows, tokens,
                                                      n, last, budget, eos)
             n = jnp.where(ok, n, 0)
-            cache = kind.insert(cache, rows, seq, start + n)
+            cache = kind.insert(cache, rows, seq, start + n, space)
             return cache, pin(tok), pin(remaining), first, ok, n, last, matched
 
         def chunk(params, cache, tok, remaining, rows, tokens, n, last, budget, eos):
@@ -360,7 +362,7 @@ class ServeEngine(loop.Engine):
         if self.prefix:
             prefill = {f"prefill{r}": (params, cache, row, row, lanes(b, r), lanes(i, r),
                                        lanes(i, r, self.max_seq_len), lanes(i, r), lanes(i, r),
-                                       i32())
+                                       lanes(i, r), i32())
                        for r in self.lane_sizes}
         else:
             prefill = {f"prefill{r}": (params, cache, row, row, saved, bools(self.batch),
@@ -401,7 +403,7 @@ class ServeEngine(loop.Engine):
                     cache, tok, rem, *_ = fns[f"prefill{r}"](
                         self.params, cache, tok, rem, *self.put_lanes(
                             (np.ones((r,), bool), lanes, np.zeros((r, self.max_seq_len), np.int32),
-                             ones, ones * 2), (True,) * 5), no_eos)
+                             ones, ones * 2, ones * 0), (True,) * 6), no_eos)
                 else:
                     new = np.zeros((b,), bool)
                     new[lanes] = True
@@ -552,6 +554,8 @@ class ServeEngine(loop.Engine):
         self.final_cache = cache
         audit = getattr(self.kind, "miscounted_pages", None)  # paged: the allocator's audit
         m["miscounted_pages"] = None if audit is None else audit(cache)
+        # prefix cache: the index's audit, pages whose chain crosses tenants (namespaces)
+        m["cross_tenant_pages"] = self.kind.cross_namespace_pages(cache) if self.prefix else None
         m.update(wall=wall, compile_s=compile_s, usage=np.array(sched.usage).reshape(-1, 4),
                  spilled_pages=int(sum(int(n) for n in m["spilled"])),
                  page_size=sched.page_size or 0,

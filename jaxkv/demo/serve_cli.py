@@ -84,6 +84,11 @@ def parse_args(argv):
              "prefix-caching engine gets one too and spills cached pages to it")
     add("--prefix-cache", action="store_true",
         help="also run the paged engine with automatic prefix caching (paged-prefix)")
+    add("--tenants", type=int, default=1,
+        help="tenants sharing the server (1): each request belongs to one (chat: each "
+             "conversation), and the prefix cache shares cached pages only within a tenant "
+             "(its namespace), so no request learns from its time to first token what another "
+             "tenant sent; the report gives reuse per tenant and an audit of the index")
     add("--duration", type=float,
         help="serve for this many seconds, then stop (a saturated server: give more requests "
              "than it can serve); 0: serve them all (default on tiny; 15 s on 1b and 8b)")
@@ -153,7 +158,7 @@ def parse_args(argv):
     if min(args.prefill_rows) < 1:
         p.error(f"--prefill-rows must be at least 1, got {min(args.prefill_rows)}")
     for name in ("requests", "max_seq_len", "system_len", "page_size", "prefill_chunk",
-                 "decode_steps", "mixed_steps"):
+                 "decode_steps", "mixed_steps", "tenants"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("kv_gib", "mean_prompt", "mean_output", "sigma"):
@@ -250,6 +255,9 @@ def table(results: dict[str, dict], profiled: bool) -> list[str]:
              *(f"{r['prefill_computed']} / {r['prefill_requested']}" for r in runs)),
             ("prefix tokens reused / oracle's best",
              *(f"{sum_matched(r)} / {r['oracle_reuse']}" for r in runs)),
+            ("pages cached across tenants (index audit)",
+             *("-" if r.get("cross_tenant_pages") is None else str(r["cross_tenant_pages"])
+               for r in runs)),
             ("dispatches (prefill+decode+evict)",
              *(f"{r['prefill_calls']}+{r['decode_calls']}+{r['evict_calls']}" for r in runs)),
             ("host time between calls (s)", *(f"{r['host_s']:.2f}" for r in runs)),
@@ -261,6 +269,21 @@ def table(results: dict[str, dict], profiled: bool) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                       for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+
+
+def tenant_lines(results: dict[str, dict]) -> list[str]:
+    """Per engine that caches prefixes, each tenant's reuse: tokens found cached against its
+    oracle's best (what its own earlier requests could give: pages are shared within a tenant
+    only), and its prompt tokens computed against those requested."""
+    lines = []
+    for name, r in results.items():
+        if r.get("cross_tenant_pages") is None or len(r["tenants"]) < 2:
+            continue
+        lines.append(f"{name}: per tenant, prefix tokens reused / its oracle's best; prefill "
+                     "tokens computed / requested: " + "; ".join(
+                         f"t{t['tenant']} {t['reused']} / {t['oracle']}; {t['computed']} / "
+                         f"{t['requested']}" for t in r["tenants"]))
+    return lines
 
 
 def sum_matched(r) -> str:
@@ -375,7 +398,8 @@ def serve(args, on_gpu: bool) -> int:
                         mean_prompt=args.mean_prompt, mean_output=args.mean_output,
                         sigma=args.sigma, max_seq_len=args.max_seq_len, rate=args.rate,
                         kind=args.stream, turns=args.turns, turn_gap=args.turn_gap,
-                        prefixes=args.prefixes, prefix_len=args.prefix_len)
+                        prefixes=args.prefixes, prefix_len=args.prefix_len,
+                        tenants=args.tenants)
     system, requests = S.make_stream(sc, cfg.vocab_size)
     per_token = S.kv_bytes_per_token(cfg, args.dtype)
     prompts = np.array([len(r.prompt) for r in requests])
@@ -398,7 +422,10 @@ def serve(args, on_gpu: bool) -> int:
           f"{prompts.min()}-{prompts.max()} (mean {prompts.mean():.0f}, median "
           f"{np.median(prompts):.0f}), outputs {outs.min()}-{outs.max()} (mean {outs.mean():.0f}, "
           f"median {np.median(outs):.0f}); max_seq_len {args.max_seq_len} = "
-          f"{args.max_seq_len / mean_total:.1f}x the mean total length {mean_total:.0f}")
+          f"{args.max_seq_len / mean_total:.1f}x the mean total length {mean_total:.0f}"
+          + (f"; {args.tenants} tenants ({'conversation' if args.stream == 'chat' else 'request'}"
+             f" i to tenant i % {args.tenants}), cached pages shared within a tenant only"
+             if args.tenants > 1 else ""))
     print(f"KV budget {args.kv_gib:g} GiB per engine; prefill chunks of "
           f"{'/'.join(map(str, args.prefill_rows))} rows x {args.prefill_chunk} tokens; "
           f"{args.decode_steps} decode steps per dispatch ({args.mixed_steps} while prompts are "
@@ -418,7 +445,7 @@ def serve(args, on_gpu: bool) -> int:
               f"{r['batch']}" + (f", {r['num_pages']} pages" if r["num_pages"] else ""), flush=True)
         write_json(args.json, doc)  # after every run: a run cut short keeps what it measured
     print()
-    print("\n".join(table(results, args.profile)))
+    print("\n".join(table(results, args.profile) + tenant_lines(results)))
     if args.profile and not on_gpu:
         print("(GPU busy and kernel shares: n/a on CPU, measured from the profiler's GPU planes)")
     for name, r in results.items():
@@ -457,6 +484,12 @@ def serve(args, on_gpu: bool) -> int:
     if miscounted:  # the tables and the reference counts disagree: the served tokens are suspect
         print("ALLOCATOR AUDIT FAILED, pages miscounted: " + ", ".join(
             f"{k} {v}" for k, v in miscounted.items()))
+        rc = 1
+    crossed = {k: r["cross_tenant_pages"] for k, r in results.items()
+               if r.get("cross_tenant_pages")}
+    if crossed:  # a cached page reachable from two tenants: the side channel is open
+        print("PREFIX INDEX AUDIT FAILED, pages cached across tenants: " + ", ".join(
+            f"{k} {v}" for k, v in crossed.items()))
         rc = 1
     doc.update(agreement=agree, recomputed=checked)
     write_json(args.json, doc)

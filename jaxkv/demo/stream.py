@@ -31,6 +31,10 @@ class StreamConfig:
     turn_gap: float = 1.0
     prefixes: int = 8
     prefix_len: int = 64
+    # Tenants: each request belongs to one (chat: each conversation; otherwise request i to
+    # tenant i % tenants), and a prefix-caching engine shares cached pages only within a tenant
+    # (the prefix index's namespaces). 1: one tenant, every page shareable.
+    tenants: int = 1
 
 
 @dataclasses.dataclass
@@ -40,6 +44,7 @@ class ServeRequest:
     max_new_tokens: int
     arrival: float  # seconds after the start
     output: list = dataclasses.field(default_factory=list)
+    tenant: int = 0  # its prefix-cache namespace: it finds only its own tenant's cached pages
     # The schedule's state.
     ext: np.ndarray | None = None  # tokens to prefill: the prompt (+ the output, once preempted)
     offset: int = 0  # tokens of ext prefilled
@@ -51,6 +56,10 @@ class ServeRequest:
     preemptions: int = 0
     started: bool = False  # prefix cache: its first chunk (which matches its prefix) dispatched
     matched: int = 0  # prefix cache: tokens its admissions found cached
+    # prompt tokens (system prompt's included) its admissions asked for and its prefill chunks
+    # computed (each admission again, once preempted and recomputed)
+    requested: int = 0
+    computed: int = 0
 
 
 def lognormal_lengths(rng, n: int, mean: float, sigma: float) -> np.ndarray:
@@ -69,7 +78,7 @@ def make_stream(sc: StreamConfig, vocab: int) -> tuple[np.ndarray, list[ServeReq
     if sc.kind == "chat":
         return system, _chat(sc, rng, vocab, room)
     if sc.kind == "shared":
-        return system, _shared(sc, rng, vocab, room)
+        return system, _tenants(sc, _shared(sc, rng, vocab, room))
     prompts = np.minimum(lognormal_lengths(rng, sc.requests, sc.mean_prompt, sc.sigma), room - 1)
     outputs = np.minimum(lognormal_lengths(rng, sc.requests, sc.mean_output, sc.sigma),
                          room - prompts)
@@ -79,7 +88,15 @@ def make_stream(sc: StreamConfig, vocab: int) -> tuple[np.ndarray, list[ServeReq
         gaps = np.random.default_rng([sc.seed, 1]).exponential(1 / sc.rate, sc.requests)
         for r, t in zip(requests, np.cumsum(gaps)):
             r.arrival = float(t)
-    return system, requests
+    return system, _tenants(sc, requests)
+
+
+def _tenants(sc: StreamConfig, requests: list[ServeRequest]) -> list[ServeRequest]:
+    """Request ``i`` to tenant ``i % tenants`` (after the stream is drawn: the same requests for
+    any count of tenants)."""
+    for r in requests:
+        r.tenant = r.id % sc.tenants
+    return requests
 
 
 def _starts(sc: StreamConfig, n: int) -> np.ndarray:
@@ -89,10 +106,11 @@ def _starts(sc: StreamConfig, n: int) -> np.ndarray:
 
 
 def _chat(sc: StreamConfig, rng, vocab: int, room: int) -> list[ServeRequest]:
-    """Conversations: turn t's prompt is turns 0..t-1's prompts and replies and a new message."""
+    """Conversations: turn t's prompt is turns 0..t-1's prompts and replies and a new message;
+    conversation ``c``'s turns belong to tenant ``c % tenants``."""
     count = -(-sc.requests // sc.turns)
     requests: list[ServeRequest] = []
-    for start in _starts(sc, count):
+    for c, start in enumerate(_starts(sc, count)):
         history = np.zeros((0,), np.int32)
         for t in range(sc.turns):
             message = rng.integers(0, vocab, int(lognormal_lengths(rng, 1, sc.mean_prompt,
@@ -102,7 +120,8 @@ def _chat(sc: StreamConfig, rng, vocab: int, room: int) -> list[ServeRequest]:
             if len(prompt) + 1 > room or len(requests) == sc.requests:
                 break
             requests.append(ServeRequest(len(requests), prompt, min(reply, room - len(prompt)),
-                                         float(start + t * sc.turn_gap)))
+                                         float(start + t * sc.turn_gap),
+                                         tenant=c % sc.tenants))
             # the reply as the next turn sees it (the stream's own tokens, not the model's)
             history = np.concatenate([prompt, rng.integers(0, vocab, reply, dtype=np.int32)])
     return sorted(requests, key=lambda r: (r.arrival, r.id))
@@ -124,18 +143,20 @@ def _shared(sc: StreamConfig, rng, vocab: int, room: int) -> list[ServeRequest]:
 
 def oracle_reuse(system: np.ndarray, requests: list[ServeRequest], page_size: int) -> dict:
     """Per request, the most tokens a prefix cache of unbounded size could give it: full pages
-    it shares, from the start, with a request that arrived before it (at least one token left)."""
+    it shares, from the start, with a request of its tenant that arrived before it (at least one
+    token left)."""
     index: dict = {}
     best = {}
     for r in sorted(requests, key=lambda r: (r.arrival, r.id)):
         seq = np.concatenate([system, r.prompt]).tolist()
-        node, k = -1, 0
+        root = -1 - r.tenant  # each tenant's chains from a root of its own
+        node, k = root, 0
         limit = (len(seq) - 1) // page_size
         while k < limit and (node, tuple(seq[k * page_size:(k + 1) * page_size])) in index:
             node = index[(node, tuple(seq[k * page_size:(k + 1) * page_size]))]
             k += 1
         best[r.id] = k * page_size
-        node = -1
+        node = root
         for j in range(len(seq) // page_size):
             node = index.setdefault((node, tuple(seq[j * page_size:(j + 1) * page_size])),
                                     len(index))
@@ -143,4 +164,5 @@ def oracle_reuse(system: np.ndarray, requests: list[ServeRequest], page_size: in
 
 
 def fresh(requests: list[ServeRequest]) -> list[ServeRequest]:
-    return [ServeRequest(r.id, r.prompt, r.max_new_tokens, r.arrival) for r in requests]
+    return [ServeRequest(r.id, r.prompt, r.max_new_tokens, r.arrival, tenant=r.tenant)
+            for r in requests]
