@@ -1,5 +1,10 @@
 """The lifecycle the dense caches share (``LinearKVCache``, ``KVCacheManager``): active rows,
-reset, append, commit and compaction, as TensorRT Edge-LLM's KVCacheManager runs it."""
+reset, append, commit and compaction, as TensorRT Edge-LLM's KVCacheManager runs it.
+
+A ring layer (a sliding-window layer of ``S`` slots, TensorRT-LLM's cyclic cache) keeps each
+row's last ``S`` tokens, token ``p`` at slot ``p % S``; its rows' lengths are positions and count
+on past ``S`` (to ``MAX_POSITIONS``). Its kernels take positions less a multiple of ``S``
+(``ffi/include/jaxkv/kv_view.h``: the frame of two laps)."""
 
 from __future__ import annotations
 
@@ -13,6 +18,32 @@ from . import _validate as validate
 from . import ops
 from . import quantization
 from ._checks import check
+
+
+MAX_POSITIONS = validate.INT32_MAX
+"""Where the lengths of a cache whose every layer is a ring stop (positions are int32)."""
+MAX_RING_SLOTS = 2**30 - 1
+"""The most slots of a ring: its kernels' frame of two laps, ``2 * S`` positions, fits int32."""
+
+
+def ring_arg(op: str, name: str, ring) -> bool:
+    """A ``ring`` flag: a Python bool."""
+    if not isinstance(ring, (bool, np.bool_)):
+        raise TypeError(f"{op}: {name} must be a bool, got {type(ring).__name__}")
+    return bool(ring)
+
+
+def ring_slots(op: str, name: str, slots: int) -> None:
+    """A ring's slots: at most ``MAX_RING_SLOTS``."""
+    if slots > MAX_RING_SLOTS:
+        raise ValueError(f"{op}: {name} is {slots}, more than a ring holds ({MAX_RING_SLOTS}: "
+                         "its kernels address two laps of it in int32)")
+
+
+def ring_positions(lengths: jax.Array, slots: int) -> jax.Array:
+    """Rows' positions in a ring's frame: less the largest multiple of ``slots`` not above them
+    (a negative one as it is: the kernels write nothing there)."""
+    return jnp.where(lengths >= 0, jnp.remainder(lengths, slots), lengths)
 
 
 def all_empty(lengths: jax.Array, active_batch_size: jax.Array) -> jax.Array:
@@ -95,12 +126,15 @@ def compact(op: str, buffers: list, lengths: jax.Array, batch_mapping: jax.Array
 
 
 def append(op, buffer, layer_idx, k, v, lengths, active_batch_size, new_lengths=None,
-           scales=None):
+           scales=None, ring: bool = False):
     """Checks the arguments and makes the one FFI call of an append into ``[L, B, 2, H, S, D]``,
     or into one layer ``[B, 2, H, S, D]`` (``layer_idx`` 0; reshaping it would cost a copy).
 
     ``scales``: ``(k_scales, v_scales, per_token)`` of an 8-bit cache, whose append quantizes
-    float K/V on the way in. Returns ``(buffer, k_scales, v_scales)`` (None, None unscaled)."""
+    float K/V on the way in. ``ring``: the layers are rings of ``S`` slots (the module's
+    docstring): nothing is dropped at ``S``; more than ``S`` tokens at once keep their last
+    ``S`` (an error when ``new_lengths`` is None and ``T > S``, else reported). Returns
+    ``(buffer, k_scales, v_scales)`` (None, None unscaled)."""
     stack = buffer.shape if buffer.ndim == 6 else (1, *buffer.shape)
     num_layers, batch, _, heads, capacity, head_dim = stack
     layer_idx = validate.layer_index(op, layer_idx, num_layers)
@@ -120,6 +154,10 @@ def append(op, buffer, layer_idx, k, v, lengths, active_batch_size, new_lengths=
     validate.int32_dims(op, "cache", buffer)
     validate.int32_dims(op, "k", k)
     validate.kv_geometry(op, "cache", heads, capacity, head_dim * buffer.dtype.itemsize)
+    if ring and new_lengths is None and k.shape[2] > capacity:
+        raise ValueError(f"{op}: k has {k.shape[2]} tokens, more than the ring's {capacity} slots "
+                         "(a ring keeps a row's last max_seq_len tokens: append at most that many "
+                         "at once)")
     count, new_lengths_in = append_counts(op, new_lengths, batch, k.shape[2])
     active = jnp.arange(batch) < active_batch_size
     if scales is not None:
@@ -127,21 +165,30 @@ def append(op, buffer, layer_idx, k, v, lengths, active_batch_size, new_lengths=
     check(
         (layer_idx >= 0) & (layer_idx < num_layers), f"{op}: layer_idx out of range"
     )
-    # Without forming lengths + count, which may pass int32 (the kernel computes in 64 bits).
-    fits = (lengths >= 0) & (lengths <= capacity) & (count <= capacity - lengths)
-    check(
-        jnp.all(jnp.where(active & (count > 0), fits, True)),
-        f"{op}: tokens past max_seq_len are dropped",
-    )
+    writing = active & (count > 0)
+    if ring:
+        check(jnp.all(jnp.where(writing, count <= capacity, True)),
+              f"{op}: more than max_seq_len tokens appended at once into a ring: it keeps their "
+              "last max_seq_len")
+        fits = (lengths >= 0) & (count <= MAX_POSITIONS - jnp.maximum(lengths, 0))
+        check(jnp.all(jnp.where(writing, fits, True)),
+              f"{op}: positions past int32 (a ring's lengths stop at 2**31 - 1) or a negative "
+              "length")
+        lengths = ring_positions(lengths, capacity)
+    else:
+        # Without forming lengths + count, which may pass int32 (the kernel computes in 64 bits).
+        fits = (lengths >= 0) & (lengths <= capacity) & (count <= capacity - lengths)
+        check(jnp.all(jnp.where(writing, fits, True)), f"{op}: tokens past max_seq_len are dropped")
     if scales is not None:
         k_scales, v_scales, per_token = scales
         return quantization.append_dense(buffer, k_scales, v_scales, per_token, k, v, lengths,
-                                         new_lengths_in, active_batch_size, layer_idx)
+                                         new_lengths_in, active_batch_size, layer_idx, ring)
     out = _ffi.call(
         "jaxkv_append",
         jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
         k, v, lengths, new_lengths_in, jnp.asarray(active_batch_size, jnp.int32), layer_idx,
         buffer,
         input_output_aliases={6: 0},
+        ring=ring,
     )
     return out, None, None

@@ -62,6 +62,7 @@ QUERY_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float1
 EIGHT_BIT_DTYPES = quantization.QUANTIZED_DTYPES  # fp8 e4m3fn, e5m2, int8
 
 _DENSE, _PAGED_HND, _PAGED_NHD = 0, 1, 2  # ffi/include/jaxkv/attention.h: KVLayout
+_DENSE_RING = 3  # a ring of S slots (kv_view.h), its positions given in a frame of two laps
 # The GPU kernels split each row's keys over blocks, at least _MIN_KEYS_PER_SPLIT keys a block
 # (each split costs a pipeline start and the combine's reads). The 16-bit tensor-core kernel: where
 # a block per (query, KV head) pair fits the GPU in one wave (at most _RESIDENT_PER_SM blocks a
@@ -94,9 +95,12 @@ class _Source:
     capacity: int  # positions a row can address
     head_dim: int
     readable: jax.Array  # int32 [B]: positions of each row backed by memory (paged: pages held)
+    window: object = None  # the layer's own window (a windowed paged cache): int, None or int32 []
+    released: jax.Array | None = None  # int32 [B]: positions below it released by the window
     scaling: str | None = None  # an 8-bit cache's (jaxkv.quantization)
     k_scales: jax.Array | None = None  # per token and head: the cache's scales of this layer's
     v_scales: jax.Array | None = None  # buffer; per tensor: the layer's float32 [] scales
+    ring: int = 0  # a dense ring's slots S (capacity: S too, the keys a query sees at most), or 0
 
 
 def _source(op: str, cache, layer_idx) -> _Source:
@@ -119,23 +123,68 @@ def _addressing(op: str, cache, layer_idx) -> _Source:
     if isinstance(cache, LinearKVCache):
         layer = validate.layer_index(op, layer_idx, cache.num_layers)
         _, batch, _, heads, cap, d = cache.buffer.shape
-        return _Source(cache.buffer, cache.buffer, no_table, _DENSE, layer, cache.num_layers,
-                       batch, heads, cap, d, jnp.full((batch,), cap, jnp.int32))
+        ring = cap if cache.ring else 0
+        return _Source(cache.buffer, cache.buffer, no_table, _DENSE_RING if ring else _DENSE,
+                       layer, cache.num_layers, batch, heads, cap, d,
+                       _dense_readable(batch, ring, cap), ring=ring)
     if isinstance(cache, KVCacheManager):
         i = cache._index(op, layer_idx)
         buf = cache.layers[i]
         batch, _, heads, cap, d = buf.shape
-        return _Source(buf, buf, no_table, _DENSE, jnp.zeros((), jnp.int32), 1, batch, heads, cap,
-                       d, jnp.full((batch,), cap, jnp.int32))
+        ring = cap if cache.is_ring(i) else 0
+        return _Source(buf, buf, no_table, _DENSE_RING if ring else _DENSE,
+                       jnp.zeros((), jnp.int32), 1, batch, heads, cap, d,
+                       _dense_readable(batch, ring, cap), ring=ring)
     if isinstance(cache, PagedKVCache):
-        layer = validate.layer_index(op, layer_idx, cache.num_layers)
         layout = _PAGED_NHD if cache.layout == "NHD" else _PAGED_HND
         cap = cache.max_pages_per_seq * cache.page_size
-        return _Source(cache.k_pages, cache.v_pages, cache.page_table, layout, layer,
-                       cache.num_layers, cache.max_batch, cache.num_kv_heads, cap, cache.head_dim,
-                       cache.pages_held * cache.page_size)
+        table, slot, window = cache.route(op, layer_idx)
+        layer = validate.layer_index(op, slot, cache.k_pages.shape[0])
+        src = _Source(cache.k_pages, cache.v_pages, table, layout, layer, cache.k_pages.shape[0],
+                      cache.max_batch, cache.num_kv_heads, cap, cache.head_dim, cache._reach())
+        if cache.windows is None:
+            return src
+        cols = jnp.arange(cache.max_pages_per_seq, dtype=jnp.int32)
+        first = jnp.min(jnp.where(table >= 0, cols, cache.max_pages_per_seq), axis=1)
+        return dataclasses.replace(src, window=window, released=first * cache.page_size)
     raise TypeError(f"{op}: cache must be a LinearKVCache, KVCacheManager or PagedKVCache, got "
                     f"{type(cache).__name__}")
+
+
+def _dense_readable(batch: int, ring: int, capacity: int) -> jax.Array:
+    """A dense layer's readable positions: its capacity, a ring's every int32 (``_ring_reads``
+    checks what it still holds)."""
+    return jnp.full((batch,), validate.INT32_MAX if ring else capacity, jnp.int32)
+
+
+def _ring_reads(op: str, src: _Source, ends, starts, counts, hybrid: _Hybrid):
+    """A dense ring's reads, checked and put in its kernels' frame: ``(starts, counts)``.
+
+    The ring of ``S = src.ring`` slots holds each row's positions ``[end - S, end)``, ``end`` =
+    ``ends[b]``: the row's length (decode after commit; before it, ``kv_lengths`` one past the
+    length: the token just appended) or the end of the tokens just appended (prefill, before
+    commit: ``lengths + q_lengths``, the append's counts). A row whose queries (at positions
+    ``starts[b] + t``, ``t < counts[b]``) read a position outside it is reported (a window wider
+    than ``S - q_len + 1``, or full attention past ``S`` tokens): the kernels clamp each query's
+    first key to the ring (``first_key``: ``starts + counts - S``), so such a read never returns
+    another token's data; a row whose reads do not end at ``end`` (a decode at other
+    ``kv_lengths``), which that clamp cannot bound, gives zeros. The frame: positions less a
+    multiple of ``S`` per row, so that the newest lies in ``[0, 2S)`` (kv_view.h)."""
+    if not src.ring:
+        return starts, counts
+    size = src.ring
+    reading = counts > 0
+    last = starts + counts  # the end of the newest position a row's queries read
+    first = starts + 1 - jnp.minimum(hybrid.window, jnp.maximum(starts + 1, 0))  # query 0's key
+    held = (last <= ends) & (first >= ends - size)
+    check(jnp.all(~reading | held),
+          f"{op}: a read of positions that have left the ring: a ring of {size} slots holds a "
+          f"row's last {size} tokens (a window of at most {size} - q_len + 1 tokens, full "
+          f"attention only up to {size} tokens); only the ring is read (decode at kv_lengths "
+          "other than the row's length: zeros)")
+    counts = jnp.where(reading & ~held & (last != ends), 0, counts)
+    shift = jnp.maximum(last // size - 1, 0) * size
+    return starts - shift, counts
 
 
 def _check_query(op: str, q, src: _Source, rank: int, hint: str, cache_dtype) -> int:
@@ -161,6 +210,17 @@ def _check_query(op: str, q, src: _Source, rank: int, hint: str, cache_dtype) ->
         raise ValueError(f"{op}: q's num_q_heads ({q_heads}) must be a multiple of the cache's "
                          f"num_kv_heads ({src.num_kv_heads})")
     return q_heads
+
+
+def _check_released(op: str, src: _Source, ends: jax.Array, hybrid: _Hybrid, reading) -> None:
+    """A windowed paged cache: the first key the queries ending at ``ends`` see must not lie
+    in a page the window has released (the kernels read nothing there: zeros)."""
+    if src.released is None:
+        return
+    first = ends - jnp.minimum(hybrid.window, ends)  # max(ends - window, 0), no overflow
+    check(jnp.all(~reading | (first >= src.released)),
+          f"{op}: a query's window reaches pages its layer released (a window wider than the "
+          "layer's, or a query before the row's end)")
 
 
 def _check_home(op: str, cache, reading: jax.Array) -> None:
@@ -283,9 +343,10 @@ def _gpu_kernel(src: _Source) -> str:
     return "CUDA cores"
 
 
-def _splits(rows: int, src: _Source, q_heads: int, span: int) -> int:
+def _splits(rows: int, src: _Source, q_heads: int, span: int | None = None) -> int:
     """Blocks each (query, KV head) pair's keys are split over on the GPU (1: no combine); a
-    query sees at most ``span`` keys."""
+    query sees at most ``span`` keys (default: the capacity)."""
+    span = src.capacity if span is None else span
     per_block = math.ceil(q_heads // src.num_kv_heads / _MAX_HEADS_PER_BLOCK)
     pairs = rows * src.num_kv_heads * per_block
     by_keys = max(1, span // _MIN_KEYS_PER_SPLIT)
@@ -332,7 +393,7 @@ cannot serve the call)."""
 
 
 def _implementation(op: str, implementation, cache, q, k_scale, v_scale, src: _Source,
-                    hybrid: _Hybrid) -> str:
+                    hybrid: _Hybrid | None = None) -> str:
     """Which kernel serves a call: ``implementation``, or the faster one that can."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, got "
@@ -340,7 +401,9 @@ def _implementation(op: str, implementation, cache, q, k_scale, v_scale, src: _S
     if implementation == "jaxkv" or (implementation is None and _jaxkv_is_faster(op, src, q)):
         return "jaxkv"
     why = _cudnn.unusable(cache, q.dtype, k_scale is not None or v_scale is not None)
-    if why is None and not hybrid.plain:
+    if why is None and getattr(cache, "windows", None) is not None:
+        why = "a PagedKVCache with windows is read by jaxkv's kernels only"
+    if why is None and hybrid is not None and not hybrid.plain:
         why = "window, soft_cap and sinks are served by jaxkv's kernels only"
     if implementation == "cudnn" and why is not None:
         raise ValueError(f"{op}: implementation='cudnn' cannot serve this call: {why}")
@@ -407,7 +470,9 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
       ``scan`` over layers can mix window and global layers). The query at position ``p`` sees
       the keys at ``(p - window, p]``, the last ``window`` tokens, itself included (transformers'
       ``sliding_window``); the kernels read no page wholly outside it. A traced window below 1 is
-      reported through checkify, and its queries see no key.
+      reported through checkify, and its queries see no key. Default: full attention, or over a
+      ``PagedKVCache`` created with ``windows``, the layer's own window (a wider one, reaching
+      pages the layer released, is reported through checkify).
     - ``soft_cap``: ``None`` or a float > 0: each score, after ``scale``, becomes
       ``soft_cap * tanh(s / soft_cap)`` before the softmax (Gemma 2: 50).
     - ``sinks``: ``None`` or float32 ``[num_q_heads]``: each head's sink logit enters the
@@ -439,17 +504,22 @@ def decode(q, cache, layer_idx, *, kv_lengths=None, scale=None, k_scale=None, v_
     validate.array(op, "kv_lengths", kv_lengths)
     validate.int32(op, "kv_lengths", kv_lengths)
     validate.shape(op, "kv_lengths", kv_lengths, (src.max_batch,), "[max_batch]")
-    hybrid = _hybrid(op, window, soft_cap, sinks, q_heads, src.capacity)
+    hybrid = _hybrid(op, src.window if window is None else window, soft_cap, sinks, q_heads,
+                     src.capacity)
     use = _implementation(op, implementation, cache, q, k_scale, v_scale, src, hybrid)
     k_scale, v_scale, scale = _scales(op, src, k_scale, v_scale, scale)
     check((src.layer >= 0) & (src.layer < src.num_layers), f"{op}: layer_idx out of range")
     _check_home(op, cache, kv_lengths > 0)
+    _check_released(op, src, kv_lengths, hybrid, kv_lengths > 0)
     check(jnp.all((kv_lengths >= 0) & (kv_lengths <= src.readable)),
           f"{op}: kv_lengths outside [0, capacity] (paged: past the pages a row holds)")
     if use == "cudnn":
         return _cudnn.decode(q, cache, src.layer, kv_lengths, scale)
     starts = kv_lengths - 1
     counts = (kv_lengths > 0).astype(jnp.int32)
+    # A ring ends at the row's length, or one past it (before commit: the token just appended).
+    ends = jnp.maximum(cache.lengths, jnp.minimum(kv_lengths, cache.lengths + 1))
+    starts, counts = _ring_reads(op, src, ends, starts, counts, hybrid)
     out = _call("jaxkv_attention_decode", q[:, None], src, starts, counts, k_scale, v_scale, scale,
                 hybrid, _splits(src.max_batch, src, q_heads, hybrid.span))
     return out[:, 0]
@@ -478,10 +548,12 @@ def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale
     validate.array(op, "q_lengths", q_lengths)
     validate.int32(op, "q_lengths", q_lengths)
     validate.shape(op, "q_lengths", q_lengths, (src.max_batch,), "[max_batch]")
-    hybrid = _hybrid(op, window, soft_cap, sinks, q_heads, src.capacity)
+    hybrid = _hybrid(op, src.window if window is None else window, soft_cap, sinks, q_heads,
+                     src.capacity)
     use = _implementation(op, implementation, cache, q, k_scale, v_scale, src, hybrid)
     k_scale, v_scale, scale = _scales(op, src, k_scale, v_scale, scale)
     lengths = cache.lengths
+    _check_released(op, src, lengths + 1, hybrid, q_lengths > 0)
     check((src.layer >= 0) & (src.layer < src.num_layers), f"{op}: layer_idx out of range")
     check(jnp.all((q_lengths >= 0) & (q_lengths <= q.shape[1])),
           f"{op}: q_lengths outside [0, T]")
@@ -494,5 +566,6 @@ def prefill(q, cache, layer_idx, q_lengths, *, scale=None, k_scale=None, v_scale
         return _cudnn.prefill(q, cache, src.layer, q_lengths, scale)
     # One new token a row is a decode step: the split-KV kernel, not the prefill's 128-row tiles.
     target = "jaxkv_attention_decode" if q.shape[1] == 1 else "jaxkv_attention_prefill"
-    return _call(target, q, src, lengths, q_lengths, k_scale, v_scale, scale, hybrid,
+    starts, q_lengths = _ring_reads(op, src, lengths + q_lengths, lengths, q_lengths, hybrid)
+    return _call(target, q, src, starts, q_lengths, k_scale, v_scale, scale, hybrid,
                  _splits(src.max_batch * q.shape[1], src, q_heads, hybrid.span))

@@ -34,6 +34,20 @@ class LinearKVCache:
     >>> cache = cache.append(0, k, v).append(1, k, v).commit(5)
     >>> cache.lengths
     Array([5, 5, 5, 0], dtype=int32)
+
+    With ``ring=True`` every layer is a ring of ``max_seq_len`` slots (a sliding-window model,
+    Mistral-style; TensorRT-LLM's cyclic cache): a row keeps its last ``max_seq_len`` tokens,
+    token ``p`` at slot ``p % max_seq_len``, and its length counts on past ``max_seq_len``.
+    Size the ring for the window and the chunks appended: ``max_seq_len >= window + T - 1`` for
+    chunks of ``T`` tokens (the first query of a chunk sees ``window - 1`` earlier tokens).
+
+    >>> ring = LinearKVCache.create(1, 1, 1, 4, 16, jnp.float32, ring=True)
+    >>> ring = ring.reset(jnp.zeros((1,), jnp.int32))
+    >>> for t in range(6):                                         # 6 tokens into 4 slots
+    ...     x = jnp.full((1, 1, 1, 16), t, jnp.float32)
+    ...     ring = ring.append(0, x, x).commit(1)
+    >>> ring.lengths, ring.keys(0)[0, 0, :, 0]                     # slot p % 4 holds token p
+    (Array([6], dtype=int32), Array([4., 5., 2., 3.], dtype=float32))
     """
 
     buffer: jax.Array  # [num_layers, max_batch, 2, num_kv_heads, max_seq_len, head_dim]
@@ -45,6 +59,8 @@ class LinearKVCache:
     k_scales: Any = None  # an array, or None
     v_scales: Any = None
     scaling: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # every layer a ring of max_seq_len slots: token p at slot p % max_seq_len
+    ring: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def leaf_roles(self) -> dict:
         """Where each leaf keeps its rows and heads (``jaxkv.layout``)."""
@@ -65,6 +81,7 @@ class LinearKVCache:
         scaling: str | None = None,
         k_scale=None,
         v_scale=None,
+        ring: bool = False,
     ) -> "LinearKVCache":
         """An empty cache: ``buffer`` ``[num_layers, max_batch, 2, num_kv_heads, max_seq_len,
         head_dim]`` of ``dtype`` (zeros), ``lengths`` int32 ``[max_batch]`` zeros, no active row
@@ -88,12 +105,20 @@ class LinearKVCache:
         ``append``; with ``"per_tensor"`` ``[num_layers]``, from ``k_scale``, ``v_scale``
         (default 1.0; ``with_scales`` replaces them). Its ``append`` takes float32, bfloat16 or
         float16 K/V and quantizes them on the way in.
+
+        ``ring=True``: every layer is a ring of ``max_seq_len`` slots (at most 2**30 - 1), which
+        keeps each row's last ``max_seq_len`` tokens, token ``p`` at slot ``p % max_seq_len``;
+        lengths are positions and count on to 2**31 - 1 (``max_length``). Attention reads a ring
+        with its positions intact; a read of a position that has left it is reported through
+        ``checkify`` and never returns another token's data (``jaxkv.attention``).
         """
         op = "LinearKVCache.create"
         dims = dict(num_layers=num_layers, max_batch=max_batch, num_kv_heads=num_kv_heads,
                     max_seq_len=max_seq_len, head_dim=head_dim)
         for name, value in dims.items():
             validate.static_int(op, name, value, lo=1, hi=validate.CREATE_LIMITS.get(name))
+        if lifecycle.ring_arg(op, "ring", ring):
+            lifecycle.ring_slots(op, "max_seq_len", max_seq_len)
         validate.new_cache_dtype(op, dtype)
         shape = (num_layers, max_batch, 2, num_kv_heads, max_seq_len, head_dim)
         leaves = dict(buffer=(shape, dtype, 0), lengths=((max_batch,), jnp.int32, 0),
@@ -103,13 +128,16 @@ class LinearKVCache:
                                                 (num_layers, max_batch, num_kv_heads, max_seq_len),
                                                 k_scale, v_scale))
         divides = dict(max_batch=(max_batch, "batch"), num_kv_heads=(num_kv_heads, "heads"))
-        return create(cls, op, sharding, leaves, divides, scaling=scaling)
+        return create(cls, op, sharding, leaves, divides, scaling=scaling, ring=bool(ring))
 
     # Static configuration, read off the buffer's shape.
     num_layers = property(lambda self: self.buffer.shape[0], doc="Decoder layers (static).")
     max_batch = property(lambda self: self.buffer.shape[1], doc="Rows of the cache (static).")
     num_kv_heads = property(lambda self: self.buffer.shape[3], doc="KV heads per layer (static).")
-    max_seq_len = property(lambda self: self.buffer.shape[4], doc="Tokens each row holds (static).")
+    max_seq_len = property(lambda self: self.buffer.shape[4],
+                           doc="Tokens each row holds, a ring's slots (static).")
+    max_length = property(lambda self: lifecycle.MAX_POSITIONS if self.ring else self.max_seq_len,
+                          doc="Where lengths stop: max_seq_len, or 2**31 - 1 for a ring (static).")
     head_dim = property(lambda self: self.buffer.shape[5], doc="Elements per head (static).")
     dtype = property(lambda self: self.buffer.dtype, doc="Element type of the buffer.")
 
@@ -119,7 +147,8 @@ class LinearKVCache:
         return quantization.with_scales(self, "LinearKVCache.with_scales", k_scale, v_scale)
 
     def layer(self, i: IntOrArray, dtype: Any = None) -> jax.Array:
-        """``[max_batch, 2, H, S, D]`` of layer ``i`` as stored (a view under ``jit``). A Python int
+        """``[max_batch, 2, H, S, D]`` of layer ``i`` as stored (a view under ``jit``; a ring's
+        slots: ``jaxkv.reference.ring_to_positions`` orders them). A Python int
         out of range is a ``ValueError``; a traced one is reported through ``checkify`` (and
         clamped, as JAX indexes).
 
@@ -176,7 +205,7 @@ class LinearKVCache:
         new sequence (a reused prompt; 0 for none). Slots past ``n`` get length 0.
         """
         lengths, active = lifecycle.reset_lengths(
-            "LinearKVCache.reset", reuse_lengths, self.max_batch, self.max_seq_len
+            "LinearKVCache.reset", reuse_lengths, self.max_batch, self.max_length
         )
         return dataclasses.replace(self, lengths=lengths, active_batch_size=active)
 
@@ -188,11 +217,14 @@ class LinearKVCache:
         when ``new_lengths`` (int32 ``[max_batch]``, ragged prefill) is given. Rows of inactive
         slots are ignored; lengths are unchanged (see ``commit``). ``layer_idx`` may be traced
         (a ``scan`` over layers); out of range writes nothing. Tokens past ``max_seq_len`` are
-        dropped; both cases are reported through ``checkify``.
+        dropped; both cases are reported through ``checkify``. A ring drops none: position ``p``
+        goes to slot ``p % max_seq_len``; of more than ``max_seq_len`` tokens at once (a
+        ``ValueError`` for ``T`` past it without ``new_lengths``, else reported) it keeps the
+        last ``max_seq_len``.
         """
         buffer, k_scales, v_scales = lifecycle.append(
             "LinearKVCache.append", self.buffer, layer_idx, k, v, self.lengths,
-            self.active_batch_size, new_lengths, quantization.scales_of(self),
+            self.active_batch_size, new_lengths, quantization.scales_of(self), self.ring,
         )
         return dataclasses.replace(self, buffer=buffer, k_scales=k_scales, v_scales=v_scales)
 
@@ -202,12 +234,12 @@ class LinearKVCache:
 
         ``new_lengths``: a Python int or int32 scalar (e.g. 1 per decode step), or int32
         ``[max_batch]`` (tokens appended per sequence by a ragged prefill). Lengths stop at
-        ``max_seq_len``; a negative increment leaves the row as it was (both reported through
-        ``checkify``).
+        ``max_length`` (``max_seq_len``; a ring's at 2**31 - 1); a negative increment leaves the
+        row as it was (both reported through ``checkify``).
         """
         lengths = lifecycle.commit_lengths(
             "LinearKVCache.commit", self.lengths, self.active_batch_size, new_lengths,
-            self.max_seq_len,
+            self.max_length,
         )
         return dataclasses.replace(self, lengths=lengths)
 
@@ -229,9 +261,16 @@ class LinearKVCache:
     @per_shard(batch_idx=row_ids("self"), out=FromOwner())
     def save(self, batch_idx: IntOrArray, seq_len: int):
         """Tokens ``[0, seq_len)`` of row ``batch_idx``, every layer, in one launch: a
-        ``jaxkv.SavedKV`` (see ``jaxkv.save_kv_cache``)."""
-        return reuse.save_saved_kv("LinearKVCache.save", [self.buffer], ["buffer"], batch_idx,
-                                   seq_len, quantization.scales_of(self))
+        ``jaxkv.SavedKV`` (see ``jaxkv.save_kv_cache``). A ring saves the last ``min(seq_len,
+        max_seq_len)`` of them, in order (its ``length`` stays ``seq_len``); the row must still
+        hold them (its length at most ``max(seq_len, max_seq_len)``, reported through
+        ``checkify``)."""
+        op = "LinearKVCache.save"
+        saved = reuse.save_saved_kv(op, [self.buffer], ["buffer"], batch_idx, seq_len,
+                                    quantization.scales_of(self), [self.ring])
+        if self.ring:
+            reuse.check_ring_save(op, self.lengths, batch_idx, seq_len, self.max_seq_len)
+        return saved
 
     @per_shard(batch_idx=row_ids("self"))
     def instantiate(self, saved, batch_idx: IntOrArray) -> "LinearKVCache":
@@ -239,8 +278,11 @@ class LinearKVCache:
         scalar or an int32 ``[n]`` array of rows), every layer in one launch. Lengths are
         unchanged: give the rows ``saved.length`` through ``reset`` (e.g. ``reset(jnp.full((n,),
         saved.length))`` for rows ``0..n-1``). An 8-bit cache takes a float prefix too, quantized
-        as ``append`` would store it."""
+        as ``append`` would store it. A ring places position ``p`` at slot ``p % max_seq_len``
+        and takes a longer prompt's last ``max_seq_len`` tokens; a prompt saved from a ring
+        (its last tokens only) goes into a ring of as many slots (else reported, nothing
+        written)."""
         (buffer,), scales = reuse.instantiate_saved_kv(
             "LinearKVCache.instantiate", [self.buffer], ["buffer"], saved, batch_idx,
-            quantization.scales_of(self))
+            quantization.scales_of(self), [self.ring])
         return dataclasses.replace(self, buffer=buffer, **quantization.replaced_scales(self, scales))

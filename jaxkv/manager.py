@@ -24,11 +24,18 @@ IntOrArray = Union[int, jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class KVLayerConfig:
-    """Shape of one attention layer's cache; ``max_seq_len=None`` means the cache-wide maximum."""
+    """Shape of one attention layer's cache; ``max_seq_len=None`` means the cache-wide maximum.
+
+    ``ring=True``: a sliding-window layer whose cache is a ring of ``max_seq_len`` slots
+    (TensorRT-LLM's cyclic cache): it keeps each row's last ``max_seq_len`` tokens, token ``p`` at
+    slot ``p % max_seq_len``, whatever the row's length. Give it ``window + T - 1`` slots for a
+    window of ``window`` tokens and chunks of at most ``T`` appended at once (the first query of
+    a chunk sees ``window - 1`` earlier tokens; decode: ``T = 1``)."""
 
     num_kv_heads: int
     head_dim: int
     max_seq_len: int | None = None
+    ring: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -47,6 +54,10 @@ class KVCacheManager:
     >>> cache = cache.append(1, jnp.ones((2, 2, 3, 128)), jnp.ones((2, 2, 3, 128))).commit(3)
     >>> cache.lengths, cache.combined(1).shape
     (Array([3, 3], dtype=int32), (2, 2, 2, 8, 128))
+
+    A layer made with ``KVLayerConfig(..., ring=True)`` is a ring (its memory bounded by its
+    window, not the context; Gemma 2 / 3, gpt-oss): lengths then stop at the longest layer of
+    full attention, or at 2**31 - 1 when every layer is a ring (``max_length``).
     """
 
     layers: tuple[jax.Array, ...]  # per layer [max_batch, 2, H_i, S_i, D_i] (layer_config(i))
@@ -59,6 +70,8 @@ class KVCacheManager:
     k_scales: Any = None  # a tuple of arrays, an array, or None
     v_scales: Any = None
     scaling: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # per layer: a ring (KVLayerConfig.ring); () when none is
+    rings: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     def leaf_roles(self) -> dict:
         """Where each leaf keeps its rows and heads (``jaxkv.layout``)."""
@@ -87,7 +100,7 @@ class KVCacheManager:
         ``dtype`` as for ``LinearKVCache.create``.
 
         **Raises:** ``TypeError`` / ``ValueError`` naming the argument (a layer's ``max_seq_len``
-        above the cache's included).
+        above the cache's included, and a ring's above 2**30 - 1).
 
         With ``sharding`` (a ``jaxkv.CacheSharding``) every layer is created already placed on
         its mesh (docs/sharding.md). ``scaling``, ``k_scale``, ``v_scale``: as for
@@ -111,7 +124,10 @@ class KVCacheManager:
             validate.static_int(op, f"layer_configs[{i}].head_dim", c.head_dim, lo=1)
             seq = max_seq_len if c.max_seq_len is None else c.max_seq_len
             validate.static_int(op, f"layer_configs[{i}].max_seq_len", seq, lo=1, hi=max_seq_len)
+            if lifecycle.ring_arg(op, f"layer_configs[{i}].ring", c.ring):
+                lifecycle.ring_slots(op, f"layer_configs[{i}].max_seq_len", seq)
             shapes.append((max_batch, 2, c.num_kv_heads, seq, c.head_dim))
+        rings = tuple(bool(c.ring) for c in configs)
         leaves = dict(layers=[(shape, dtype, 0) for shape in shapes],
                       lengths=((max_batch,), jnp.int32, 0), active_batch_size=((), jnp.int32, 0))
         scaling = quantization.scaling_of(op, dtype, scaling)
@@ -121,14 +137,29 @@ class KVCacheManager:
         divides = dict(max_batch=(max_batch, "batch"))
         divides.update({f"layer_configs[{i}].num_kv_heads": (c.num_kv_heads, "heads")
                         for i, c in enumerate(configs)})
-        return create(cls, op, sharding, leaves, divides, scaling=scaling)
+        return create(cls, op, sharding, leaves, divides, scaling=scaling,
+                      rings=rings if any(rings) else ())
 
     # Static configuration, read off the buffers' shapes.
     num_layers = property(lambda self: len(self.layers), doc="Attention layers (static).")
     max_batch = property(lambda self: self.lengths.shape[0], doc="Rows of the cache (static).")
-    # Cache-wide max_seq_len (lengths stop there): the longest layer's.
+    # Cache-wide max_seq_len: the longest layer's.
     max_seq_len = property(lambda self: max(layer.shape[3] for layer in self.layers),
                            doc="The longest layer capacity, in tokens (static).")
+
+    @property
+    def max_length(self) -> int:
+        """Where lengths stop (static): the longest layer of full attention's ``max_seq_len``,
+        2**31 - 1 when every layer is a ring."""
+        full = [layer.shape[3] for i, layer in enumerate(self.layers) if not self.is_ring(i)]
+        return max(full) if full else lifecycle.MAX_POSITIONS
+
+    def is_ring(self, i: int) -> bool:
+        """Layer ``i`` (a static int) is a ring (``KVLayerConfig.ring``)."""
+        return bool(self.rings) and self.rings[i]
+
+    def _rings(self) -> list[bool]:
+        return [self.is_ring(i) for i in range(self.num_layers)]
     dtype = property(lambda self: self.layers[0].dtype, doc="Element type of every layer.")
 
     def with_scales(self, k_scale=None, v_scale=None) -> "KVCacheManager":
@@ -144,13 +175,16 @@ class KVCacheManager:
 
     def layer_config(self, i: int) -> KVLayerConfig:
         """The configuration of layer ``i`` (``max_seq_len`` filled in)."""
-        _, _, h, s, d = self.layers[self._index("KVCacheManager.layer_config", i)].shape
-        return KVLayerConfig(num_kv_heads=h, head_dim=d, max_seq_len=s)
+        i = self._index("KVCacheManager.layer_config", i)
+        _, _, h, s, d = self.layers[i].shape
+        return KVLayerConfig(num_kv_heads=h, head_dim=d, max_seq_len=s, ring=self.is_ring(i))
 
     @property
     def is_uniform(self) -> bool:
-        """Every layer has the same shape and dtype (the cache could be a LinearKVCache)."""
-        return len({(layer.shape, layer.dtype) for layer in self.layers}) == 1
+        """Every layer has the same shape and dtype and is a ring or not alike (the cache could
+        be a LinearKVCache)."""
+        return len({(layer.shape, layer.dtype, self.is_ring(i))
+                    for i, layer in enumerate(self.layers)}) == 1
 
     def combined(self, i: int, dtype: Any = None) -> jax.Array:
         """``[max_batch, 2, H_i, S_i, D_i]`` of layer ``i`` as stored; with ``dtype`` (float32,
@@ -188,7 +222,8 @@ class KVCacheManager:
         elif cache.scaling == "per_tensor":
             scales = dict(k_scales=cache.k_scales, v_scales=cache.v_scales)
         return cls(layers=layers, lengths=cache.lengths, active_batch_size=cache.active_batch_size,
-                   sharding=cache.sharding, scaling=cache.scaling, **scales)
+                   sharding=cache.sharding, scaling=cache.scaling,
+                   rings=(True,) * cache.num_layers if cache.ring else (), **scales)
 
     def to_linear(self) -> LinearKVCache:
         """A LinearKVCache of a uniform cache: the layers stacked into one buffer (one copy)."""
@@ -205,6 +240,7 @@ class KVCacheManager:
             active_batch_size=self.active_batch_size,
             sharding=self.sharding,
             scaling=self.scaling,
+            ring=self.is_ring(0),
             **scales,
         )
 
@@ -225,7 +261,7 @@ class KVCacheManager:
         """Starts a new batch of ``n`` sequences; ``reuse_lengths``: int32 ``[n]``, tokens already
         in the cache for each (a prompt instantiated with ``instantiate``; 0 for none)."""
         lengths, active = lifecycle.reset_lengths(
-            "KVCacheManager.reset", reuse_lengths, self.max_batch, self.max_seq_len
+            "KVCacheManager.reset", reuse_lengths, self.max_batch, self.max_length
         )
         return dataclasses.replace(self, lengths=lengths, active_batch_size=active)
 
@@ -233,7 +269,8 @@ class KVCacheManager:
     def append(self, layer_idx: int, k: jax.Array, v: jax.Array, new_lengths=None):
         """Writes ``k``, ``v`` ``[max_batch, H_i, T, D_i]`` into layer ``layer_idx`` (a static int:
         layers differ in shape) after each active sequence's tokens; see ``LinearKVCache.append``.
-        Tokens past the layer's ``max_seq_len`` are dropped (reported through ``checkify``)."""
+        Tokens past the layer's ``max_seq_len`` are dropped (reported through ``checkify``); a
+        ring layer drops none (``LinearKVCache.append``)."""
         op = "KVCacheManager.append"
         i = self._index(op, layer_idx)
         scales: tuple | None = None
@@ -243,7 +280,8 @@ class KVCacheManager:
         elif self.scaling == "per_tensor":  # the layer's own scales, read only
             scales = (self.k_scales[i:i + 1], self.v_scales[i:i + 1], False)
         layer, k_scales, v_scales = lifecycle.append(
-            op, self.layers[i], 0, k, v, self.lengths, self.active_batch_size, new_lengths, scales
+            op, self.layers[i], 0, k, v, self.lengths, self.active_batch_size, new_lengths, scales,
+            self.is_ring(i)
         )
         if self.scaling == "per_token_head":
             fields = dict(k_scales=_replaced(self.k_scales, i, k_scales),
@@ -253,11 +291,11 @@ class KVCacheManager:
     @per_shard(new_lengths=Role(ROWS))
     def commit(self, new_lengths: IntOrArray) -> "KVCacheManager":
         """Advances the lengths of active sequences (a Python int, an int32 scalar or int32
-        ``[max_batch]``); lengths stop at ``max_seq_len``, a negative increment is ignored (both
+        ``[max_batch]``); lengths stop at ``max_length``, a negative increment is ignored (both
         reported through ``checkify``)."""
         lengths = lifecycle.commit_lengths(
             "KVCacheManager.commit", self.lengths, self.active_batch_size, new_lengths,
-            self.max_seq_len,
+            self.max_length,
         )
         return dataclasses.replace(self, lengths=lengths)
 
@@ -278,10 +316,17 @@ class KVCacheManager:
     @per_shard(batch_idx=row_ids("self"), out=FromOwner())
     def save(self, batch_idx: IntOrArray, seq_len: int) -> SavedKV:
         """Tokens ``[0, seq_len)`` of row ``batch_idx``, every layer, in one launch (see
-        ``jaxkv.save_kv_cache``); ``seq_len`` (static) must fit every layer."""
-        return reuse.save_saved_kv(
-            "KVCacheManager.save", list(self.layers), self._names(), batch_idx, seq_len,
-            quantization.scales_of(self))
+        ``jaxkv.save_kv_cache``); ``seq_len`` (static) must fit every layer of full attention.
+        A ring layer saves the last ``min(seq_len, S_i)`` of them, in order (the row must still
+        hold them, reported through ``checkify``; ``LinearKVCache.save``)."""
+        op = "KVCacheManager.save"
+        saved = reuse.save_saved_kv(op, list(self.layers), self._names(), batch_idx, seq_len,
+                                    quantization.scales_of(self), self._rings())
+        for i in range(self.num_layers):
+            if self.is_ring(i):
+                reuse.check_ring_save(op, self.lengths, batch_idx, seq_len,
+                                      self.layers[i].shape[3])
+        return saved
 
     @per_shard(batch_idx=row_ids("self"))
     def instantiate(self, saved: SavedKV, batch_idx: IntOrArray) -> "KVCacheManager":
@@ -289,11 +334,12 @@ class KVCacheManager:
         an int32 ``[n]`` array of rows), every layer in one launch (see
         ``jaxkv.instantiate_kv_cache``). Lengths are unchanged: give the rows ``saved.length``
         through ``reset`` (e.g. ``reset(jnp.full((n,), saved.length))`` for rows ``0..n-1``). An
-        8-bit cache takes a float prefix too, quantized as ``append`` would store it.
+        8-bit cache takes a float prefix too, quantized as ``append`` would store it. A ring
+        layer places position ``p`` at slot ``p % S_i`` (``LinearKVCache.instantiate``).
         """
         layers, scales = reuse.instantiate_saved_kv(
             "KVCacheManager.instantiate", list(self.layers), self._names(), saved, batch_idx,
-            quantization.scales_of(self))
+            quantization.scales_of(self), self._rings())
         return dataclasses.replace(self, layers=tuple(layers),
                                    **quantization.replaced_scales(self, scales))
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _lengths
 from . import _lifecycle as lifecycle
+from . import _windows
 from . import host_tier
 from . import _validate as validate
 from . import ops
@@ -75,6 +76,10 @@ class PagedKVCache:
     # create(host_pages=N): a pool of N pages in host memory and the rows swapped to it
     # (jaxkv.host_tier)
     host: host_tier.HostPages | None = None
+    # create(windows=...): each layer's window (jaxkv._windows). The pools then hold one layer
+    # group's layers (its slots); page_table is group 0's table, group_tables the other groups'.
+    windows: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
+    group_tables: jax.Array | None = None  # int32 [groups - 1, max_batch, max_pages_per_seq]
 
     def leaf_roles(self) -> dict:
         """Where each leaf keeps its rows, pages and heads (``jaxkv.layout``)."""
@@ -82,7 +87,8 @@ class PagedKVCache:
         scales = pool[:4] if self.scaling == "per_token_head" else REPLICATED
         return dict(k_pages=pool, v_pages=pool, page_table=ROWS, lengths=ROWS, ref_counts=ROWS,
                     new_tokens=ROWS, k_scales=scales, v_scales=scales, prefix_cache=ROWS,
-                    host=host_roles(self.layout, self.scaling == "per_token_head"))
+                    host=host_roles(self.layout, self.scaling == "per_token_head"),
+                    group_tables=(None,) + ROWS)
 
     @classmethod
     def create(
@@ -102,6 +108,7 @@ class PagedKVCache:
         v_scale=None,
         prefix_cache: bool = False,
         host_pages: int = 0,
+        windows=None,
     ) -> "PagedKVCache":
         """An empty cache: every page free, every page-table entry ``NO_PAGE``, lengths 0.
 
@@ -131,6 +138,16 @@ class PagedKVCache:
         dtype, and scales for a per-token-head cache; ``swap_out`` moves rows there and
         ``swap_in`` brings them back (docs/host-tier.md); with ``sharding``, each batch shard has
         ``host_pages / batch_shards`` of them.
+
+        ``windows``: one entry per layer, ``None`` for a layer of full attention or the int
+        window of a sliding-window layer (docs/hybrid-caches.md). Window layers keep only the
+        pages their window still sees: ``reserve`` releases a row's older pages as it advances,
+        so a row holds at most ``ceil((window + new tokens) / page_size) + 1`` pages for them.
+        The layers are grouped (groups of equal size, one window each), each group with its own
+        page table and one pool and allocator for all: the pools are
+        ``[slots, ...]`` with ``slots`` the layers of a group, and ``num_pages`` pages serve every
+        group. ``jaxkv.attention`` reads a layer with its window by default. Not yet with
+        ``prefix_cache``, ``host_pages``, ``sharding`` or ``scaling="per_tensor"``.
         """
         op = "PagedKVCache.create"
         dims = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
@@ -145,7 +162,16 @@ class PagedKVCache:
             raise ValueError(f"{op}: max_pages_per_seq * page_size must fit in int32 positions")
         if num_layers * max_batch * num_kv_heads > INT32_MAX:
             raise ValueError(f"{op}: num_layers * max_batch * num_kv_heads must fit in int32")
-        shape = pool_shape(layout, num_layers, num_kv_heads, num_pages, page_size, head_dim)
+        windows = _windows.check_windows(op, windows, num_layers)
+        slots = num_layers
+        if windows is not None:
+            unsupported = dict(prefix_cache=prefix_cache, host_pages=host_pages,
+                               sharding=sharding is not None, per_tensor=scaling == "per_tensor")
+            named = [k for k, v in unsupported.items() if v]
+            if named:
+                raise ValueError(f"{op}: windows are not yet supported with {', '.join(named)}")
+            slots = _windows.groups(windows).slots
+        shape = pool_shape(layout, slots, num_kv_heads, num_pages, page_size, head_dim)
         rows = ((max_batch,), jnp.int32, 0)
         leaves: dict[str, Any] = dict(
             k_pages=(shape, dtype, 0), v_pages=(shape, dtype, 0),
@@ -155,6 +181,10 @@ class PagedKVCache:
         # The scale pools: the pools without D, in either layout.
         leaves.update(quantization.scale_leaves(op, scaling, num_layers, shape[:4], k_scale,
                                                 v_scale))
+        if windows is not None and _windows.groups(windows).num_groups > 1:
+            groups = _windows.groups(windows).num_groups
+            leaves["group_tables"] = ((groups - 1, max_batch, max_pages_per_seq), jnp.int32,
+                                      NO_PAGE)
         host_pages = validate.static_int(op, "host_pages", host_pages, lo=0, hi=INT32_MAX)
         if not isinstance(prefix_cache, bool):
             raise TypeError(f"{op}: prefix_cache must be a bool, got {type(prefix_cache).__name__}")
@@ -165,7 +195,8 @@ class PagedKVCache:
                                                                              full)
         divides = dict(max_batch=(max_batch, "batch"), num_pages=(num_pages, "batch"),
                        num_kv_heads=(num_kv_heads, "heads"), host_pages=(host_pages, "batch"))
-        cache = create(cls, op, sharding, leaves, divides, layout=layout, scaling=scaling)
+        cache = create(cls, op, sharding, leaves, divides, layout=layout, scaling=scaling,
+                       windows=windows)
         if not host_pages:
             return cache
         cache = dataclasses.replace(cache, host=host_tier.empty(
@@ -183,7 +214,8 @@ class PagedKVCache:
     def _geometry(self) -> dict:
         return pool_geometry(self.layout, self.k_pages.shape)
 
-    num_layers = property(lambda self: self._geometry()["num_layers"],
+    num_layers = property(lambda self: (len(self.windows) if self.windows is not None
+                                        else self._geometry()["num_layers"]),
                           doc="Decoder layers (static).")
     num_kv_heads = property(lambda self: self._geometry()["num_kv_heads"],
                             doc="KV heads per layer (static).")
@@ -202,8 +234,57 @@ class PagedKVCache:
     # Read-side queries (the seed's).
     @property
     def pages_held(self) -> jax.Array:
-        """int32 ``[max_batch]``: pages assigned to each sequence (a prefix of its table row)."""
-        return paged_ops.pages_held(self.page_table)
+        """int32 ``[max_batch]``: pages assigned to each sequence (a prefix of its table row;
+        with ``windows``, the pages of every layer group together)."""
+        held = paged_ops.pages_held(self.page_table)
+        if self.group_tables is not None:
+            held += jnp.sum(self.group_tables >= 0, axis=(0, 2), dtype=jnp.int32)
+        return held
+
+    # Layer groups (create(windows=...), jaxkv._windows): one table each, pools of slots.
+    def _tables(self) -> list:
+        """Each layer group's page table ``[max_batch, max_pages_per_seq]`` (one without
+        windows)."""
+        extra = [] if self.group_tables is None else list(self.group_tables)
+        return [self.page_table, *extra]
+
+    def _with_tables(self, tables: list) -> dict:
+        """The fields holding ``tables`` (``_tables``' order)."""
+        rest = dict(group_tables=jnp.stack(tables[1:])) if len(tables) > 1 else {}
+        return dict(page_table=tables[0], **rest)
+
+    def _group_windows(self) -> tuple:
+        return (None,) if self.windows is None else _windows.groups(self.windows).group_windows
+
+    def _reach(self) -> jax.Array:
+        """int32 ``[max_batch]``: positions ``[0, reach)`` backed by a page in every group (a
+        window group's released pages count: no query reads them)."""
+        if self.windows is None:
+            return paged_ops.pages_held(self.page_table) * self.page_size
+        ends = [_windows.end_column(t) if w is not None else paged_ops.pages_held(t)
+                for t, w in zip(self._tables(), self._group_windows())]
+        return jnp.min(jnp.stack(ends), axis=0) * self.page_size
+
+    def route(self, op: str, layer_idx: IntOrArray) -> tuple[jax.Array, Any, Any]:
+        """``(page_table, slot, window)`` of layer ``layer_idx`` (an int, or an int32 scalar
+        that may be traced): the table of its group, its slot in the pools, and its window (a
+        Python int or None for an int index; for a traced one an int32 scalar, INT32_MAX for
+        full attention). A Python int out of range is a ``ValueError``; a traced one gives a
+        slot past the pools, which the kernels skip."""
+        if self.windows is None:
+            return self.page_table, layer_idx, None
+        groups = _windows.groups(self.windows)
+        if isinstance(layer_idx, (int, np.integer)) and not isinstance(layer_idx, bool):
+            validate.layer_index(op, layer_idx, self.num_layers)
+            return (self._tables()[groups.group_of[layer_idx]], groups.slot_of[layer_idx],
+                    self.windows[layer_idx])
+        i = validate.layer_index(op, layer_idx, self.num_layers)
+        ok = (i >= 0) & (i < self.num_layers)
+        i = jnp.clip(i, 0, self.num_layers - 1)
+        tables = jnp.stack(self._tables())
+        slot = jnp.where(ok, jnp.asarray(groups.slot_of, jnp.int32)[i], groups.slots)
+        return (tables[jnp.asarray(groups.group_of, jnp.int32)[i]], slot,
+                groups.layer_windows()[i])
 
     @property
     @per_shard(out=Combined("sum"))
@@ -290,7 +371,9 @@ class PagedKVCache:
         Pages are taken lowest index first, so the result is deterministic. With a prefix
         index, never-cached free pages go first, then cached ones least recently used, which
         leave the index; with a host tier too, those spill to free host pages first and stay
-        findable there (docs/host-tier.md).
+        findable there (docs/host-tier.md). With ``windows``, each row first releases the pages
+        of its window groups that no query from position ``lengths`` on can see, then takes
+        the pages each group needs, every group's from the one pool.
 
         **Returns:** ``(cache, served)``, ``served`` bool ``[max_batch]``. A shortage is reported
         through ``checkify``; ``max_prompt_length`` then reads the served sequences' counts.
@@ -304,26 +387,46 @@ class PagedKVCache:
         parked = self.on_host
         check(~parked | (n == 0),
               f"{op}: a row asking for pages is on the host ({host_tier.SWAP_IN_FIRST})")
-        held = self.pages_held
         room = self.max_pages_per_seq * self.page_size - self.lengths
         fits = n <= room
         end = self.lengths + jnp.minimum(n, room)  # no int32 overflow
         want = end // self.page_size + (end % self.page_size != 0).astype(jnp.int32)
         eligible = fits & ~(parked & (n > 0))  # a row on the host asking nothing is served
-        need = jnp.where(eligible & ~parked, jnp.maximum(want - held, 0), 0).astype(jnp.int32)
-        cache, ref_counts, served, first, free_ids = self._allocate(need, eligible)
+        # Per group: release what its window no longer sees, then the columns [start, want).
+        cols = jnp.arange(self.max_pages_per_seq, dtype=jnp.int32)[None, :]
+        tables, starts, needs = [], [], []
+        counts = self.ref_counts
+        for table, window in zip(self._tables(), self._group_windows()):
+            if window is None:
+                start = paged_ops.pages_held(table)
+            else:
+                keep = _windows.first_kept_column(self.lengths, window, self.page_size)
+                drop = (cols < keep[:, None]) & (table >= 0) & (table < self.num_pages)
+                counts = counts.at[jnp.where(drop, table, self.num_pages)].add(-1, mode="drop")
+                table = jnp.where(drop, NO_PAGE, table)
+                start = jnp.maximum(_windows.end_column(table), keep)
+            tables.append(table)
+            starts.append(start)
+            needs.append(jnp.where(eligible & ~parked, jnp.maximum(want - start, 0), 0)
+                         .astype(jnp.int32))
+        need = sum(needs[1:], needs[0])
+        cache, ref_counts, served, first, free_ids = self._allocate(need, eligible, counts)
         check(
             jnp.all(fits), f"{op}: a sequence would pass max_pages_per_seq * page_size tokens"
         )
         check(jnp.all(served | ~fits), f"{op}: out of pages")
-        # Row b's new pages go to table entries [held[b], held[b] + need[b]).
-        k = jnp.arange(self.max_pages_per_seq, dtype=jnp.int32)[None, :] - held[:, None]
-        new = served[:, None] & (k >= 0) & (k < need[:, None])
-        pick = jnp.clip(first[:, None] + k, 0, self.num_pages - 1)
-        page_table = jnp.where(new, free_ids[pick], self.page_table)
+        # Row b's pages [first[b], first[b] + need[b]) of free_ids go to its groups in order,
+        # group g's to its table entries [start, start + need_g).
+        offset = first
+        for g, (start, need_g) in enumerate(zip(starts, needs)):
+            k = cols - start[:, None]
+            new = served[:, None] & (k >= 0) & (k < need_g[:, None])
+            pick = jnp.clip(offset[:, None] + k, 0, self.num_pages - 1)
+            tables[g] = jnp.where(new, free_ids[pick], tables[g])
+            offset = offset + need_g
         new_tokens = jnp.where(served, n, 0)
-        cache = dataclasses.replace(cache, page_table=page_table, ref_counts=ref_counts,
-                                    new_tokens=new_tokens)
+        cache = dataclasses.replace(cache, ref_counts=ref_counts, new_tokens=new_tokens,
+                                    **self._with_tables(tables))
         return cache, served
 
     @per_shard(mask=Role(ROWS))
@@ -338,17 +441,20 @@ class PagedKVCache:
         return self._release(mask)
 
     def _release(self, mask: jax.Array) -> "PagedKVCache":
-        held = mask[:, None] & (self.page_table >= 0) & (self.page_table < self.num_pages)
-        pages = jnp.where(held, self.page_table, self.num_pages)
-        ref_counts = self.ref_counts.at[pages].add(-1, mode="drop")
+        ref_counts, tables = self.ref_counts, []
+        for table in self._tables():
+            held = mask[:, None] & (table >= 0) & (table < self.num_pages)
+            ref_counts = ref_counts.at[jnp.where(held, table, self.num_pages)].add(-1,
+                                                                                  mode="drop")
+            tables.append(jnp.where(mask[:, None], NO_PAGE, table))
         host = None if self.host is None else host_tier.released(self.host, mask)
         return dataclasses.replace(
             self,
             host=host,
-            page_table=jnp.where(mask[:, None], NO_PAGE, self.page_table),
             lengths=jnp.where(mask, 0, self.lengths),
             new_tokens=jnp.where(mask, 0, self.new_tokens),
             ref_counts=ref_counts,
+            **self._with_tables(tables),
         )
 
     @per_shard(batch_mapping=Destinations("self"))
@@ -379,12 +485,13 @@ class PagedKVCache:
             host = dataclasses.replace(
                 host, table=jnp.where(filled[:, None], self.host.table[src], NO_PAGE),
                 incoming=jnp.where(filled[:, None], self.host.incoming[src], NO_PAGE))
+        tables = [jnp.where(filled[:, None], t[src], NO_PAGE) for t in self._tables()]
         return dataclasses.replace(
             cache,
             host=host,
-            page_table=jnp.where(filled[:, None], self.page_table[src], NO_PAGE),
             lengths=jnp.where(filled, self.lengths[src], 0),
             new_tokens=jnp.where(filled, self.new_tokens[src], 0),
+            **self._with_tables(tables),
         )
 
     @per_shard(src_slot=row_ids("self"), dst_slots=row_ids("self"), out=(None, Combined("any")),
@@ -429,27 +536,34 @@ class PagedKVCache:
 
         src = jnp.clip(src, 0, rows - 1)
         length = self.lengths[src]
-        src_row = self.page_table[src]  # the source's own row is untouched by the release above
         full = length // size
         partial = length % size != 0
-        need = jnp.where(is_dst & partial, 1, 0).astype(jnp.int32)
+        # A page a group for each destination (its partly filled last page: every group of a
+        # windowed cache holds one).
+        groups = len(self._tables())
+        need = jnp.where(is_dst & partial, groups, 0).astype(jnp.int32)
         cache, ref_counts, served, first, free_ids = cache._allocate(need, is_dst)
         check(jnp.all(served | ~is_dst), f"{op}: out of pages")
-        new_page = jnp.where(served & partial, free_ids[jnp.clip(first, 0, self.num_pages - 1)],
-                             NO_PAGE)
         j = jnp.arange(self.max_pages_per_seq, dtype=jnp.int32)[None, :]
-        row = jnp.where(j < full, src_row[None, :], NO_PAGE)
-        row = jnp.where(j == full, new_page[:, None], row)
-        page_table = jnp.where(served[:, None], row, cache.page_table)
-        shared = jnp.where((j[0] < full) & (src_row >= 0), src_row, self.num_pages)
-        ref_counts = ref_counts.at[shared].add(jnp.sum(served, dtype=jnp.int32), mode="drop")
-        last = src_row[jnp.clip(full, 0, self.max_pages_per_seq - 1)]
-        copy_src = jnp.where(new_page >= 0, last, NO_PAGE)
+        tables, copy_src, copy_dst = [], [], []
+        for g, (table, old) in enumerate(zip(cache._tables(), self._tables())):
+            src_row = old[src]  # the source's own row is untouched by the release above
+            pick = jnp.clip(first + g, 0, self.num_pages - 1)
+            new_page = jnp.where(served & partial, free_ids[pick], NO_PAGE)
+            row = jnp.where(j < full, src_row[None, :], NO_PAGE)
+            row = jnp.where(j == full, new_page[:, None], row)
+            tables.append(jnp.where(served[:, None], row, table))
+            shared = jnp.where((j[0] < full) & (src_row >= 0), src_row, self.num_pages)
+            ref_counts = ref_counts.at[shared].add(jnp.sum(served, dtype=jnp.int32),
+                                                   mode="drop")
+            last = src_row[jnp.clip(full, 0, self.max_pages_per_seq - 1)]
+            copy_src.append(jnp.where(new_page >= 0, last, NO_PAGE))
+            copy_dst.append(new_page)
         cache = dataclasses.replace(
-            cache._copied(op, copy_src, new_page),
-            page_table=page_table,
+            cache._copied(op, jnp.concatenate(copy_src), jnp.concatenate(copy_dst)),
             lengths=jnp.where(served, length, cache.lengths),
             ref_counts=ref_counts,
+            **self._with_tables(tables),
         )
         slot = jnp.clip(dst_slots, 0, rows - 1)
         i = jnp.arange(dst_slots.shape[0])
@@ -768,9 +882,26 @@ class PagedKVCache:
                                                                         self.max_batch) > 0
         check(~(self.on_host & writes),
               f"{op}: a row is on the host ({host_tier.SWAP_IN_FIRST})")
+        if getattr(k, "ndim", None) == 5 and self.windows is not None:  # every layer, a group
+            groups = _windows.groups(self.windows)  # a launch at a time
+            for name, x in (("k", k), ("v", v)):
+                validate.shape(op, name, x, (self.num_layers, *x.shape[1:]),
+                               "[num_layers, max_batch, num_kv_heads, T, head_dim]")
+            cache = self
+            for g, table in enumerate(self._tables()):
+                layers = [i for i in range(self.num_layers) if groups.group_of[i] == g]
+                layers.sort(key=lambda i: groups.slot_of[i])
+                cache = cache._appended_to(op, table, 0, k[jnp.asarray(layers)],
+                                           v[jnp.asarray(layers)], new_lengths)
+            return cache
+        table, slot, _ = self.route(op, layer_idx) if k.ndim != 5 else (self.page_table, 0, None)
+        return self._appended_to(op, table, slot, k, v, new_lengths)
+
+    def _appended_to(self, op, table, slot, k, v, new_lengths) -> "PagedKVCache":
+        """The append kernel's call on one page table (a layer group's) and pool slot."""
         k_pages, v_pages, k_scales, v_scales = paged_ops.append_tokens(
-            op, self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, k, v,
-            new_lengths, self.layout, quantization.scales_of(self))
+            op, self.k_pages, self.v_pages, table, self.lengths, slot, k, v, new_lengths,
+            self.layout, quantization.scales_of(self))
         scales = dict(k_scales=k_scales, v_scales=v_scales) if self.scaling else {}
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages, **scales)
 
@@ -795,7 +926,7 @@ class PagedKVCache:
         """
         op = "PagedKVCache.commit"
         n = _lengths.increment_arg(op, "num_new_tokens", num_new_tokens, self.max_batch)
-        capacity = self.pages_held * self.page_size
+        capacity = self._reach()
         home = ~self.on_host  # a swapped row keeps its length, past the pages it holds
         check(home | (n <= 0), f"{op}: a row is on the host ({host_tier.SWAP_IN_FIRST})")
         check(home | (n >= 0), f"{op}: an increment is negative (a row on the host keeps its "
@@ -807,24 +938,25 @@ class PagedKVCache:
     def gather(self, layer_idx: IntOrArray, max_len: int, *, split: bool = False, dtype=None):
         """Layer ``layer_idx``'s tokens in dense memory: ``[max_batch, 2, H, max_len, D]``, or with
         ``split`` a ``(k, v)`` pair of ``[max_batch, H, max_len, D]``. Positions at or past a
-        sequence's length are zeros.
+        sequence's length are zeros, and so are those a window layer has released.
 
         ``dtype``: the result's dtype. An 8-bit cache gives its values dequantized
         (``float32(q) * scale``), in float32 unless ``dtype`` names another float dtype; any
         other cache gives its own dtype, converted to ``dtype`` if given."""
         op = "PagedKVCache.gather"
+        table, slot, _ = self.route(op, layer_idx)
         gathered = paged_ops.gather_tokens(
-            op, self.k_pages, self.v_pages, self.page_table, self.lengths, layer_idx, max_len,
+            op, self.k_pages, self.v_pages, table, self.lengths, slot, max_len,
             self.layout, split or self.scaling is not None)
         if self.scaling is None:
             if dtype is None:
                 return gathered
             return jax.tree.map(lambda x: x.astype(quantization.float_dtype(op, dtype)), gathered)
-        k, v = _dequantized(op, self, gathered, layer_idx, max_len, dtype)
+        k, v = _dequantized(op, self, gathered, layer_idx, table, slot, max_len, dtype)
         return (k, v) if split else jnp.stack((k, v), axis=1)
 
 
-def _dequantized(op: str, cache, gathered, layer_idx, max_len: int, dtype):
+def _dequantized(op: str, cache, gathered, layer_idx, table, slot, max_len: int, dtype):
     """The gathered ``(k, v)`` ``[B, H, max_len, D]`` of a paged 8-bit cache as values:
     ``float32(q) * scale`` in ``dtype`` (default float32). Per token and head, the scales are
     gathered by the same kernel from the scale pools seen as pools of one-value tokens."""
@@ -832,8 +964,7 @@ def _dequantized(op: str, cache, gathered, layer_idx, max_len: int, dtype):
     k, v = gathered
     if cache.scaling == "per_token_head":
         ks, vs = paged_ops.gather_tokens(op, cache.k_scales[..., None], cache.v_scales[..., None],
-                                         cache.page_table, cache.lengths, layer_idx, max_len,
-                                         cache.layout, True)
+                                         table, cache.lengths, slot, max_len, cache.layout, True)
         ks, vs = ks[..., 0], vs[..., 0]
     else:
         layer = jnp.clip(jnp.asarray(layer_idx, jnp.int32), 0, cache.num_layers - 1)

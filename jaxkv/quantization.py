@@ -88,8 +88,9 @@ def check_finite(op: str, k, v, stored: jax.Array) -> None:
 
 
 def append_dense(buffer, k_scales, v_scales, per_token: bool, k, v, lengths, counts, active,
-                 layer_idx):
-    """The one FFI call of a quantizing append into a dense cache: (buffer, k_scales, v_scales)."""
+                 layer_idx, ring: bool = False):
+    """The one FFI call of a quantizing append into a dense cache: (buffer, k_scales, v_scales).
+    ``ring``: the cache is a ring of S slots, ``lengths`` its rows' positions in ``[0, S)``."""
     out = _ffi.call(
         "jaxkv_append_quantized",
         tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (buffer, k_scales, v_scales)),
@@ -97,6 +98,7 @@ def append_dense(buffer, k_scales, v_scales, per_token: bool, k, v, lengths, cou
         v_scales,
         input_output_aliases={6: 0, 7: 1, 8: 2},
         per_token=per_token,
+        ring=ring,
     )
     return tuple(out)
 

@@ -59,6 +59,64 @@ def append_layer(layer, k, v, lengths, active_batch_size, new_lengths=None):
     return layer.at[b, :, :, pos].set(kv, mode="drop")
 
 
+# --- rings (a sliding-window layer of S slots: position p at slot p % S) ---
+
+
+def ring_slot_positions(lengths: jax.Array, slots: int) -> jax.Array:
+    """int32 ``[B, slots]``: the position each slot of a ring holds after ``lengths[b]`` tokens,
+    the newest ``p < lengths[b]`` with ``p % slots == s``, or -1 where there is none yet."""
+    s = jnp.arange(slots, dtype=jnp.int32)[None, :]
+    last = lengths[:, None] - 1
+    pos = last - jnp.remainder(last - s, slots)
+    return jnp.where(pos >= 0, pos, -1)
+
+
+def ring_from_positions(layer, lengths, slots: int):
+    """The ring of ``slots`` slots that a row of ``lengths[b]`` tokens leaves: ``layer`` ``[B, 2,
+    H, P, D]`` (or scales ``[B, H, P]``) holds each row's tokens at their positions; slot ``s``
+    gets the position ``ring_slot_positions`` names, zeros where it names none."""
+    pos = ring_slot_positions(lengths, slots)  # [B, slots]
+    axis = layer.ndim - 2 if layer.ndim == 5 else layer.ndim - 1
+    idx = jnp.clip(pos, 0, layer.shape[axis] - 1)
+    shape = [1] * layer.ndim
+    shape[0], shape[axis] = idx.shape
+    got = jnp.take_along_axis(layer, idx.reshape(shape), axis=axis)
+    keep = (pos >= 0).reshape(shape)
+    return jnp.where(keep, got, jnp.zeros((), layer.dtype))
+
+
+def ring_to_positions(ring, lengths, max_len: int):
+    """The tokens a ring ``[B, 2, H, S, D]`` (or its scales ``[B, H, S]``) holds, at their
+    positions: ``[B, 2, H, max_len, D]`` with position ``p`` from slot ``p % S`` for ``p`` in
+    ``[lengths[b] - S, lengths[b])``, zeros elsewhere."""
+    axis = ring.ndim - 2 if ring.ndim == 5 else ring.ndim - 1
+    slots = ring.shape[axis]
+    p = jnp.arange(max_len, dtype=jnp.int32)[None, :]
+    held = (p < lengths[:, None]) & (p >= lengths[:, None] - slots)  # [B, max_len]
+    shape = [1] * ring.ndim
+    shape[0], shape[axis] = held.shape
+    got = jnp.take_along_axis(ring, jnp.broadcast_to(p % slots, held.shape).reshape(shape),
+                              axis=axis)
+    return jnp.where(held.reshape(shape), got, jnp.zeros((), ring.dtype))
+
+
+def ring_append_layer(layer, k, v, lengths, active_batch_size, new_lengths=None):
+    """``append_layer`` into a ring ``[B, 2, H, S, D]``: token ``t < new_lengths[b]`` of an
+    active row goes to slot ``(lengths[b] + t) % S``; of more than ``S`` tokens, the last ``S``
+    (nothing is dropped at ``S``)."""
+    batch, _, heads, slots, _ = layer.shape
+    tokens = k.shape[2]
+    count = jnp.full((batch,), tokens, jnp.int32) if new_lengths is None else new_lengths
+    count = jnp.minimum(count, tokens)
+    t = jnp.arange(tokens)[None, :]
+    keep = (t < count[:, None]) & (t >= count[:, None] - slots)
+    keep &= (jnp.arange(batch)[:, None] < active_batch_size) & (lengths[:, None] >= 0)
+    slot = jnp.where(keep, (lengths[:, None] + t) % slots, slots)  # slots: dropped
+    b = jnp.broadcast_to(jnp.arange(batch)[:, None], slot.shape)
+    kv = jnp.moveaxis(jnp.stack([k, v], axis=1), 3, 1)  # [B, T, 2, H, D]
+    return layer.at[b, :, :, slot].set(kv, mode="drop")
+
+
 # --- prompt reuse ---
 
 

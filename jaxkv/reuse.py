@@ -96,40 +96,103 @@ def _slots(op: str, batch_idx, rows: int, allow_many: bool) -> jax.Array:
     return batch_idx
 
 
-def save_buffers(op, buffers, names, batch_idx, seq_len) -> list[jax.Array]:
+def _described_rings(buffers, rings) -> list[bool]:
+    """Per described layer (``_described``'s order): whether it is a ring (``rings``: one flag
+    per buffer, None: none is)."""
+    rings = [False] * len(buffers) if rings is None else list(rings)
+    return [r for buf, r in zip(buffers, rings) for _ in range(buf.shape[0] if buf.ndim in (4, 6)
+                                                              else 1)]
+
+
+def _slots_axis(shape) -> int:
+    """The token axis of a described layer: [B, 2, H, S, D] or its scales [B, H, S]."""
+    return len(shape) - 2 if len(shape) == 5 else len(shape) - 1
+
+
+def save_buffers(op, buffers, names, batch_idx, seq_len, rings=None) -> list[jax.Array]:
     """The one FFI call of a save; ``buffers``: rank-5 layers or rank-6 stacks, same max_batch.
 
-    Returns one ``[2, H, seq_len, D]`` array per described layer (a stack gives one per layer).
+    Returns one ``[2, H, T, D]`` array per described layer (a stack gives one per layer), ``T =
+    seq_len``. ``rings`` (a flag per buffer): a ring layer of ``S`` slots (position ``p`` at slot
+    ``p % S``) gives its last ``T = min(seq_len, S)`` tokens, positions ``[seq_len - T,
+    seq_len)`` in order (the kernel reads its slots, then one static roll puts them in order).
     """
     rows = buffers[0].shape[-5]
     layers = _described(op, buffers, names)
+    flags = _described_rings(buffers, rings)
     seq_len = validate.static_int(op, "seq_len", seq_len, lo=0)
-    for name, shape, _ in layers:
-        if seq_len > shape[-2 if len(shape) == 5 else -1]:
-            raise ValueError(f"{op}: seq_len {seq_len} exceeds max_seq_len "
-                             f"{shape[-2 if len(shape) == 5 else -1]} of {name}")
+    tokens = []
+    for (name, shape, _), ring in zip(layers, flags):
+        slots = shape[_slots_axis(shape)]
+        if seq_len > slots and not ring:
+            raise ValueError(f"{op}: seq_len {seq_len} exceeds max_seq_len {slots} of {name}")
+        tokens.append(min(seq_len, slots))
     slots = _slots(op, batch_idx, rows, allow_many=False)
-    results = [jax.ShapeDtypeStruct((2, shape[2], seq_len, shape[4]) if len(shape) == 5
-                                    else (shape[1], seq_len), dt) for _, shape, dt in layers]
-    out = _ffi.call("jaxkv_copy_prefix", results, slots, *buffers, to_cache=False, rows=rows)
-    return list(out)
+    results = [jax.ShapeDtypeStruct((2, shape[2], t, shape[4]) if len(shape) == 5
+                                    else (shape[1], t), dt)
+               for (_, shape, dt), t in zip(layers, tokens)]
+    out = list(_ffi.call("jaxkv_copy_prefix", results, slots, *buffers, to_cache=False,
+                         rows=rows))
+    for i, ((_, shape, _), ring) in enumerate(zip(layers, flags)):
+        size = shape[_slots_axis(shape)]
+        if ring and seq_len > size:  # slot j holds position seq_len - S + (j - seq_len) % S
+            out[i] = jnp.roll(out[i], -(seq_len % size), axis=_saved_axis(out[i]))
+    return out
 
 
-def instantiate_buffers(op, buffers, names, saved, saved_names, batch_idx) -> list[jax.Array]:
+def _saved_axis(x) -> int:
+    """The token axis of a saved layer: [2, H, T, D] or its scales [H, T]."""
+    return x.ndim - 2 if x.ndim == 4 else x.ndim - 1
+
+
+def _into_rings(op, layers, flags, saved, length):
+    """``saved`` placed for the layers it goes into, and whether the writes may go ahead (bool
+    ``[]``). Saved layer ``i`` holds positions ``[length - T_i, length)``: a ring of ``S`` slots
+    takes the last ``S`` of them (``T_i >= S``: position ``p`` rolled to slot ``p % S``, a
+    traced roll) or, ``T_i < S``, the whole prompt (``length == T_i``); any other layer the whole
+    prompt. A saved layer that lacks positions its layer holds (a prompt saved from a smaller
+    ring) is reported, and nothing is written."""
+    placed, whole, complete = [], [], [jnp.asarray(True)]
+    for (_, shape, _), ring, x in zip(layers, flags, saved):
+        axis = _saved_axis(x)
+        t, size = x.shape[axis], shape[_slots_axis(shape)]
+        if ring and t >= size:
+            x = jax.lax.slice_in_dim(x, t - size, t, axis=axis)
+            x = jnp.roll(x, jnp.remainder(length, size), axis=axis)
+            complete.append(length >= t)
+        else:
+            whole.append(length == t)
+            complete.append(length <= t)
+        placed.append(x)
+    complete = jnp.all(jnp.stack(complete))
+    check(complete, f"{op}: a saved layer lacks positions its cache layer holds (a prompt saved "
+          "from a ring of S slots holds its last S tokens: it goes into a ring of S slots, not a "
+          "larger ring or a layer of full attention): nothing is written")
+    check(jnp.all(jnp.stack(whole)) if whole else True,
+          f"{op}: saved.length differs from the tokens of a saved layer taken whole")
+    return placed, complete
+
+
+def instantiate_buffers(op, buffers, names, saved, saved_names, batch_idx, rings=None,
+                        length=None) -> list[jax.Array]:
     """The one FFI call of an instantiate; ``saved``: one ``[2, H, T, D]`` per described layer.
 
-    Returns the new ``buffers`` (aliased: donate them to run in place).
+    ``rings`` (a flag per buffer) and ``length`` (int32 ``[]``, the prompt's tokens: a saved
+    layer holds positions ``[length - T, length)``): see ``_into_rings``; a ring takes a saved
+    layer longer than its slots (its last ``S`` tokens). Returns the new ``buffers`` (aliased:
+    donate them to run in place).
     """
     rows = buffers[0].shape[-5]
     layers = _described(op, buffers, names)
+    flags = _described_rings(buffers, rings)
     if len(saved) != len(layers):
         raise ValueError(f"{op}: {len(saved)} saved tensors for {len(layers)} cache layers")
-    for (name, shape, dt), x, sname in zip(layers, saved, saved_names):
+    for (name, shape, dt), x, sname, ring in zip(layers, saved, saved_names, flags):
         validate.array(op, sname, x)
         if len(shape) == 3:  # the scales of a layer: [H, T]
             _, h, s = shape
             validate.rank(op, sname, x, 2, "[num_kv_heads, T]")
-            if x.dtype != dt or x.shape[0] != h or x.shape[1] > s:
+            if x.dtype != dt or x.shape[0] != h or (x.shape[1] > s and not ring):
                 raise ValueError(f"{op}: {sname} must be float32 [{h}, T <= {s}] to fit {name}, "
                                  f"got {x.dtype}{x.shape}")
             continue
@@ -141,11 +204,14 @@ def instantiate_buffers(op, buffers, names, saved, saved_names, batch_idx) -> li
             raise ValueError(
                 f"{op}: {sname} must have shape (2, {h}, T, {d}) to fit {name}, got {x.shape}"
             )
-        if x.shape[2] > s:
+        if x.shape[2] > s and not ring:
             raise ValueError(
                 f"{op}: {sname} holds {x.shape[2]} tokens, more than max_seq_len {s} of {name}"
             )
     slots = _slots(op, batch_idx, rows, allow_many=True)
+    if length is not None:
+        saved, complete = _into_rings(op, layers, flags, saved, length)
+        slots = jnp.where(complete, slots, -1)  # the kernel skips a row outside [0, rows)
     n = len(saved)
     out = _ffi.call(
         "jaxkv_copy_prefix",
@@ -246,15 +312,17 @@ def instantiate_kv_cache(layers: Layers, saved: Layers, batch_idx: IntOrArray, s
     return _like(layers, out)
 
 
-def save_saved_kv(op, buffers, names, batch_idx, seq_len, scales=None) -> SavedKV:
+def save_saved_kv(op, buffers, names, batch_idx, seq_len, scales=None, rings=None) -> SavedKV:
     """``save`` of the cache classes: a SavedKV of every layer of ``buffers``, with the scales of
-    an 8-bit cache (``scales``: ``quantization.scales_of``) in the same launch."""
+    an 8-bit cache (``scales``: ``quantization.scales_of``) in the same launch. ``rings``: a
+    flag per buffer (a ring layer saves its last tokens, ``save_buffers``)."""
     k_scales: Any
     v_scales: Any
     k_scales, v_scales, per_token = scales if scales is not None else (None, None, False)
     n = len(_described(op, buffers, names))
     extra, extra_names = (_scale_buffers(k_scales, v_scales) if per_token else ([], []))
-    out = save_buffers(op, [*buffers, *extra], [*names, *extra_names], batch_idx, seq_len)
+    rings = None if rings is None else [*rings, *(_scale_rings(rings) if per_token else [])]
+    out = save_buffers(op, [*buffers, *extra], [*names, *extra_names], batch_idx, seq_len, rings)
     saved_k: Any = None
     saved_v: Any = None
     if per_token:
@@ -267,7 +335,20 @@ def save_saved_kv(op, buffers, names, batch_idx, seq_len, scales=None) -> SavedK
                                                         else "per_tensor"))
 
 
-def _instantiate_quantizing(op, buffers, names, saved: SavedKV, batch_idx, scales):
+def check_ring_save(op: str, lengths: jax.Array, batch_idx, seq_len: int, slots: int) -> None:
+    """Reports a save of ``seq_len`` tokens from a ring of ``slots`` whose row has gone on past
+    them: it holds positions ``[length - slots, length)``, the save takes ``[seq_len - T,
+    seq_len)``, ``T = min(seq_len, slots)`` (a row of another batch shard is not checked)."""
+    rows = lengths.shape[0]
+    row = jnp.asarray(batch_idx, jnp.int32)
+    length = lengths[jnp.clip(row, 0, rows - 1)]
+    mine = (row >= 0) & (row < rows)
+    check(~mine | (length <= max(seq_len, slots)),
+          f"{op}: the row's length passed max(seq_len, max_seq_len) of a ring: tokens the save "
+          "takes have left the ring (their slots hold later tokens)")
+
+
+def _instantiate_quantizing(op, buffers, names, saved: SavedKV, batch_idx, scales, rings=None):
     """An unquantized ``saved`` into an 8-bit cache: the one FFI call ("jaxkv_quantize_prefix")
     quantizes each (slot, K/V head, token) vector on its way, bit for bit as the cache's
     ``append`` stores it (per token and head: its own scale, written beside it; per tensor: the
@@ -275,20 +356,24 @@ def _instantiate_quantizing(op, buffers, names, saved: SavedKV, batch_idx, scale
     k_scales, v_scales, per_token = scales
     rows = buffers[0].shape[-5]
     layers = _described(op, buffers, names)
+    flags = _described_rings(buffers, rings)
     if saved.num_layers != len(layers):
         raise ValueError(f"{op}: {saved.num_layers} saved layers for {len(layers)} cache layers")
-    for i, ((name, shape, _), x) in enumerate(zip(layers, saved.layers)):
+    for i, ((name, shape, _), x, ring) in enumerate(zip(layers, saved.layers, flags)):
         if np.dtype(x.dtype) not in quantization.INPUT_DTYPES:
             raise TypeError(f"{op}: saved.layers[{i}] has dtype {x.dtype}; an 8-bit cache "
                             "takes a float32, bfloat16 or float16 prefix (quantized on the way)")
         _, _, h, s, d = shape
-        if x.ndim != 4 or x.shape[0] != 2 or x.shape[1] != h or x.shape[3] != d or x.shape[2] > s:
+        if (x.ndim != 4 or x.shape[0] != 2 or x.shape[1] != h or x.shape[3] != d
+                or (x.shape[2] > s and not ring)):
             raise ValueError(f"{op}: saved.layers[{i}] must have shape (2, {h}, T <= {s}, {d}) "
                              f"to fit {name}, got {x.shape}")
         quantization.check_head_dim(op, f"saved.layers[{i}]", d)
     check(jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in saved.layers])),
           f"{op}: saved holds a non-finite value (that token's data and scale are undefined)")
     slots = _slots(op, batch_idx, rows, allow_many=True)
+    prefix, complete = _into_rings(op, layers, flags, list(saved.layers), saved.length)
+    slots = jnp.where(complete, slots, -1)  # the kernel skips a row outside [0, rows)
     n = len(layers)
     if per_token:
         given = jnp.zeros((0,), jnp.float32)
@@ -300,7 +385,7 @@ def _instantiate_quantizing(op, buffers, names, saved: SavedKV, batch_idx, scale
     targets = [*buffers, *extra]
     # The prefix as arrays of their own: XLA:GPU's dynamic slice fusion of a call on slices of
     # the prefix wrote wrong scales once (the append's pass over it: H200, jax 0.11.2).
-    prefix = jax.lax.optimization_barrier(tuple(saved.layers))
+    prefix = jax.lax.optimization_barrier(tuple(prefix))
     out = _ffi.call(
         "jaxkv_quantize_prefix",
         [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in targets],
@@ -314,6 +399,11 @@ def _instantiate_quantizing(op, buffers, names, saved: SavedKV, batch_idx, scale
     return list(out[:len(buffers)]), list(out[len(buffers):])
 
 
+def _scale_rings(rings) -> list[bool]:
+    """The ring flags of ``_scale_buffers``' leaves: a layer's scales are a ring as it is."""
+    return [*rings, *rings]
+
+
 def _scale_buffers(k_scales, v_scales):
     """The per-token scale leaves as kernel layers, and their names."""
     if isinstance(k_scales, tuple):
@@ -323,9 +413,11 @@ def _scale_buffers(k_scales, v_scales):
     return [k_scales, v_scales], ["k_scales", "v_scales"]
 
 
-def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx, scales=None):
+def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx, scales=None, rings=None):
     """``instantiate`` of the cache classes: ``saved`` into every layer of ``buffers`` (and, an
-    8-bit cache's, its scales, in the same launch). Returns (buffers, the moved scale leaves)."""
+    8-bit cache's, its scales, in the same launch). ``rings``: a flag per buffer (a ring layer
+    places position ``p`` at slot ``p % S``, ``instantiate_buffers``). Returns (buffers, the
+    moved scale leaves)."""
     if not isinstance(saved, SavedKV):
         raise TypeError(f"{op}: saved must be a SavedKV, got {type(saved).__name__}")
     k_scales: Any
@@ -333,7 +425,7 @@ def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx, scales=N
     k_scales, v_scales, per_token = scales if scales is not None else (None, None, False)
     scaling = None if scales is None else ("per_token_head" if per_token else "per_tensor")
     if saved.scaling is None and scaling is not None:  # quantized on the way, in one launch
-        return _instantiate_quantizing(op, buffers, names, saved, batch_idx, scales)
+        return _instantiate_quantizing(op, buffers, names, saved, batch_idx, scales, rings)
     if saved.scaling != scaling:
         raise ValueError(
             f"{op}: saved was saved from a cache with scaling={saved.scaling!r}, this cache has "
@@ -344,6 +436,7 @@ def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx, scales=N
         extra, extra_names = _scale_buffers(k_scales, v_scales)
         items += extra
         names = [*names, *extra_names]
+        rings = None if rings is None else [*rings, *_scale_rings(rings)]
         saved_items += [*saved.k_scales, *saved.v_scales]
         names_saved += [f"saved.k_scales[{i}]" for i in range(saved.num_layers)]
         names_saved += [f"saved.v_scales[{i}]" for i in range(saved.num_layers)]
@@ -352,5 +445,6 @@ def instantiate_saved_kv(op, buffers, names, saved: SavedKV, batch_idx, scales=N
                                                (*k_scales, *v_scales))]
         check(jnp.all(jnp.asarray(same)),
               f"{op}: saved's per-tensor scales differ from the cache's (its bytes read otherwise)")
-    out = instantiate_buffers(op, items, names, saved_items, names_saved, batch_idx)
+    out = instantiate_buffers(op, items, names, saved_items, names_saved, batch_idx, rings,
+                              saved.length)
     return out[:len(buffers)], out[len(buffers):]

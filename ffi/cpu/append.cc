@@ -9,8 +9,9 @@ namespace {
 
 ffi::Error append_cpu(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
                       ffi::Buffer<ffi::S32> new_lengths, ffi::Buffer<ffi::S32> active,
-                      ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> cache) {
-  auto p = make_append_params(k, v, lengths, new_lengths, active, layer, cache);
+                      ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer,
+                      ffi::Result<ffi::AnyBuffer> cache, bool ring) {
+  auto p = make_append_params(k, v, lengths, new_lengths, active, layer, cache, ring);
   if (p.has_error()) return p.error();
   for (int64_t i = 0; i < p->spans(); ++i) {
     const AppendSpan s = append_span(*p, i);

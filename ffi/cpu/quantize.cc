@@ -23,9 +23,11 @@ ffi::Error append_quantized_cpu(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<
                                 ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer, ffi::AnyBuffer,
                                 ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> cache,
                                 ffi::Result<ffi::AnyBuffer> k_scales,
-                                ffi::Result<ffi::AnyBuffer> v_scales, bool per_token) {
-  auto p = make_quant_append("append_quantized", 0, k, v, nullptr, lengths, counts, &active, layer,
-                             *cache, *cache, *k_scales, *v_scales, per_token);
+                                ffi::Result<ffi::AnyBuffer> v_scales, bool per_token,
+                                bool ring) {
+  const int32_t layout = static_cast<int32_t>(ring ? KVLayout::kDenseRing : KVLayout::kDense);
+  auto p = make_quant_append("append_quantized", layout, k, v, nullptr, lengths, counts, &active,
+                             layer, *cache, *cache, *k_scales, *v_scales, per_token);
   if (p.has_error()) return p.error();
   quantize_all(*p);
   return ffi::Error::Success();

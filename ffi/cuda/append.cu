@@ -70,8 +70,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 ffi::Error append_cuda(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> new_lengths,
                        ffi::Buffer<ffi::S32> active, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer,
-                       ffi::Result<ffi::AnyBuffer> cache) {
-  auto p = make_append_params(k, v, lengths, new_lengths, active, layer, cache);
+                       ffi::Result<ffi::AnyBuffer> cache, bool ring) {
+  auto p = make_append_params(k, v, lengths, new_lengths, active, layer, cache, ring);
   if (p.has_error()) return p.error();
   const int width = vector_width(p->token_bytes);
   const int64_t span_words = int64_t{p->tokens} * p->token_bytes / width;

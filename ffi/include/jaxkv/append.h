@@ -4,7 +4,9 @@
 // b, K/V half kv and head h, the first n = min(T, new_lengths[b]) tokens land at positions
 // lengths[b] .. lengths[b] + n - 1. Both sides of that copy are contiguous byte runs, so the whole
 // op is a set of (b, kv, h) spans whose offsets and sizes come from device data; positions past S
-// are dropped, never written.
+// are dropped, never written. A ring (kv_view.h: kDenseRing, S slots) puts position p at slot
+// p % S and drops nothing: its run may wrap past slot S - 1 to slot 0, so each (b, kv, h) has two
+// spans, the second empty unless the run wraps; of more than S tokens it keeps the last S.
 #pragma once
 
 #include <cstdint>
@@ -22,14 +24,16 @@ struct AppendParams {
   const int32_t* new_lengths;   // [B] tokens to write per row, or null: all T
   const int32_t* active;        // [] rows [0, active) are written
   const int32_t* layer;         // [] layer index into the stack
-  int32_t num_layers, batch, heads, capacity, tokens;
+  int32_t num_layers, batch, heads, capacity, tokens;  // capacity: S, a ring's slots too
   int32_t token_bytes;          // head_dim * element size
+  bool ring;                    // a ring of `capacity` slots (lengths: positions, any >= 0)
 
-  JAXKV_HD int64_t spans() const { return int64_t{batch} * 2 * heads; }
+  // (b, kv, h) triples, and a ring's second run of each: its wrapped part.
+  JAXKV_HD int64_t spans() const { return int64_t{batch} * 2 * heads * (ring ? 2 : 1); }
 };
 
-// Where span `i` = (b, kv, h) copies from and to, and how many bytes; bytes == 0 when nothing is
-// written (inactive row, out-of-range layer, full row).
+// Where span `i` = (part, b, kv, h) copies from and to, and how many bytes; bytes == 0 when
+// nothing is written (inactive row, out-of-range layer, full row, a ring's run that does not wrap).
 struct AppendSpan {
   const char* src;
   char* dst;
@@ -37,6 +41,9 @@ struct AppendSpan {
 };
 
 JAXKV_HD AppendSpan append_span(const AppendParams& p, int64_t i) {
+  const int64_t triples = int64_t{p.batch} * 2 * p.heads;
+  const int64_t part = i / triples;  // a ring's run: 0 from its first slot, 1 wrapped to slot 0
+  i %= triples;
   const int64_t b = i / (2 * p.heads);
   const int64_t kvh = i % (2 * p.heads);
   const int64_t kv = kvh / p.heads, h = kvh % p.heads;
@@ -46,13 +53,32 @@ JAXKV_HD AppendSpan append_span(const AppendParams& p, int64_t i) {
   const int64_t pos = p.lengths[b];
   int64_t n = p.new_lengths ? p.new_lengths[b] : p.tokens;
   if (n > p.tokens) n = p.tokens;
-  if (pos < 0 || pos >= p.capacity || n <= 0) return s;
-  if (n > p.capacity - pos) n = p.capacity - pos;  // tokens past max_seq_len are dropped
+  if (pos < 0 || n <= 0) return s;
+  int64_t first = 0, slot = pos;  // the first token copied, and its slot
+  if (p.ring) {
+    if (n > p.capacity) {  // a ring keeps the last S
+      first = n - p.capacity;
+      n = p.capacity;
+    }
+    slot = (pos + first) % p.capacity;
+    const int64_t before_end = p.capacity - slot;  // tokens of the run before it wraps
+    if (part == 0) {
+      if (n > before_end) n = before_end;
+    } else {
+      if (n <= before_end) return s;
+      first += before_end;
+      n -= before_end;
+      slot = 0;
+    }
+  } else {
+    if (pos >= p.capacity) return s;
+    if (n > p.capacity - pos) n = p.capacity - pos;  // tokens past max_seq_len are dropped
+  }
   const int64_t tb = p.token_bytes;
   const int64_t head_stride = int64_t{p.capacity} * tb;
   const int64_t row_stride = 2 * p.heads * head_stride;
-  s.dst = p.cache + (int64_t{layer} * p.batch + b) * row_stride + kvh * head_stride + pos * tb;
-  s.src = (kv ? p.v : p.k) + (b * p.heads + h) * int64_t{p.tokens} * tb;
+  s.dst = p.cache + (int64_t{layer} * p.batch + b) * row_stride + kvh * head_stride + slot * tb;
+  s.src = (kv ? p.v : p.k) + ((b * p.heads + h) * int64_t{p.tokens} + first) * tb;
   s.bytes = n * tb;
   return s;
 }
@@ -68,14 +94,15 @@ auto bind_append(Binding b) {
       .template Arg<ffi::Buffer<ffi::S32>>()   // active_batch_size []
       .template Arg<ffi::Buffer<ffi::S32>>()   // layer_idx []
       .template Arg<ffi::AnyBuffer>()          // cache [L, B, 2, H, S, D] / [B, 2, H, S, D] (aliased)
-      .template Ret<ffi::AnyBuffer>();         // cache, aliased to the input
+      .template Ret<ffi::AnyBuffer>()          // cache, aliased to the input
+      .template Attr<bool>("ring");            // a ring of S slots: position p at slot p % S
 }
 
 // Fills AppendParams from the buffers (shapes were validated in Python; re-checked here).
 inline ffi::ErrorOr<AppendParams> make_append_params(
     ffi::AnyBuffer& k, ffi::AnyBuffer& v, ffi::Buffer<ffi::S32>& lengths,
     ffi::Buffer<ffi::S32>& new_lengths, ffi::Buffer<ffi::S32>& active,
-    ffi::Buffer<ffi::S32>& layer, ffi::Result<ffi::AnyBuffer>& cache) {
+    ffi::Buffer<ffi::S32>& layer, ffi::Result<ffi::AnyBuffer>& cache, bool ring) {
   constexpr const char* op = "append";
   auto elem = element_bytes(cache->element_type(), op);
   if (elem.has_error()) return ffi::Unexpected(elem.error());
@@ -112,6 +139,8 @@ inline ffi::ErrorOr<AppendParams> make_append_params(
   p.capacity = static_cast<int32_t>(cd[4]);
   p.tokens = static_cast<int32_t>(kd[2]);
   p.token_bytes = static_cast<int32_t>(cd[5] * *elem);
+  p.ring = ring;
+  if (ring && p.capacity < 1) return ffi::Unexpected(invalid(op, "a ring needs a slot"));
   return p;
 }
 

@@ -9,7 +9,8 @@
 // and rows of a layer out of range, return zeros. Each score, after the softmax scale, may be
 // soft-capped (soft_cap * tanh(s / soft_cap)); a head's sink logit, where given, enters the
 // softmax's denominator only. Positions past the capacity or without a page are never read (the
-// Python side reports them through checkify).
+// Python side reports them through checkify). A dense ring (kv_view.h) gets its positions in a
+// frame of two laps and is read only within its last S positions (first_key).
 #pragma once
 
 #include <cstdint>
@@ -40,8 +41,8 @@ struct AttentionProblem {
   const float* sinks;     // [q_heads]: each head's sink logit, or null: no sink
   float scale;            // softmax scale
   float soft_cap;         // > 0: scores after `scale` become soft_cap * tanh(s / soft_cap); 0: none
-  int32_t span;           // keys one query sees at most (capacity, or a static window's width):
-                          // the split-KV kernels size their splits by it
+  int32_t span;           // keys one query sees at most (capacity, a ring's slots, or a static
+                          // window's width): the split-KV kernels size their splits by it
   int32_t batch, tokens, q_heads, head_dim;
   int32_t group;          // q heads per KV head
   ffi::DataType q_type, kv_type;
@@ -54,10 +55,18 @@ struct AttentionProblem {
     return n > kv.capacity ? kv.capacity : static_cast<int32_t>(n);
   }
   // The first key query t of row b sees under `window` (*this->window, read once by the caller):
-  // keys [first_key, keys) are its window; first_key == keys when it sees none.
+  // keys [first_key, keys) are its window; first_key == keys when it sees none. Over a dense ring
+  // (kv.ring = S slots) also no key below the ring: it holds the row's last S positions, those
+  // before the end of the call's newest query, starts[b] + counts[b] (the tokens just appended),
+  // so a query never reads a slot that a later position has overwritten (the Python side reports
+  // such a read). Non-decreasing in t, as the window's start is.
   JAXKV_HD int32_t first_key(int32_t b, int32_t t, int32_t window_) const {
     const int32_t n = keys(b, t);
-    const int64_t f = int64_t{starts[b]} + t + 1 - window_;
+    int64_t f = int64_t{starts[b]} + t + 1 - window_;
+    if (kv.ring > 0) {
+      const int64_t oldest = int64_t{starts[b]} + counts[b] - kv.ring;
+      if (f < oldest) f = oldest;
+    }
     return f <= 0 ? 0 : (f >= n ? n : static_cast<int32_t>(f));
   }
   JAXKV_HD bool layer_ok() const { return *layer >= 0 && *layer < kv.num_layers; }
@@ -154,7 +163,9 @@ inline ffi::ErrorOr<AttentionProblem> make_attention(
   p.window = window.typed_data();
   p.sinks = sinks.element_count() != 0 ? sinks.typed_data() : nullptr;
   p.soft_cap = soft_cap;
-  p.span = span < c.capacity ? span : c.capacity;
+  // A query sees at most the capacity's keys, a ring's at most its slots (first_key).
+  const int32_t most = c.ring > 0 ? c.ring : c.capacity;
+  p.span = span < most ? span : most;
   p.group = p.q_heads / c.heads;
   p.q = static_cast<const char*>(q.untyped_data());
   p.out = static_cast<char*>(out->untyped_data());

@@ -9,6 +9,14 @@
 //   paged HND [L, H, P, S, D] and NHD [L, P, S, H, D]: separate K and V pools.
 // Scales (one float per token and head) are the same shapes without D, dense ones without the
 // K/V axis (separate K and V buffers): [(L,) B, H, S], HND [L, H, P, S], NHD [L, P, S, H].
+//
+// A dense ring (kDenseRing: a sliding-window layer of S slots, TensorRT-LLM's cyclic cache) keeps
+// each row's last S tokens, token `pos` at slot pos % S (page_size = ring = S). Its positions
+// count on past S; the kernels address them in a frame of two laps, [0, capacity = 2S): the caller
+// subtracts a multiple of S from a row's positions first (jaxkv/attention.py, jaxkv/_lifecycle.py),
+// which keeps every slot, bounds every loop and grid by 2S, and leaves the window rule, which only
+// looks at differences of positions, as it was. Attention clamps each query's first key to the
+// ring (AttentionProblem::first_key): a position that has left the ring is never read.
 #pragma once
 
 #include <cstdint>
@@ -18,7 +26,10 @@
 
 namespace jaxkv {
 
-enum class KVLayout : int32_t { kDense = 0, kPagedHND = 1, kPagedNHD = 2 };
+enum class KVLayout : int32_t { kDense = 0, kPagedHND = 1, kPagedNHD = 2, kDenseRing = 3 };
+
+// The most slots of a ring: its frame of two laps, 2S positions, fits int32 (FastDiv: n < 2^31).
+constexpr int32_t kMaxRingSlots = (int32_t{1} << 30) - 1;
 
 struct KVView {
   char* k;                    // K of token 0 of layer 0, row/page 0, head 0
@@ -26,6 +37,7 @@ struct KVView {
   const int32_t* page_table;  // [batch, max_pages], or null (dense)
   int64_t layer_stride, head_stride, page_stride, token_stride;  // bytes
   int32_t num_layers, heads, num_pages, page_size, max_pages, capacity;
+  int32_t ring;      // a dense ring's slots S (= page_size; capacity 2S, the frame), or 0: no ring
   FastDiv page_div;  // by page_size: a multiply-high, where a division is ~20 instructions
 
   // Position pos in [0, capacity) as (page-table column, slot in that page).
@@ -83,25 +95,31 @@ inline ffi::ErrorOr<KVView> make_kv_view(const char* op, int32_t layout, bool sc
   KVView c;
   c.k = static_cast<char*>(k.untyped_data());
   c.v = static_cast<char*>(v.untyped_data());
-  if (layout == static_cast<int32_t>(KVLayout::kDense)) {
+  const bool ring = layout == static_cast<int32_t>(KVLayout::kDenseRing);
+  c.ring = 0;
+  if (layout == static_cast<int32_t>(KVLayout::kDense) || ring) {
     const size_t full = scales ? 5 : 6;  // with a layer axis
     const bool stacked = rank == full;
     if (!stacked && rank != full - 1) return bad("a dense cache must be [(L,) B, 2, H, S, D]");
     const size_t o = stacked ? 1 : 0;
     const size_t kv = scales ? 0 : 1;  // the K/V axis of dense data
     if (d[o] != batch || (kv && d[o + 1] != 2)) return bad("cache rows do not match");
+    const int64_t slots = d[o + kv + 2];
+    if (ring && (slots < 1 || slots > kMaxRingSlots))
+      return bad("a ring holds 1 to 2^30 - 1 slots");
     c.num_layers = stacked ? static_cast<int32_t>(d[0]) : 1;
     c.heads = static_cast<int32_t>(d[o + kv + 1]);
-    c.capacity = static_cast<int32_t>(d[o + kv + 2]);
+    c.page_size = static_cast<int32_t>(slots);
+    c.capacity = static_cast<int32_t>(ring ? 2 * slots : slots);  // a ring: its frame
+    c.ring = ring ? c.page_size : 0;
     *head_dim = scales ? 1 : d[o + kv + 3];
     c.token_stride = *head_dim * *elem;
-    c.head_stride = c.capacity * c.token_stride;
+    c.head_stride = slots * c.token_stride;
     c.page_stride = (kv + 1) * c.heads * c.head_stride;  // a row
     c.layer_stride = batch * c.page_stride;
     if (!scales) c.v = c.k + c.heads * c.head_stride;
     c.page_table = nullptr;
     c.num_pages = static_cast<int32_t>(batch);
-    c.page_size = c.capacity;
     c.max_pages = 1;
   } else if (layout == static_cast<int32_t>(KVLayout::kPagedHND) ||
              layout == static_cast<int32_t>(KVLayout::kPagedNHD)) {

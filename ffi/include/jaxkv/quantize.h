@@ -5,7 +5,9 @@
 // token and head, its scale is s = max|x| / QMAX (float32), written beside the data, and the bytes
 // are x / s clipped to [-QMAX, QMAX] and rounded to nearest even (a vector of zeros: scale 0 and
 // zeros). Scaled per tensor, s is the layer's given scale and nothing but the data is written. The
-// source is float32, bfloat16 or float16 [n, B, H, T, D]; data and scales go in one launch.
+// source is float32, bfloat16 or float16 [n, B, H, T, D]; data and scales go in one launch. A dense
+// ring (kv_view.h) takes its rows' lengths in [0, S) (positions less a multiple of S) and writes
+// each row's last S tokens at their slots.
 #pragma once
 
 #include <cstdint>
@@ -105,11 +107,15 @@ JAXKV_HD RowFacts row_facts(const QuantAppend& p, int32_t b) {
 
 // Whether vector `at` is written at all (the checks of quant_target that need no page): an
 // active row, a layer in range, a token within the row's count, a length not negative, a
-// position within the capacity.
+// position within the capacity; in a ring (kv_view.h) any position, of the row's last S tokens
+// (of more than S, the earlier would share their slots with the later).
 JAXKV_HD bool quant_writes(const QuantAppend& p, const VectorIndex& at, const RowFacts& row) {
   const int64_t layer = int64_t{row.layer} + at.n;
+  const int64_t count = row.count < p.tokens ? row.count : p.tokens;
+  const bool kept = p.cache.ring > 0 ? int64_t{at.t} + p.cache.ring >= count
+                                     : int64_t{row.length} + at.t < p.cache.capacity;
   return at.b < row.active && layer >= 0 && layer < p.cache.num_layers && at.t < row.count &&
-         row.length >= 0 && int64_t{row.length} + at.t < p.cache.capacity;
+         row.length >= 0 && kept;
 }
 
 // quant_target in two steps, for a kernel that has work to do while the page entry is loaded:
@@ -128,7 +134,11 @@ struct QuantSlot {
 JAXKV_HD QuantSlot quant_slot(const QuantAppend& p, const VectorIndex& at, const RowFacts& row) {
   const int64_t layer = int64_t{row.layer} + at.n;
   const int64_t at_pos = int64_t{row.length} + at.t;
-  const int32_t pos = at_pos >= 0 && at_pos < p.cache.capacity ? static_cast<int32_t>(at_pos) : 0;
+  int32_t pos = at_pos >= 0 && at_pos < p.cache.capacity ? static_cast<int32_t>(at_pos) : 0;
+  // A ring's position past its frame (lengths given as positions, not reduced into [0, S) as
+  // jaxkv/_lifecycle.py gives them): its slot by a 64-bit remainder.
+  if (p.cache.ring > 0 && at_pos >= p.cache.capacity)
+    pos = static_cast<int32_t>(at_pos % p.cache.ring);
   const int32_t slot = p.cache.slot(pos);
   const bool writes = quant_writes(p, at, row);
   QuantSlot s{p.cache.entry(at.b, pos), writes, 0.f, quant_source(p, at),
@@ -250,7 +260,8 @@ inline ffi::ErrorOr<QuantAppend> make_quant_append(
   return p;
 }
 
-// Bindings after the platform's context. Dense: the cache [(L,) B, 2, H, S, D] holds K and V.
+// Bindings after the platform's context. Dense: the cache [(L,) B, 2, H, S, D] holds K and V (a
+// ring of S slots with `ring`: kv_view.h's kDenseRing).
 template <class Binding>
 auto bind_append_quantized(Binding b) {
   return std::move(b)
@@ -266,7 +277,8 @@ auto bind_append_quantized(Binding b) {
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
-      .template Attr<bool>("per_token");
+      .template Attr<bool>("per_token")
+      .template Attr<bool>("ring");            // a ring: position p at slot p % S
 }
 
 template <class Binding>
