@@ -46,6 +46,16 @@ namespace {
 // 2^-28 of the row's largest), the power of two divided out of the float32 scores with K's
 // per-token scales. JAXKV_NO_WGMMA=1 in the environment takes the mma.sync kernel instead (to
 // compare).
+//
+// A window (*p.window, read once): both roles run the tiles from the one holding the block's first
+// query's first key (the smallest; first keys grow with t) to its last query's end, so no tile
+// wholly before the window is loaded, and the producer treats keys before that first key as keys
+// without a page (never read). The consumers mask each row's keys before its own first key on the
+// tiles that meet the window's lower edge (keys below the last query's first key), beside the
+// causal mask. A soft cap (p.soft_cap > 0, a uniform branch on each tile) caps the raw scores,
+// after K's per-token scales, at the cap in their units (soft_cap log2 e / qs: tanh is odd, and Q
+// carries the scale's sign); sinks enter at the final normalization (sink_norm, with the row's
+// running maximum times qs: base 2, as its sum).
 constexpr int kWgThreads = 384;  // the producer and two consumers
 constexpr int kWgD = 128;        // head_dim
 constexpr int kWgRows = 128;     // query rows a block
@@ -91,7 +101,8 @@ __device__ __forceinline__ void tree(float* x, Op op) {
   if constexpr (kW > 1) tree<kW / 2>(x, op);
 }
 
-// The largest V scale of each (row b, KV head) over the keys its last query attends to, into
+// The largest V scale of each (row b, KV head) over the keys its queries see (from its first
+// query's first key to its last query's end: a page outside may be unmapped or another row's), into
 // p.v_maxima[b * H + head] (zeroed before; the bits of non-negative floats order as integers): a
 // block of 256 keys a (row, head), a key a thread. Every block of the prefill then takes the same
 // power of two above it (v_reference). Measured on the H200 (docs/perf-notes.md item 50): this
@@ -99,12 +110,14 @@ __device__ __forceinline__ void tree(float* x, Op op) {
 __global__ void __launch_bounds__(256) v_max_kernel(const AttentionProblem p) {
   const int b = blockIdx.z, kvh = blockIdx.y;
   const KVView& kv = p.kv;
+  const int32_t window = *p.window;
   const int32_t t_last = min(p.tokens, p.counts[b]) - 1;
-  const int32_t n = p.layer_ok() && t_last >= 0 ? p.keys(b, t_last) : 0;
+  const bool any = p.layer_ok() && t_last >= 0 && window > 0;
+  const int32_t n = any ? p.keys(b, t_last) : 0, first = any ? p.first_key(b, 0, window) : 0;
   const int32_t pos = blockIdx.x * 256 + threadIdx.x;
-  if (blockIdx.x * 256 >= n) return;  // the same for the whole block
+  if (blockIdx.x * 256 >= n || (blockIdx.x + 1) * 256 <= first) return;  // the same for the whole block
   float top = 0.f;
-  if (pos < n) {
+  if (pos >= first && pos < n) {
     const int32_t entry = kv.entry(b, pos);
     if (kv.holds(entry))  // fmaxf: a NaN scale (a NaN vector's) is ignored
       top = fmaxf(top, p.scales.v_float(p.scales.at_slot(*p.layer, entry, kvh, kv.slot(pos))));
@@ -170,7 +183,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   const PrefillTile q_tile(p, kWgRows);
   const int b = q_tile.b, kvh = q_tile.kvh;
   const int32_t n_max = q_tile.n_max;
-  const int tiles = q_tile.tiles(kWgN);
+  // The window: the block's keys are [f_min, n_max), f_min its first query's first key; its tiles
+  // (the producer's and the consumers' alike) start at the one holding f_min, tile i's first key
+  // key0 + i kWgN. A window <= 0 shows no key.
+  const int32_t window = *p.window;
+  const int32_t f_min = n_max > 0 ? p.first_key(b, q_tile.t0, window) : 0;
+  const int32_t key0 = f_min / kWgN * kWgN;
+  const int tiles = window > 0 ? q_tile.tiles(kWgN) - key0 / kWgN : 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   // The producer's threads copy two lanes a row of Q or a key of a K/V tile (so that a warp's
@@ -216,9 +235,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     const int64_t head_base = layer * kv.layer_stride + kvh * kv.head_stride;
     const int32_t* table = kv.page_table ? kv.page_table + int64_t{b} * kv.max_pages : nullptr;
     const int64_t scale_base = layer * p.scales.layer_stride + kvh * p.scales.head_stride;
+    // Whether key pos is one of the block's, [f_min, n_max) (one unsigned compare): a key before
+    // the window is not read, as one past the last query's end (its page may be another row's).
+    auto in_keys = [&](int32_t pos) {
+      return static_cast<uint32_t>(pos - f_min) < static_cast<uint32_t>(n_max - f_min);
+    };
     auto fetch = [&](int i, int pass) -> int32_t {  // the table entry of a key of tile i
-      const int32_t pos = i * kWgN + r_half + 64 * pass;
-      if (pos >= n_max) return -1;
+      const int32_t pos = key0 + i * kWgN + r_half + 64 * pass;
+      if (!in_keys(pos)) return -1;
       return table ? table[kv.column(pos)] : b;
     };
     // Whether a page holds key `pass` of tile i (table entry `entry`), and its offsets in the pools
@@ -228,8 +252,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       int64_t off, scale_off;
     };
     auto key_at = [&](int i, int pass, int32_t entry) -> Key {
-      const int32_t pos = i * kWgN + r_half + 64 * pass;
-      const bool live = pos < n_max && kv.holds(entry);
+      const int32_t pos = key0 + i * kWgN + r_half + 64 * pass;
+      const bool live = in_keys(pos) && kv.holds(entry);
       const int64_t slot = live ? kv.slot(pos) : 0;
       return {live, live ? head_base + entry * kv.page_stride + slot * kv.token_stride : 0,
               live ? scale_base + entry * p.scales.page_stride + slot * p.scales.token_stride : 0};
@@ -309,7 +333,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
 #pragma unroll
       for (int pass = 0; pass < 2; ++pass) {
         const int r = r_half + 64 * pass;
-        const int32_t pos = i * kWgN + r;
+        const int32_t pos = key0 + i * kWgN + r;
         const Key key = key_at(i, pass, page[pass]);
         const bool live = key.live;
         const int64_t off = key.off;
@@ -348,7 +372,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         }
         if (c_copy == 0) {
           ok_flags[st * kWgN + r] = live;
-          if (pos < n_max && !live) atomicMax(missing_at + st, i + 1);
+          if (in_keys(pos) && !live) atomicMax(missing_at + st, i + 1);
         }
       }
       if constexpr (k8) {
@@ -372,13 +396,24 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
 
   // A consumer. This thread's rows: consumer wg's 64 rows, warp (warp % 4)'s 16 of them, g and g + 8.
   const int wg = warp / 4 - 1, row_w = wg * 64 + (warp % 4) * 16 + lane / 4;
-  int32_t n_row[2];
+  // Its rows' keys [f_row, n_row) relative to key0 (a row without keys: n_rel <= 0), and the
+  // block's bounds of the masks: tiles ending past its first query's end (n_min) take the causal
+  // mask, tiles starting below its last query's first key (f_max) the window's.
+  int32_t n_rel[2], f_rel[2];
 #pragma unroll
-  for (int hf = 0; hf < 2; ++hf) n_row[hf] = q_tile.keys(p, q_tile.row(p, row_w + 8 * hf));
+  for (int hf = 0; hf < 2; ++hf) {
+    const PrefillTile::Row q = q_tile.row(p, row_w + 8 * hf);
+    const int32_t n = q_tile.keys(p, q);
+    n_rel[hf] = n - key0;
+    f_rel[hf] = (n > 0 ? p.first_key(b, q.t, window) : 0) - key0;
+  }
+  const int32_t n_min_rel = q_tile.n_min - key0;
+  const int t_last = min(q_tile.t0 + q_tile.per_tile, min(p.tokens, p.counts[b])) - 1;
+  const int32_t f_max_rel = (n_max > 0 ? p.first_key(b, t_last, window) : 0) - key0;
   const float vref = token_scales ? v_reference(p, b, kvh).value : 1.f;  // O's factor at the end
   // Writes O / l of this thread's rows (zeros for a row with no key; rows past the tile or T are
-  // not written).
-  auto write_out = [&](const float* o, const float* l) {
+  // not written); m2: the rows' running maxima in base 2 (times qs), as their sums, for the sink.
+  auto write_out = [&](const float* o, const float* l, const float* m2) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       float sum = l[hf];
@@ -386,8 +421,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const PrefillTile::Row q = q_tile.row(p, row_w + 8 * hf);
       if (!q.live) continue;
-      const bool live = n_row[hf] > 0 && sum != 0.f;
-      const float norm = live ? *p.v_scale * vref / sum : 0.f;
+      const bool live = n_rel[hf] > 0 && sum != 0.f;
+      const float norm = live ? *p.v_scale * vref * sink_norm(m2[hf], sum, sink_log2(p, q.head)) : 0.f;
       T* out = reinterpret_cast<T*>(p.out) + q_tile.q_index(p, q) + 2 * (lane % 4);
 #pragma unroll
       for (int dt = 0; dt < kWgD / 8; ++dt) {
@@ -398,7 +433,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   };
   if (tiles == 0) {  // no key: zeros (the same for the whole block)
     const float zeros[kWgD / 2] = {}, none[2] = {};
-    write_out(zeros, none);
+    write_out(zeros, none, none);
     return;
   }
   // An 8-bit cache: this thread's two rows of Q into the tile as f16 times q's sign and 2^e (the
@@ -507,17 +542,34 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         s[4 * nt] *= f.x, s[4 * nt + 1] *= f.y, s[4 * nt + 2] *= f.x, s[4 * nt + 3] *= f.y;
       }
     }
-    if (missing_at[st] == i + 1 || (i + 1) * kWgN > q_tile.n_min) {  // the diagonal, keys without a page
+    if (p.soft_cap > 0.f) {  // uniform: each score capped at soft_cap log2 e / qs, the cap in its raw units
+      auto rcp_approx = [](float x) {  // about 1 ulp, far below tanh.approx's error
+        float y;
+        asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+        return y;
+      };
+      const float per_cap = rcp_approx(p.soft_cap * kLog2e);
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const float inv = fminf(fmaxf(qs[hf] * per_cap, FLT_MIN), FLT_MAX), c = rcp_approx(inv);  // c finite
+#pragma unroll
+        for (int nt = 0; nt < kSt; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) s[4 * nt + 2 * hf + e] = soft_capped<false>(s[4 * nt + 2 * hf + e], c, inv);
+      }
+    }
+    // The diagonal, the window's lower edge, keys without a page (or before the block's first key).
+    if (missing_at[st] == i + 1 || (i + 1) * kWgN > n_min_rel || i * kWgN < f_max_rel) {
       const unsigned char* ok = ok_flags + st * kWgN;
 #pragma unroll
       for (int nt = 0; nt < kSt; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int jt = nt * 8 + 2 * (lane % 4) + e;
+          const int jt = nt * 8 + 2 * (lane % 4) + e, key = i * kWgN + jt;  // key0 + key: the key
           const bool held = ok[jt] != 0;
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf)
-            if (!held | (i * kWgN + jt >= n_row[hf])) s[4 * nt + 2 * hf + e] = -INFINITY;
+            if (!held | (key >= n_rel[hf]) | (key < f_rel[hf])) s[4 * nt + 2 * hf + e] = -INFINITY;
         }
     }
     float mx[2];
@@ -596,7 +648,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     mbar_arrive(L::empty(base, st));  // this thread is done with tile i
     if (next) softmax(i + 1);
   }
-  write_out(o, l);
+  const float m2[2] = {m[0] * qs[0], m[1] * qs[1]};  // the weights are 2^(s qs - m qs)
+  write_out(o, l, m2);
 #endif
 }
 
