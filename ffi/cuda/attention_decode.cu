@@ -1,22 +1,31 @@
 // CUDA split-KV attention (flash-decoding) over the cache in place: decode, and prefill where the
 // tensor-core prefill does not apply (attention_prefill.cu).
 //
-// Block (query row r = (b, t), KV head group, split) attends the keys [split * keys_per_split, ...)
-// of its row that are live (below AttentionProblem::keys). Three kernels share that grid and the
-// workspace: attention_tc_kernel below (tensor cores) for bf16 / f16 caches with head dims 64, 128
-// and 256; attention_tc8_kernel (tensor cores, f16 MMAs) for 8-bit caches (fp8 e4m3 / e5m2, int8)
-// under a bf16 / f16 q with head dims 64 and 128; attention_kernel (CUDA cores) for the rest (f32,
-// other head dims). Both kernels that read 8-bit caches apply their per-token scales: the key's
-// to its score, the value's to its weight. attention_kernel takes up to kMaxHeads q heads of one
-// KV head (the GQA group shares every K/V load). A warp takes kTokensPerWarp tokens at a time,
-// each over kLanesPerToken lanes with 16-byte loads (8 for fp8), kUnroll groups of tokens in
-// flight; scores and the softmax run in float32, base 2 (q pre-scaled by scale * log2 e *
-// k_scale), with an online max per lane group, merged through shuffles and shared memory at the
-// end. (A cp.async ring in shared memory made it slower on the H200: fewer resident warps for a
-// kernel bound by issuing its math; docs/perf-notes.md.)
+// Block (query row r = (b, t), KV head group, split) attends the keys [k0, k1) of split z of the
+// query's window [first_key, keys) (AttentionProblem), cut into runs of keys_per_split =
+// ceil(span / splits) keys from first_key (split_keys: the one rule of the kernels and
+// combine_kernel). Keys before the window are never read: their pages may be unmapped or reused.
+// Three kernels share that grid and the workspace: attention_tc_kernel below (tensor cores) for
+// bf16 / f16 caches with head dims 64, 128 and 256; attention_tc8_kernel (tensor cores, f16
+// MMAs) for 8-bit caches (fp8 e4m3 / e5m2, int8) under a bf16 / f16 q with head dims 64 and 128;
+// attention_kernel (CUDA cores) for the rest (f32, other head dims). Both kernels that read 8-bit
+// caches apply their per-token scales: the key's to its score, the value's to its weight.
+// attention_kernel takes up to kMaxHeads q heads of one KV head (the GQA group shares every K/V
+// load). A warp takes kTokensPerWarp tokens at a time, each over kLanesPerToken lanes with
+// 16-byte loads (8 for fp8), kUnroll groups of tokens in flight; scores and the softmax run in
+// float32, base 2 (q pre-scaled by scale * log2 e * k_scale), with an online max per lane group,
+// merged through shuffles and shared memory at the end. (A cp.async ring in shared memory made it
+// slower on the H200: fewer resident warps for a kernel bound by issuing its math;
+// docs/perf-notes.md.)
+// A soft cap (p.soft_cap > 0) caps each final score (after the per-token K scale) at
+// soft_cap * log2 e, the scores' base-2 units, before the running max (tanhf for a float32 q,
+// else tanh.approx): a template flag of attention_kernel and attention_tc_kernel (a runtime
+// branch cost their plain paths registers or predicated instructions), a uniform branch once per
+// stage in attention_tc8_kernel.
 // One split: the block writes the output. Several: it writes (unnormalized acc, max, sum) to the
-// workspace and combine_kernel merges the live splits. Keys past the length are never loaded, so
-// a block past a row's length exits at once: time follows the live bytes.
+// workspace and combine_kernel merges the live splits. A head's sink enters only at that final
+// normalization (sink_norm). Keys outside the window are never loaded, so a block past it exits
+// at once: time follows the bytes in the window.
 #include <algorithm>
 #include <cfloat>
 
@@ -132,9 +141,31 @@ __device__ __forceinline__ int heads_of(const AttentionProblem& p, int y, int* f
   return min(kHeads, p.group - hb * kHeads);
 }
 
+// Split z's keys of query (b, t): its window [first_key, keys) cut into runs of kps keys from
+// first_key, [k0, k1) (k0 >= k1: none, a split past the window). Returns the live splits, those
+// with a key: a prefix, z < live. The one rule of the split kernels and combine_kernel, so that
+// combine reads exactly the splits that wrote the workspace. (first_key is read whatever the
+// layer: a layer out of range has n = 0, so no live split. k0 is not clamped to n: clamped, it
+// cost attention_kernel up to 20 registers. k0 + kps < first + span + splits: no overflow for
+// capacities below 2^30.)
+__device__ __forceinline__ int split_keys(const AttentionProblem& p, int b, int t, int32_t kps, int z,
+                                          int splits, int32_t* k0, int32_t* k1) {
+  const int32_t n = p.layer_ok() ? p.keys(b, t) : 0;
+  const int32_t first = p.first_key(b, t, *p.window);
+  *k0 = first + z * kps;
+  *k1 = min(n, *k0 + kps);
+  return n > first ? min(splits, (n - first - 1) / kps + 1) : 0;
+}
+
+// Keys a split takes (the launchers and combine_kernel): the splits cover the widest window,
+// span keys (span 0: no query sees a key, and any positive size will do).
+inline int32_t keys_per_split(const AttentionProblem& p, int splits) {
+  return (std::max(p.span, 1) + splits - 1) / splits;
+}
+
 // A split-KV block's share of the grid (split_grid): query row (b, t) and q heads [h0, h0 + nh)
 // of KV head kvh (at most kHeads of the GQA group) from block x, the keys [k0, k1) of split z
-// below the row's live length.
+// (split_keys).
 struct SplitBlock {
   int b, t, h0, nh, kvh, split, splits;
   int32_t k0, k1;
@@ -158,14 +189,13 @@ __device__ __forceinline__ SplitBlock split_block(const AttentionProblem& p, int
   s.b = row / p.tokens, s.t = row % p.tokens;
   s.nh = heads_of<kHeads>(p, blockIdx.x % per_row, &s.h0);
   s.kvh = s.h0 / p.group;
-  const int32_t n = p.layer_ok() ? p.keys(s.b, s.t) : 0;
-  s.k0 = s.split * keys_per_split;
-  s.k1 = min(n, s.k0 + keys_per_split);
+  split_keys(p, s.b, s.t, keys_per_split, s.split, s.splits, &s.k0, &s.k1);
   return s;
 }
 
 // True where the block has no key to read: with one split it owns the output and writes zeros
-// (n == 0); with several, combine_kernel reads only the splits below n.
+// (no key in the window: zeros with a sink too); with several, combine_kernel reads only the
+// live splits.
 template <int kD, class QT>
 __device__ __forceinline__ bool empty_split(const AttentionProblem& p, const SplitBlock& s) {
   if (s.k0 < s.k1) return false;
@@ -177,7 +207,9 @@ __device__ __forceinline__ bool empty_split(const AttentionProblem& p, const Spl
   return true;
 }
 
-template <int kD, int kHeads, class QT, class KT>
+// kCap: scores soft-capped (p.soft_cap > 0). A compile-time flag: a runtime branch in the loop
+// cost the plain path 10-30 registers (an occupancy step in several instantiations).
+template <int kD, int kHeads, class QT, class KT, bool kCap>
 __global__ void __launch_bounds__(kThreads)
     attention_kernel(const AttentionProblem p, int32_t keys_per_split, float* work) {
   using G = Geometry<kD, KT>;
@@ -214,13 +246,17 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   const bool token_scales = p.scales.k != nullptr;  // an 8-bit cache scaled per token and head
-  for (int32_t it = k0; it < k1; it += G::kStep * kUnroll) {
+  // The soft cap in the scores' units (scale * log2 e * k_scale folded into q: log2 e).
+  const float cap = p.soft_cap * kLog2e, inv_cap = 1.f / cap;
+  // it counts from 0, uniform: the thread's first token jt carries k0 (from memory, per block).
+  const int32_t jt = k0 + warp * G::kTokensPerWarp + sub;
+  for (int32_t it = 0; it < k1 - k0; it += G::kStep * kUnroll) {
     W kw[kUnroll][G::kVecsPerLane], vw[kUnroll][G::kVecsPerLane];
     bool live[kUnroll];
     float ks[kUnroll], vs[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int32_t j = it + u * G::kStep + warp * G::kTokensPerWarp + sub;
+      const int32_t j = jt + it + u * G::kStep;
       const int32_t page = j < k1 ? p.kv.page(b, j) : -1;
       const int64_t off = page < 0 ? -1 : p.kv.at(layer, page, kvh, j);
       live[u] = off >= 0;
@@ -249,7 +285,9 @@ __global__ void __launch_bounds__(kThreads)
         for (int i = 0; i < G::kPerLane; ++i) dot = fmaf(q[g][i], kf[i], dot);
 #pragma unroll
         for (int o = G::kLanes / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-        s[u][g] = live[u] ? dot * ks[u] : -INFINITY;
+        float sc = dot * ks[u];  // the final score: capped here, dead tokens at -inf
+        if constexpr (kCap) sc = soft_capped<std::is_same_v<QT, float>>(sc, cap, inv_cap);
+        s[u][g] = live[u] ? sc : -INFINITY;
       }
     }
 #pragma unroll
@@ -320,7 +358,7 @@ __global__ void __launch_bounds__(kThreads)
       sum += sm_l[w][g] * r;
     }
     if (splits == 1) {
-      const float o = sum != 0.f ? a / sum * *p.v_scale : 0.f;
+      const float o = a * sink_norm(mx, sum, sink_log2(p, h0 + g)) * *p.v_scale;
       Elem<QT>::store1(out + p.q_index(b, t, h0 + g) + d, o);
     } else {
       // workspace [B, T, Hq, splits, D + 2]: acc, then max and sum
@@ -483,7 +521,8 @@ __device__ __forceinline__ void tc_finish(unsigned char* smem, int slot, bool wr
       sum += sm_l[w * kTcN + h] * r;
     }
     if (splits == 1) {
-      Elem<OT>::store1(out + p.q_index(b, t, h0 + h) + d, sum != 0.f ? a / sum * *p.v_scale : 0.f);
+      const float o = a * sink_norm(mx, sum, sink_log2(p, h0 + h)) * *p.v_scale;
+      Elem<OT>::store1(out + p.q_index(b, t, h0 + h) + d, o);
     } else {
       float* w = work + (p.q_index(b, t, h0 + h) / kD * splits + split) * (kD + 2);
       w[d] = a;
@@ -506,7 +545,9 @@ struct TcShape {
   }
 };
 
-template <int kD, class T, int kLanes, int kSplitD, class Depth>
+// kCap: scores soft-capped (p.soft_cap > 0), a compile-time flag as in attention_kernel: ptxas
+// turned a runtime branch into 12 predicated instructions a stage on the plain path.
+template <int kD, class T, int kLanes, int kSplitD, class Depth, bool kCap>
 __global__ void __launch_bounds__(kThreads, Depth::kMinBlocks)
     attention_tc_kernel(const AttentionProblem p, int32_t keys_per_split, float* work) {
   constexpr int kStages = Depth::kStages;
@@ -567,6 +608,8 @@ __global__ void __launch_bounds__(kThreads, Depth::kMinBlocks)
   for (int mt = 0; mt < kDW / 16; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
   // Heads 2 tq and 2 tq + 1: running max (the same in the 8 lanes of a tq) and this lane's sums.
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  // The soft cap in the scores' units (scale * log2 e folded into q: log2 e).
+  const float cap = p.soft_cap * kLog2e, inv_cap = 1.f / cap;
 
   for (int i = 0; i < iters; ++i) {
     copy_wait<kStages - 2>();
@@ -581,6 +624,10 @@ __global__ void __launch_bounds__(kThreads, Depth::kMinBlocks)
       uint32_t ka[4];
       ldmatrix_x4<false>(ka, R::chunk(smem, st, 0, jw + lane % 8 + ((lane / 8) % 2) * 8, 2 * ks + lane / 16));
       mma_16816<T>(sc, ka, qb[ks][0], qb[ks][1]);
+    }
+    if constexpr (kCap) {  // before the mask, which sets dead tokens to -inf
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[e] = soft_capped(sc[e], cap, inv_cap);
     }
     const int* live = R::live(smem, st);
 #pragma unroll
@@ -781,6 +828,9 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
   }
   // Scores' float32 factor (a token's K scale on top where scaled per token).
   const float qk = p.scale * kLog2e * *p.k_scale / qmul;
+  // The soft cap in the scores' units (qk: base 2).
+  const bool capped = p.soft_cap > 0.f;
+  const float cap = p.soft_cap * kLog2e, inv_cap = 1.f / cap;
 
   // O^T: m-tile mt's row g is d = g kD / 8 + 2 mt, row g + 8 is d + 1; columns heads 2 tq, + 1.
   float o[kD / 16][4];
@@ -833,16 +883,22 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
     const int* live = R::live(smem, st);
     float vs[2];
     float vmax = 0.f;
+    bool ok[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int jt = jw + g + 8 * e;
-      const bool ok = live[jt] && k0 + i * kTcTokens + jt < k1;
+      ok[e] = live[jt] && k0 + i * kTcTokens + jt < k1;
       const float f = token_scales ? qk * R::scales(smem, st, 0)[jt] : qk;
-      vs[e] = !token_scales ? 1.f : ok ? R::scales(smem, st, 1)[jt] : 0.f;
+      vs[e] = !token_scales ? 1.f : ok[e] ? R::scales(smem, st, 1)[jt] : 0.f;
       vmax = fmaxf(vmax, vs[e]);
-      sc[2 * e] = ok ? sc[2 * e] * f : -INFINITY;
-      sc[2 * e + 1] = ok ? sc[2 * e + 1] * f : -INFINITY;
+      sc[2 * e] *= f, sc[2 * e + 1] *= f;
     }
+    if (capped) {  // uniform; the final scores (K's scales applied), before the mask
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[e] = soft_capped(sc[e], cap, inv_cap);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[e] = ok[e / 2] ? sc[e] : -INFINITY;
     float mx0 = fmaxf(m0, fmaxf(sc[0], sc[2])), mx1 = fmaxf(m1, fmaxf(sc[1], sc[3]));
     over_keys(mx0, mx1, [](float a, float c) { return fmaxf(a, c); });
     const float a0 = mx0 == -INFINITY ? 1.f : fast_exp2(m0 - mx0);
@@ -916,14 +972,16 @@ __global__ void __launch_bounds__(kThreads, kTc8MinBlocks)
   }, p, b, t, h0, nh, split, splits, work);
 }
 
-// Merges the live splits of (row, q head): block (row, head), one thread per element of D.
+// Merges the live splits of (row, q head) and normalizes, the head's sink in the denominator:
+// block (row, head), one thread per element of D.
 template <class QT>
 __global__ void combine_kernel(const AttentionProblem p, int32_t keys_per_split, int splits,
                                const float* work) {
   const int row = blockIdx.x, h = blockIdx.y;
   const int b = row / p.tokens, t = row % p.tokens;
-  const int32_t n = p.layer_ok() ? p.keys(b, t) : 0;
-  const int live = min(splits, (n + keys_per_split - 1) / keys_per_split);
+  int32_t k0, k1;
+  const int live = split_keys(p, b, t, keys_per_split, 0, splits, &k0, &k1);
+  const float sink = sink_log2(p, h);
   const int D = p.head_dim;
   const float* w = work + (p.q_index(b, t, h) / D) * splits * (D + 2);
   float mx = -INFINITY;
@@ -936,19 +994,22 @@ __global__ void combine_kernel(const AttentionProblem p, int32_t keys_per_split,
       a += ws[d] * r;
       sum += ws[D + 1] * r;
     }
-    const float o = sum != 0.f ? a / sum * *p.v_scale : 0.f;
+    const float o = a * sink_norm(mx, sum, sink) * *p.v_scale;
     Elem<QT>::store1(reinterpret_cast<QT*>(p.out) + p.q_index(b, t, h) + d, o);
   }
 }
 
 template <int kD, int kHeads, class QT, class KT>
 void launch_split(cudaStream_t stream, dim3 grid, const AttentionProblem& p, int32_t per_split, float* work) {
-  attention_kernel<kD, kHeads, QT, KT><<<grid, kThreads, 0, stream>>>(p, per_split, work);
+  if (p.soft_cap > 0.f)
+    attention_kernel<kD, kHeads, QT, KT, true><<<grid, kThreads, 0, stream>>>(p, per_split, work);
+  else
+    attention_kernel<kD, kHeads, QT, KT, false><<<grid, kThreads, 0, stream>>>(p, per_split, work);
 }
 
 template <int kD, class QT, class KT>
 ffi::Error launch_d(cudaStream_t stream, const AttentionProblem& p, int splits, float* work) {
-  const int32_t per_split = (p.kv.capacity + splits - 1) / splits;
+  const int32_t per_split = keys_per_split(p, splits);
   const int heads = block_heads(p.group);
   const int head_blocks = (p.group + heads - 1) / heads;
   const dim3 grid = split_grid(p, head_blocks, splits);
@@ -969,28 +1030,33 @@ ffi::Error launch_d(cudaStream_t stream, const AttentionProblem& p, int splits, 
 // / 256; false: not eligible.
 template <class T>
 bool try_split_tc(cudaStream_t stream, const AttentionProblem& p, int splits, float* work, ffi::Error* status) {
-  const int32_t per_split = (p.kv.capacity + splits - 1) / splits;
+  const int32_t per_split = keys_per_split(p, splits);
   const dim3 grid = split_grid(p, (p.group + kTcN - 1) / kTcN, splits);
   auto launch = [&](auto kernel, size_t bytes) {
     allow_shared_memory(kernel, bytes);
     kernel<<<grid, kThreads, bytes, stream>>>(p, per_split, work);
   };
-  auto at_depth = [&](auto depth) {
+  auto at_depth = [&](auto depth, auto capped) {
     using Depth = decltype(depth);
     constexpr int kStages = Depth::kStages;
+    constexpr bool kCap = decltype(capped)::value;
     if (p.head_dim == 64)
-      launch(attention_tc_kernel<64, T, kTcLanes, 1, Depth>, TcShape<64, 1, kStages>::template bytes<T>());
+      launch(attention_tc_kernel<64, T, kTcLanes, 1, Depth, kCap>, TcShape<64, 1, kStages>::template bytes<T>());
     else if (p.head_dim == 128)
-      launch(attention_tc_kernel<128, T, kTcLanes, 1, Depth>, TcShape<128, 1, kStages>::template bytes<T>());
+      launch(attention_tc_kernel<128, T, kTcLanes, 1, Depth, kCap>, TcShape<128, 1, kStages>::template bytes<T>());
     else
-      launch(attention_tc_kernel<256, T, kTcLanes, 2, Depth>, TcShape<256, 2, kStages>::template bytes<T>());
+      launch(attention_tc_kernel<256, T, kTcLanes, 2, Depth, kCap>, TcShape<256, 2, kStages>::template bytes<T>());
+  };
+  auto at = [&](auto depth) {
+    if (p.soft_cap > 0.f) at_depth(depth, std::true_type{});
+    else at_depth(depth, std::false_type{});
   };
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
   const int64_t blocks = int64_t{grid.x} * grid.y * grid.z, sms = multiprocessor_count();
   const bool two_waves_either_way =
       blocks > TcShallow::kMinBlocks * sms && blocks <= 2 * TcDeep::kMinBlocks * sms;
-  if (two_waves_either_way) at_depth(TcDeep{});
-  else at_depth(TcShallow{});
+  if (two_waves_either_way) at(TcDeep{});
+  else at(TcShallow{});
   if (splits > 1) {
     const dim3 cgrid(static_cast<unsigned>(int64_t{p.batch} * p.tokens), static_cast<unsigned>(p.q_heads));
     combine_kernel<T><<<cgrid, std::min(p.head_dim, 256), 0, stream>>>(p, per_split, splits, work);
@@ -1003,7 +1069,7 @@ bool try_split_tc(cudaStream_t stream, const AttentionProblem& p, int splits, fl
 template <class QT, class KT>
 bool try_split_tc8(cudaStream_t stream, const AttentionProblem& p, int splits, float* work, ffi::Error* status) {
   if (p.head_dim != 64 && p.head_dim != 128) return false;
-  const int32_t per_split = (p.kv.capacity + splits - 1) / splits;
+  const int32_t per_split = keys_per_split(p, splits);
   const dim3 grid = split_grid(p, (p.group + kTcN - 1) / kTcN, splits);
   auto launch = [&](auto kernel, size_t bytes) {
     allow_shared_memory(kernel, bytes);
