@@ -2,6 +2,7 @@
 // an 8-bit one, where the wgmma kernel of attention_prefill_wgmma.cu (Hopper, 16-bit caches,
 // head_dim 128) does not take it; the split-KV kernels of attention_decode.cu take the rest.
 #include <cfloat>
+#include <climits>
 
 #include "attention_device.cuh"
 
@@ -25,12 +26,20 @@ namespace {
 // tiles that the same MMA code reads (a second barrier a tile): K into q's dtype, V into bf16.
 // K's scale multiplies its scores (float32), V's the weights before they round to bf16 (so that
 // no V scale can overflow them, as f16 weights could); a per-tensor V scale multiplies the output.
+// A window: the K/V tiles start at the one holding the block's first query's first key (the
+// smallest: no tile before it is read, nor keys of that tile before it, whose pages may be gone);
+// keys below a row's first key are masked, on the tiles of the window's lower edge only (those
+// below the block's last query's first key), as the causal mask on the diagonal's. A soft cap:
+// each raw score (after the K scales) becomes tanh(s / c), c the cap in raw units, and the
+// exponent's factor the cap in base-2 units instead of qscale (c tanh(s / c) qscale: the same),
+// one uniform branch a tile. A sink enters the final normalization (sink_norm).
 template <int kD> struct PrefillShape;  // kM 16-row tiles per warp, kN keys per K/V tile
 template <> struct PrefillShape<64> { static constexpr int kM = 2, kN = 64; };
 template <> struct PrefillShape<128> { static constexpr int kM = 2, kN = 32; };
 template <> struct PrefillShape<256> { static constexpr int kM = 1, kN = 16; };  // O: 128 registers
 
-// Shared memory: Q rows, then per stage K and V tiles, then per stage which keys a page holds.
+// Shared memory: Q rows, then per stage K and V tiles, then per stage which keys a page holds,
+// then each row's first key (a window's).
 // Rows are kD * 2 bytes (a power of two) and the base is aligned to 1 KiB, so chunk c of row r,
 // at byte (c ^ (r & 7)) * 16 of the row, is the row's address XOR a lane's fixed bits XOR c * 16.
 // k8 (an 8-bit cache): one pair of 16-bit tiles (the converted tile), then per stage the K and V
@@ -49,7 +58,9 @@ struct PrefillLayout {
   static constexpr unsigned kScales8 = kRing8 + 2 * kStages * kTile8;
   static constexpr unsigned kOk = k8 ? kScales8 + 2 * kStages * kN * sizeof(float) : kKV + 2 * kStages * kTile;
   static constexpr unsigned kAlign = 1024;
-  static constexpr size_t kBytes = kOk + sizeof(int) * kStages * kN + kAlign;  // + the alignment slack
+  static constexpr unsigned kFirst = kOk + sizeof(int) * kStages * kN;  // int [kRows]: rows' first keys
+  static_assert(kFirst % sizeof(int) == 0, "first keys");
+  static constexpr size_t kBytes = kFirst + sizeof(int) * kRows + kAlign;  // + the alignment slack
   static_assert(kChunks % 8 == 0, "swizzle");
   __device__ static unsigned row(unsigned base, int r, int c) {  // byte c * 16 of row r, swizzled
     return base + r * kRowBytes + ((c ^ (r & 7)) << 4);
@@ -89,6 +100,23 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
   const int32_t n_max = q_tile.n_max;
   const int tiles = q_tile.tiles(kN);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // The window: first keys grow with t, so the block's first query has the smallest (f_min: its
+  // tile is the first read) and its last live one the largest (f_max: tiles from there on need no
+  // window mask). Full attention: both 0. A window <= 0 shows no key: no tile is read (zeros).
+  const int32_t window = *p.window;
+  int32_t f_min = 0, f_max = 0;
+  if (n_max > 0) {
+    const int t_last = min(q_tile.t0 + q_tile.per_tile, min(p.tokens, p.counts[b])) - 1;
+    f_min = p.first_key(b, q_tile.t0, window);
+    f_max = p.first_key(b, t_last, window);
+  }
+  const int first_tile = window > 0 ? f_min / kN : tiles;
+  __builtin_assume(first_tile >= 0);  // (unsigned tile arithmetic below, as from 0)
+  int* const first_keys = ok_flags + L::kStages * kN;  // at L::kFirst
+  if (threadIdx.x < L::kRows) {  // row r's, for the mask (read after the loop's first barrier)
+    const PrefillTile::Row q = q_tile.row(p, threadIdx.x);
+    first_keys[threadIdx.x] = q_tile.keys(p, q) > 0 ? p.first_key(b, q.t, window) : 0;
+  }
 
   // Q (rows past the tile's tokens, T or the count are zeros, masked below): kThreads / kRows
   // lanes a row, every kQLanes-th chunk each.
@@ -110,10 +138,11 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
   const int layer = q_tile.layer_ok ? *p.layer : 0;
   const int64_t head_base = layer * kv.layer_stride + kvh * kv.head_stride + c_copy * 16;
   const int32_t* table = kv.page_table ? kv.page_table + int64_t{b} * kv.max_pages : nullptr;
-  // The table entry of this thread's key of tile i (-1: past n_max), loaded a tile ahead of its use.
-  auto fetch = [&](int i) -> int32_t {
+  // The table entry of this thread's key of tile i (-1: past n_max, or below `lo`: before the
+  // block's window, never looked up nor read), loaded a tile ahead of its use.
+  auto fetch = [&](int i, int32_t lo) -> int32_t {
     const int32_t pos = i * kN + j_copy;
-    if (pos >= n_max) return -1;
+    if (pos >= n_max || pos < lo) return -1;
     return table ? table[kv.column(pos)] : b;
   };
   const int64_t scale_base = layer * p.scales.layer_stride + kvh * p.scales.head_stride;
@@ -143,11 +172,16 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
     if (c_copy == 0) ok_flags[(i % L::kStages) * kN + j_copy] = live;
     return pos < n_max && !live;
   };
-  // Bit k: tile i + k has a key without a page (tile i: the one read now).
-  unsigned missing = issue(0, fetch(0));  // its group also holds Q
-  if (tiles > 1) missing |= unsigned{issue(1, fetch(1))} << 1;
+  // Bit k: tile i + k needs the mask for a key without a page or the window's lower edge (tile
+  // i: the one read now). The edge's tiles, those below f_max, are set here: at most 127 / kN + 2
+  // (f_max - f_min < the tile's tokens). Only the first tile can hold keys before the window
+  // (INT_MIN: no bound, folded away).
+  const int edge = (f_max + kN - 1) / kN - first_tile;
+  unsigned missing = edge > 0 ? ~0u >> (32 - min(edge, 32)) : 0u;
+  missing |= issue(first_tile, fetch(first_tile, f_min));  // its group also holds Q
+  if (first_tile + 1 < tiles) missing |= unsigned{issue(first_tile + 1, fetch(first_tile + 1, INT_MIN))} << 1;
   else copy_commit();  // empty groups keep the count of pending groups fixed
-  int32_t ahead = fetch(2);  // tile i + 2's entry
+  int32_t ahead = fetch(first_tile + 2, INT_MIN);  // tile i + 2's entry
 
   // Rows of this thread: tile mi, half hf (fragment rows g and g + 8).
   int32_t n_row[kM][2];
@@ -175,11 +209,19 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
     qscale = -qscale;
   }
   qscale = fmaxf(qscale, FLT_MIN);
+  // A soft cap c (base 2: soft_cap log2 e; FLT_MAX for a cap past it, as good as none): scores
+  // become tanh(raw qscale / c), weighed by c in the exponent.
+  float inv_cap = 0.f;  // qscale / c: raw units to the cap's
+  if (p.soft_cap > 0.f) {
+    const float c = fminf(p.soft_cap * kLog2e, FLT_MAX);
+    inv_cap = qscale / c;
+    qscale = c;
+  }
   float o[kM][kOt][4] = {}, m[kM][2], l[kM][2] = {};
 #pragma unroll
   for (int mi = 0; mi < kM; ++mi) m[mi][0] = m[mi][1] = -INFINITY;
 
-  for (int i = 0; i < tiles; ++i) {
+  for (int i = first_tile; i < tiles; ++i) {
     const int st = i % L::kStages;
     copy_wait<L::kStages - 2>();  // this tile (and Q)
     // One barrier a tile: tile i landed for every warp, and every warp is done with tile i - 1,
@@ -188,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
     missing >>= 1;
     if (i + 2 < tiles) missing |= unsigned{issue(i + 2, ahead)} << 1;
     else copy_commit();
-    ahead = fetch(i + 3);
+    ahead = fetch(i + 3, INT_MIN);
     if constexpr (k8) {  // the tile's bytes into the converted 16-bit tiles: this thread's chunks
 #pragma unroll
       for (int kind = 0; kind < 2; ++kind) {
@@ -249,10 +291,24 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
           for (int mi = 0; mi < kM; ++mi) s[mi][nt][e] *= f, s[mi][nt][2 + e] *= f;
         }
     }
+    if (p.soft_cap > 0.f) {  // uniform; before the masks (a capped -inf would be finite)
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < kSt; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][nt][e] = tanh_approx(s[mi][nt][e] * inv_cap);
+    }
 
-    // Masked tiles (rare: the diagonal, keys without a page): those scores to -inf.
+    // Masked tiles (rare: the diagonal, a window's lower edge, keys without a page): those
+    // scores to -inf.
     if (mask) {
       const int* ok = ok_flags + st * kN;
+      int32_t f_row[kM][2];
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) f_row[mi][hf] = first_keys[warp * 16 * kM + mi * 16 + lane / 4 + 8 * hf];
 #pragma unroll
       for (int nt = 0; nt < kSt; ++nt)
 #pragma unroll
@@ -263,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
           for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf)
-              if (!held | (i * kN + jt >= n_row[mi][hf])) s[mi][nt][2 * hf + e] = -INFINITY;
+              if (!held | (i * kN + jt >= n_row[mi][hf]) | (i * kN + jt < f_row[mi][hf])) s[mi][nt][2 * hf + e] = -INFINITY;
         }
     }
     // The online softmax on the fragments (4 lanes share a row): every row's maximum first
@@ -345,7 +401,8 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
   }
   copy_wait<0>();
 
-  // Output: O / l; zeros for a row with no key; rows past the tile, T are not written.
+  // Output: O / l (with a sink in l: sink_norm, m in base 2 as l's weights); zeros for a row with
+  // no key; rows past the tile, T are not written.
 #pragma unroll
   for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
@@ -356,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_tc_kernel(const Attention
       const PrefillTile::Row q = q_tile.row(p, warp * 16 * kM + mi * 16 + lane / 4 + 8 * hf);
       if (!q.live) continue;
       const bool live = n_row[mi][hf] > 0 && sum != 0.f;
-      const float norm = live ? *p.v_scale / sum : 0.f;
+      const float norm = live ? *p.v_scale * sink_norm(m[mi][hf] * qscale, sum, sink_log2(p, q.head)) : 0.f;
       T* out = reinterpret_cast<T*>(p.out) + q_tile.q_index(p, q) + 2 * (lane % 4);
 #pragma unroll
       for (int dt = 0; dt < kOt; ++dt) {
