@@ -4,6 +4,7 @@
 # XLA baseline. Logs go to $OUT (default /tmp/jaxkv-gpu), packed at the end into logs.tgz (the
 # main ones also beside it). SKIP_TESTS=1 / SKIP_BENCH=1 / SKIP_DEMO=1
 # / SKIP_SANITIZE=1 / SKIP_SOAK=1 / SKIP_BUILD=1 / SKIP_SERVE=1 skip parts; BENCH_OPS="op ..." limits the benchmark to those ops,
+# BENCH_ARGS more arguments of the benchmark (e.g. "--match window"),
 # MEMCHECK / RACECHECK="test files" replace the sanitizers' default test lists, RACECHECK_SELECT
 # racecheck's -k expression, TESTS_BUDGET_S=N the tests file by file within N seconds (below).
 # The output ends with a summary (each test file's line and failures, each sanitizer's line, the
@@ -181,7 +182,7 @@ if [ -z "${SKIP_BENCH:-}" ] && (cd /tmp && python3 -c "import jaxkv.bench" 2>/de
   ops=(); for op in ${BENCH_OPS:-}; do ops+=(--op "$op"); done
   if [ "${BENCH_OPS:-}" != none ]; then  # BENCH_OPS=none: only the host tier's benchmark
     (cd /tmp && python3 -m jaxkv.bench "${ops[@]}" --json "$OUT/bench.json" \
-      --markdown "$OUT/bench.md" --explain "$explain" --peers 2>&1) \
+      --markdown "$OUT/bench.md" --explain "$explain" --peers ${BENCH_ARGS:-} 2>&1) \
       | tee "$OUT/bench.log"
   fi
   # The host tier: swap_out / swap_in of 2 GiB against the pinned copy bandwidth of the same run.
