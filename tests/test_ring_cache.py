@@ -29,7 +29,16 @@ ring_from = jax.jit(reference.ring_from_positions, static_argnames="slots")
 ring_to = jax.jit(reference.ring_to_positions, static_argnames="max_len")
 prefill_ref = jax.jit(reference.prefill_attention)
 decode_ref = jax.jit(reference.decode_attention)
-quantize = jax.jit(reference.quantize, static_argnums=1)
+_quantize = jax.jit(reference.quantize, static_argnums=1)
+CPU = jax.devices("cpu")[0]
+
+
+def quantize(x, dtype):
+    """reference.quantize on the CPU backend, whose float32 division is IEEE (a GPU's XLA turns
+    the scale's division into a product by a reciprocal, which rounds differently)."""
+    with jax.default_device(CPU):
+        q, s = _quantize(jax.device_put(x, CPU), dtype)
+    return jnp.asarray(np.asarray(q)), jnp.asarray(np.asarray(s))
 EIGHT_BIT = attention.EIGHT_BIT_DTYPES
 _rng = np.random.default_rng()
 
