@@ -147,7 +147,8 @@ class PagedKVCache:
         page table and one pool and allocator for all: the pools are
         ``[slots, ...]`` with ``slots`` the layers of a group, and ``num_pages`` pages serve every
         group. ``jaxkv.attention`` reads a layer with its window by default. Not yet with
-        ``prefix_cache``, ``host_pages``, ``sharding`` or ``scaling="per_tensor"``.
+        ``prefix_cache``, ``host_pages`` or ``scaling="per_tensor"``. With ``sharding``, every
+        group's table splits by batch like ``page_table``.
         """
         op = "PagedKVCache.create"
         dims = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
@@ -166,7 +167,7 @@ class PagedKVCache:
         slots = num_layers
         if windows is not None:
             unsupported = dict(prefix_cache=prefix_cache, host_pages=host_pages,
-                               sharding=sharding is not None, per_tensor=scaling == "per_tensor")
+                               per_tensor=scaling == "per_tensor")
             named = [k for k, v in unsupported.items() if v]
             if named:
                 raise ValueError(f"{op}: windows are not yet supported with {', '.join(named)}")

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 import jaxkv
 from jaxkv import _windows, reference
 
-from helpers import copies_of
+from helpers import copies_of, mesh_of
 
 _rng = np.random.default_rng()
 H, D, PAGE = 2, 16, 4
@@ -217,4 +217,39 @@ def test_bad_windows_are_trace_time_errors_naming_the_argument():
     for kw, exc, msg in bad:
         with pytest.raises(exc, match=re.escape("PagedKVCache.create: " + msg)):
             make(**kw)
+    with pytest.raises(ValueError, match=re.escape("PagedKVCache.create: windows are not yet "
+                                                   "supported with per_tensor")):
+        jaxkv.PagedKVCache.create(2, 16, PAGE, H, D, 2, 4, jnp.int8, scaling="per_tensor",
+                                  windows=(4, None))
     assert make(windows=(None, None)).windows is None  # no window: today's cache
+
+
+def test_sharded_windowed_cache_equals_one_device_and_moves_no_cache_data():
+    """Rows over dp, heads over tp: each shard's groups reserve, release, append and attend on
+    their own rows; equal to the unsharded cache, and the compiled step has no collective."""
+    mesh = mesh_of((2, 2), ("dp", "tp"))
+    s = jaxkv.CacheSharding(mesh, heads="tp", batch="dp")
+    windows = (5, None, 5, None)
+    make = functools.partial(jaxkv.PagedKVCache.create, 4, 32, PAGE, H, D, 4, 8, jnp.float32,
+                             "NHD", windows=windows)
+
+    @jax.jit
+    def step(c, k, q, n):
+        c, _ = c.reserve(n)
+        for i in range(4):
+            c = c.append(i, k[i], 2 * k[i], n)
+        c = c.commit(n)
+        return c, jnp.stack([jaxkv.attention.decode(q, c, i) for i in range(4)])
+
+    caches = [make(), make(sharding=s)]
+    for n in ([7, 3, 0, 5], [1, 1, 0, 1], [1, 6, 2, 1]):
+        n = jnp.asarray(n, jnp.int32)
+        k = jnp.asarray(_rng.standard_normal((4, 4, H, 6, D)), jnp.float32)
+        q = jnp.asarray(_rng.standard_normal((4, 2 * H, D)), jnp.float32)
+        results = [step(c, k, q, n) for c in caches]
+        caches = [r[0] for r in results]
+        np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(caches[1].pages_held, caches[0].pages_held)
+    hlo = step.lower(caches[1], k, q, n).compile().as_text()
+    moves = re.findall(r"\b(all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\(", hlo)
+    assert not moves, moves
