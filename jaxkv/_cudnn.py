@@ -13,7 +13,7 @@ a traced layer index free:
   ``(layer * H + head) * P + page``.
 
 ``jaxkv.attention`` calls it by default only where it was measured faster than jaxkv's kernels
-(``_jaxkv_is_faster`` there; tools/default_probe.py, docs/perf-notes.md item 38): head_dim 64,
+(``_jaxkv_is_faster`` there; tools/probes/default_probe.py, docs/perf-notes.md item 38): head_dim 64,
 decode's smallest grids on Hopper, and GPUs other than Hopper, where jaxkv's kernels were not
 measured against it. No 8-bit cache; everything else is jaxkv's kernels', which are also the
 fallback wherever this module's private binding is missing or changed (``unusable`` says why).

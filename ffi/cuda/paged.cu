@@ -168,7 +168,7 @@ bool append_by_words(const TokenMove& m, int64_t wpt) {
   return !m.gather && m.spans() * m.tokens * wpt < (int64_t{1} << 31);
 }
 
-// The default cut (tools/paged_append_probe.cu, H200): chunks of two passes of kUnroll words per
+// The default cut (tools/probes/paged_append_probe.cu, H200): chunks of two passes of kUnroll words per
 // lane, kThreads lanes (a 5000-token prefill: 10.4 us against 11.9 at one pass); a chunk smaller
 // than a block (a decode step's one token) takes two words per lane, and the block is filled with
 // the row's other heads (1024 rows: 4.6 us against 9.2 at one span of 32 threads per block).
@@ -201,7 +201,7 @@ void launch_move_kernel(int width, dim3 grid, int threads, cudaStream_t stream, 
   }
 }
 
-// `forced`: a geometry to use instead of the default (tools/paged_append_probe.cu).
+// `forced`: a geometry to use instead of the default (tools/probes/paged_append_probe.cu).
 ffi::Error launch_move(cudaStream_t stream, const TokenMove& m, const char* op,
                        const MoveGeometry* forced = nullptr) {
   const int width = vector_width(m.cache.token_bytes);

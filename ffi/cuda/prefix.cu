@@ -99,7 +99,7 @@ ffi::Error copy_prefix_cuda(cudaStream_t stream, ffi::Buffer<ffi::S32> slots,
   const int64_t total = p.first_unit[p.num_layers];
   if (total == 0) return ffi::Error::Success();
   // One block per unit: on the H200 that beat a persistent grid by 3-6% for these span copies
-  // (tools/copy_variants.cu); the grid-stride loop only matters past 2^31 - 1 units.
+  // (tools/probes/copy_variants.cu); the grid-stride loop only matters past 2^31 - 1 units.
   const int blocks = static_cast<int>(std::min<int64_t>(total, 0x7fffffff));
   copy_prefix_kernel<<<blocks, kThreads, 0, stream>>>(p);
   return cuda_status("copy_prefix");

@@ -3,7 +3,7 @@
 // memory in the 128-byte swizzle the instruction reads, their matrix descriptors, m64n128k16
 // with A from shared memory or from registers, and the barriers of a pipeline (mbarriers, named
 // barriers). Checked on an H100 against a host
-// reference by tools/wgmma_probe.cu (both operand majors, A from registers, the accumulators
+// reference by tools/probes/wgmma_probe.cu (both operand majors, A from registers, the accumulators
 // turned into A fragments).
 #pragma once
 

@@ -59,7 +59,7 @@ template <> struct Word<1> { using type = uint8_t; };
 // Loads through the read-only path and stores that stream past L2 (evict-first): every kernel here
 // writes its destination once and never reads it back, while a source may be read again (one
 // prompt instantiated into many slots), so only the stores are marked streaming. Measured on the
-// H200 (tools/copy_variants.cu): +3-7% over plain accesses for span copies of 32 MiB to 1 GiB.
+// H200 (tools/probes/copy_variants.cu): +3-7% over plain accesses for span copies of 32 MiB to 1 GiB.
 // Layer of a work unit when the units of layer l are [first_unit[l], first_unit[l + 1]): the
 // last l with first_unit[l] <= unit (binary search; layers differ in size).
 __device__ __forceinline__ int layer_of_unit(const int64_t* first_unit, int num_layers, int64_t unit) {

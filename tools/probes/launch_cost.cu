@@ -1,6 +1,6 @@
 // Host cost per call of what a handler may do before its launch (H200 probe, not part of the build):
 // cudaFuncSetAttribute, cudaOccupancyMaxActiveBlocksPerMultiprocessor, and launches with a small
-// and a 12 KB parameter block.   nvcc -O2 -arch=sm_90 tools/launch_cost.cu -o /tmp/lc && /tmp/lc
+// and a 12 KB parameter block.   nvcc -O2 -arch=sm_90 tools/probes/launch_cost.cu -o /tmp/lc && /tmp/lc
 #include <chrono>
 #include <cstdio>
 #include <cuda_runtime.h>

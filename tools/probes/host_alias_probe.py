@@ -3,7 +3,7 @@
 the copies of a pool in the HLO and XLA's memory analysis (an in-place function allocates no
 output or temporary of a pool's size).
 
-    python3 tools/host_alias_probe.py
+    python3 tools/probes/host_alias_probe.py
 """
 import sys
 

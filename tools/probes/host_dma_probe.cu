@@ -2,7 +2,7 @@
 // kernel without slowing it? (The transfer kernel over unified addressing reaches ~95% of the
 // pinned copy but takes multiprocessors: a decode beside a swap-in keeps 89-91% of its speed.)
 //
-//   nvcc -O2 -std=c++17 -arch=sm_90 tools/host_dma_probe.cu -o /tmp/host_dma_probe && /tmp/host_dma_probe [KiB]
+//   nvcc -O2 -std=c++17 -arch=sm_90 tools/probes/host_dma_probe.cu -o /tmp/host_dma_probe && /tmp/host_dma_probe [KiB]
 //
 // The shape of `jaxkv.bench --swap`: 1024 pages scattered over a device pool of 4096, 32 layers,
 // K and V, a page's layer 32 KiB (16 tokens x 8 heads x 128 x bf16), so 65536 runs of 32 KiB a

@@ -4,8 +4,8 @@ kernels from the profiler; XLA's own ops around the cuDNN path, such as the merg
 prefill calls, are not in it) and time a call in a timed loop of 10 (everything), then the two
 outputs' largest difference.
 
-    python3 tools/default_probe.py --op decode [--shapes 64,4096 ...] [--layouts NHD,HND]
-    python3 tools/default_probe.py --op prefill [--shapes 8,2048,2048 ...] [--dtype float16]
+    python3 tools/probes/default_probe.py --op decode [--shapes 64,4096 ...] [--layouts NHD,HND]
+    python3 tools/probes/default_probe.py --op prefill [--shapes 8,2048,2048 ...] [--dtype float16]
 
 decode shapes: rows, tokens a row; prefill: rows, cached tokens a row, new tokens a row.
 """

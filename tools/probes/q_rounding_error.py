@@ -6,7 +6,7 @@ largest |q| in [2^7, 2^8), as the wgmma kernel's hi tile holds it), against exac
 the unquantized values.
 Prints the relative rms output error, mean of 8 draws, for flat and sharp attention.
 
-    python tools/q_rounding_error.py
+    python tools/probes/q_rounding_error.py
 """
 
 import jax.numpy as jnp

@@ -1,7 +1,7 @@
 """Where the demo's serving time goes on a GPU: one run of the demo loop under the profiler, per
 cache kind and ops, with the device's kernels summed by name (CUPTI time) against the wall time.
 
-    python3 tools/demo_profile.py [--cache linear] [demo options...]
+    python3 tools/probes/demo_profile.py [--cache linear] [demo options...]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 5000-token ragged prefill, the one-layer decode step of 256 rows, 32 layers in one launch),
 without the benchmark's XLA formulations, so that several builds fit one device call:
 
-    python3 tools/append_8bit_probe.py [--runs 2]
+    python3 tools/probes/append_8bit_probe.py [--runs 2]
 
 Each line: case, dtype, median kernel time (us) of each run, its ratio to the bf16 row.
 """

@@ -1,11 +1,11 @@
-"""FlashInfer's append_paged_kv_cache on the cases of tools/paged_append_probe.cu, for ncu.
+"""FlashInfer's append_paged_kv_cache on the cases of tools/probes/paged_append_probe.cu, for ncu.
 
 GPU probe, not part of the suite: the same cases timed by the same tool as jaxkv's
 kernel, so the two can be compared launch for launch.
 
     eval "$(bash .peers/setup_on_gpu.sh $PWD/.peers)"
     ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
-        --kernel-name regex:Append python3 tools/flashinfer_append_probe.py
+        --kernel-name regex:Append python3 tools/probes/flashinfer_append_probe.py
 """
 
 import flashinfer

@@ -5,7 +5,7 @@ Each candidate moves M pages of every layer (K only: one pool) from a device poo
 and back under ``jit`` with the pools donated; it is checked byte for byte, timed (median), and
 its compiled HLO searched for copies of a pool-sized buffer. Run on the GPU machine:
 
-    python3 tools/host_transfer_probe.py [--pages M] [--overlap-only]
+    python3 tools/probes/host_transfer_probe.py [--pages M] [--overlap-only]
 
 Measured 2026-11-25 (1 GiB in pages of 1 MiB; the contiguous copy 53-54 GB/s each way): a host
 pool written or read at one contiguous place (B, D) 49-50 GB/s out, 41-42 GB/s in, but that needs

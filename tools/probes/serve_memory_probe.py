@@ -3,7 +3,7 @@ outputs, aliased, temporaries) and the copies of 2^26 elements or more in its op
 steps compile here as XLA would by default: a step whose plan passes the device's limit is
 rematerialized (a warning at compile time), which `serve` turns off (docs/serving.md).
 
-    python3 tools/serve_memory_probe.py --preset 8b --engines paged --max-seq-len 8192 ...
+    python3 tools/probes/serve_memory_probe.py --preset 8b --engines paged --max-seq-len 8192 ...
 (the arguments of ``python -m jaxkv serve``; the stream's mean length sizes the batch). On a GPU
 it also prints each device's memory in use after the weights' draw and the peak after each
 compile (XLA's autotuner runs kernels there), and a function that fails to compile is reported

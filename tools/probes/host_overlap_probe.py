@@ -1,7 +1,7 @@
 """Does a page transfer started on jaxkv's side stream (``overlap=True``) run beside a decode
 workload, and at what bandwidth do the one-launch transfers run for a given grid?
 
-    python3 tools/host_overlap_probe.py
+    python3 tools/probes/host_overlap_probe.py
 
 Separate dispatches, in order: the transfer (returns at once), the decode workload of
 ``jaxkv.bench --swap``, and the fence; against each alone. Bytes are checked after the fence.

@@ -4,7 +4,7 @@
 //   O2 = bf16(S) V : the S accumulators turned into A fragments, as the prefill kernel does
 // Both leading / stride offset assignments of the MN-major descriptor run; only the header's
 // (leading = the 64-column block stride) must match. Built and run on a Hopper GPU:
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/cuda tools/wgmma_probe.cu \
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/cuda tools/probes/wgmma_probe.cu \
 //     -o /tmp/wgmma_probe && /tmp/wgmma_probe
 // (H100, 2026-11-26: relative errors below 1e-7 with the header's descriptors, 0.88 swapped.)
 #include <cuda_bf16.h>

@@ -1,6 +1,6 @@
 // Span-copy variants (the access pattern of save / instantiate / append / gather): which unroll,
 // block size, grid and cache hints move bytes fastest on this GPU. Standalone, no JAX.
-//   nvcc -O3 -arch=sm_90 -o /tmp/cv tools/copy_variants.cu && /tmp/cv
+//   nvcc -O3 -arch=sm_90 -o /tmp/cv tools/probes/copy_variants.cu && /tmp/cv
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <vector>

@@ -2,7 +2,7 @@
 and writes them through unified addressing), and how fast is that? ``jaxkv_paged_copy`` copies
 pages within its pools: K in host memory and V on the device, or both on the host.
 
-    python3 tools/host_kernel_probe.py
+    python3 tools/probes/host_kernel_probe.py
 """
 import statistics
 import time

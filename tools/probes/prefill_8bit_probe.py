@@ -1,12 +1,12 @@
 """8-bit prefill attention (batch 8, 2048 new tokens on 2048 cached, 32 q / 8 KV heads, D128, page
 16; fp8 e4m3 and int8 scaled per token and head) beside the bf16 one, on the same values.
 
-    python3 tools/prefill_8bit_probe.py --time   # kernel times of 10 calls in one jit, and each
+    python3 tools/probes/prefill_8bit_probe.py --time   # kernel times of 10 calls in one jit, and each
                                                   # 8-bit output's distance from the bf16 one's
         [--e5m2] [--per-tensor]                   # also fp8 e5m2 (converted by a byte permute),
                                                   # fp8 e4m3 scaled per tensor (no scales to apply)
     ncu --clock-control none --kernel-name regex:prefill_wgmma --section WarpStateStats \
-        --section InstructionStats python3 tools/prefill_8bit_probe.py   # one call each
+        --section InstructionStats python3 tools/probes/prefill_8bit_probe.py   # one call each
 
 The distance (max and mean |out - bf16 out|) compares builds whose arithmetic differs; a hash
 of the output's bytes tells builds that should agree bit for bit.

@@ -1,7 +1,7 @@
 """jaxkv's own decode kernels over every cache kind, kernel times, for comparing builds and grids.
 
-    python3 tools/decode_kinds_probe.py [--runs N] [--targets 1024,2048] [--dtypes bf16,f16,int8]
-    ncu ... python3 tools/decode_kinds_probe.py --plain --dtypes bf16  # three calls a case, untimed
+    python3 tools/probes/decode_kinds_probe.py [--runs N] [--targets 1024,2048] [--dtypes bf16,f16,int8]
+    ncu ... python3 tools/probes/decode_kinds_probe.py --plain --dtypes bf16  # three calls a case, untimed
 
 The benchmark's decode case (B64 x 4096 tokens, 32 q / 8 KV heads, D128, page 16; a toy size off
 the GPU; ``--shape`` for others): bf16 and f16 paged NHD / HND and linear on jaxkv's kernel and

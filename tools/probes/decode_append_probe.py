@@ -2,7 +2,7 @@
 each: the kernels for ncu to profile (perf notes item 32), e.g.
 
     ncu --clock-control none --kernel-name regex:"append|quantize" --section SpeedOfLight \
-        --section WarpStateStats --section SchedulerStats python3 tools/decode_append_probe.py
+        --section WarpStateStats --section SchedulerStats python3 tools/probes/decode_append_probe.py
 """
 import jax
 import jax.numpy as jnp

@@ -6,7 +6,7 @@ empty transfer), and, with every free page cached, evicting each page it takes w
 tier and spilling each to the host with one (each call indexes its pages again, under new
 tokens, so that the next evicts them). Wall time per call, 8 calls inside one jit.
 
-    python3 tools/spill_cost.py [--layout HND|NHD] [--small]    (--small: a CPU check of the probe)
+    python3 tools/probes/spill_cost.py [--layout HND|NHD] [--small]    (--small: a CPU check of the probe)
 """
 
 import argparse
