@@ -103,9 +103,10 @@ def test_peers_are_skipped_with_a_note_off_gpu(run):
     if jax.default_backend() == "gpu":
         pytest.skip("on a GPU the peers run (where they import)")
     cases = {(c.op, c.name): c for c in C.cases("cpu")}
-    # A peer for every op but paged_compact (whose page release no peer does).
-    assert {c.op for c in cases.values() if c.peer} == set(C.OPS) - {"increment_lengths",
-                                                                      "paged_compact"}
+    # A peer for every op but paged_compact (whose page release no peer does) and a window
+    # layer's decode step (no peer releases a window's pages).
+    assert {c.op for c in cases.values() if c.peer} == set(C.OPS) - {
+        "increment_lengths", "paged_compact", "paged_decode_step"}
     names = [r["case"] for r in report["rows"] if r["op"] == "paged_append"]
     assert any(", one layer" in n for n in names) and any("layers in one launch" in n
                                                            for n in names)
@@ -133,7 +134,8 @@ def test_hybrid_rows_ran_beside_their_full_rows(run):
     the window's pages beside the masked whole rows."""
     report, paths = run
     rows = {r["case"]: r for r in report["rows"]}
-    hybrid = [r for r in report["rows"] if any(h in r["case"] for h in HYBRID)]
+    hybrid = [r for r in report["rows"] if any(h in r["case"] for h in HYBRID)
+              and r["op"].startswith("attention")]
     assert len(hybrid) == 12
     md = paths["markdown"].read_text()
     for r in hybrid:
@@ -143,6 +145,19 @@ def test_hybrid_rows_ran_beside_their_full_rows(run):
                                            / R.device_time(rows[v["case"]]["jaxkv"]))
         assert f"[{v['ratio']:.3g}x the row compared with; target <= {v['limit']:.3g}x]" in md
         assert ("window pages+dense" in r["xla"]) == ("window" in r["case"])
+
+
+def test_window_decode_step_ran_beside_todays_step(run):
+    """A window layer's decode step (reserve releasing, append, commit) and today's, their ratio
+    by loop time, each beside the same step with XLA's scatter for the append."""
+    report, _ = run
+    steps = {r["case"]: r for r in report["rows"] if r["op"] == "paged_decode_step"}
+    assert len(steps) == 2
+    window = next(r for name, r in steps.items() if "window" in name)
+    v = window["versus"]
+    assert v["limit"] == 1.1 and v["case"] in steps
+    assert v["ratio"] == pytest.approx(window["jaxkv"]["time_s"]
+                                       / steps[v["case"]]["jaxkv"]["time_s"])
 
 
 def _fake_case():

@@ -44,6 +44,7 @@ class Target:
     peer_speedup: float | None = None
     # device time <= ratio x the device time of another row of the same run (its case name)
     versus: tuple[str, float] | None = None
+    versus_loop: bool = False  # compare the loop times, not the kernels' (a step of many ops)
 
 
 @dataclasses.dataclass
@@ -528,6 +529,49 @@ def paged_decode_append(B, H, D, page, layout, rounds, iters, target=None, layer
         f"{'append_layers' if layers else 'one layer'} page {page} {layout}{label}",
         "paged_append (decode)", "latency-bound: the loop time includes 1/" +
         (f"{layers} of a step's loop cost" if layers else f"{rounds} of the loop's cost"), dtype)
+
+
+def paged_decode_step(B, H, D, page, window, lengths_lo, iters, target=None) -> Case:
+    """One layer's share of a decode step on a paged cache: ``reserve`` a token a row, ``append``
+    it, ``commit``. With ``window``, the cache is ``PagedKVCache(windows=(window,))``, whose
+    reserve also releases the page a row's window has just left: the row beside it without a
+    window is today's step. Rows start at random lengths in ``[lengths_lo, 2 * lengths_lo)``
+    and grow a token a step. Its device time is the loop's (the step is several XLA ops around
+    the append kernel)."""
+    lengths = np.random.default_rng(14).integers(lengths_lo, 2 * lengths_lo, B)
+    steps = 8 * iters  # warm-ups, repetitions and the profiler's loops, at most
+    pages = -(-(2 * lengths_lo + steps) // page) + 1
+    name = f"decode step B{B} H{H} D{D} page {page} NHD" + (f" window {window}" if window else "")
+
+    def build():
+        cache = jaxkv.PagedKVCache.create(1, B * pages, page, H, D, B, pages, BF16, "NHD",
+                                          windows=None if window is None else (window,))
+        cache, served = cache.reserve(i32(lengths))
+        assert bool(jnp.all(served)), "benchmark cache: out of pages"
+        cache = cache.commit(i32(lengths))
+        cache = dataclasses.replace(cache, k_pages=rand(cache.k_pages.shape, BF16, 91),
+                                    v_pages=rand(cache.v_pages.shape, BF16, 92))
+        one = jnp.ones((B,), jnp.int32)
+        consts = dict(one=one, k=rand((B, H, 1, D), BF16, 93), v=rand((B, H, 1, D), BF16, 94))
+
+        def kernel(i, cache, c):
+            cache, _ = cache.reserve(c["one"])
+            return cache.append(0, c["k"], c["v"], c["one"]).commit(c["one"])
+
+        def scatter(i, cache, c):  # the same step, the append by XLA's scatter
+            cache, _ = cache.reserve(c["one"])
+            k, v = (_xla_paged_append(pool, 0, cache.page_table, cache.lengths, x, c["one"],
+                                      page, "NHD")
+                    for pool, x in ((cache.k_pages, c["k"]), (cache.v_pages, c["v"])))
+            return dataclasses.replace(cache, k_pages=k, v_pages=v).commit(c["one"])
+
+        return cache, consts, kernel, {"scatter": scatter}
+
+    token = 2 * H * D * BF16.itemsize
+    return Case("paged_decode_step", name, build, 2 * token * B, B * pages * page * token,
+                iters, target=target, requires=("PagedKVCache",), series=name,
+                note="the whole step's loop time: reserve (and a window's release), append, "
+                     "commit")
 
 
 def _xla_paged_append(pool, layer, table, lengths, x, counts, page, layout):
@@ -1104,6 +1148,12 @@ MIXED = [(8, 128), (4, 256), (16, 64), (2, 128)]
 EIGHT_BIT = (jnp.float8_e4m3fn, jnp.int8)
 
 
+def t_window_step(plain: Case) -> Target:
+    """The issue's line for a window layer's decode step: within 1.1x of today's (``plain``)."""
+    return Target("within 1.1x of the step without a window (the row without 'window'), "
+                  "loop time", versus=(plain.name, 1.1), versus_loop=True)
+
+
 def cases(size: str) -> list[Case]:
     if size == "cpu":  # tiny: the whole run in well under a minute on two cores
         return [
@@ -1121,6 +1171,9 @@ def cases(size: str) -> list[Case]:
             paged_decode_append(16, 2, 64, 16, "NHD", 2, 20, T_PAGED_DECODE),
             paged_decode_append(16, 2, 64, 16, "HND", 1, 10, T_PAGED_DECODE, layers=4),
             paged_decode_append(16, 2, 64, 16, "NHD", 2, 20, dtype=jnp.float8_e4m3fn),
+            paged_decode_step(8, 2, 64, 16, None, 64, 5),
+            paged_decode_step(8, 2, 64, 16, 32, 64, 5, t_window_step(
+                paged_decode_step(8, 2, 64, 16, None, 64, 5))),
             paged_append(4, 64, 160, 2, 64, 16, 2, 3, layout="NHD", dtype=jnp.int8),
             paged_gather(4, 128, 2, 64, 16, 3, Target(">= 80% of copy BW", copy_frac=0.80)),
             paged_compact(8, 128, 2, 64, 16, 10, T_PAGED_COMPACT),
@@ -1186,6 +1239,9 @@ def gpu_cases() -> list[Case]:
         # 8-bit caches: quantized on the way in, against the same bf16 rows above.
         *[paged_decode_append(256, 8, 128, 16, "NHD", 8, 250, t_quant_append(
             paged_decode_append(256, 8, 128, 16, "NHD", 8, 250)), dtype=dt) for dt in EIGHT_BIT],
+        paged_decode_step(64, 8, 128, 16, None, 2048, 100),
+        paged_decode_step(64, 8, 128, 16, 1024, 2048, 100, t_window_step(
+            paged_decode_step(64, 8, 128, 16, None, 2048, 100))),
         *[paged_decode_append(256, 8, 128, 16, "NHD", 1, 10, t_quant_append(
             paged_decode_append(256, 8, 128, 16, "NHD", 1, 10, layers=32)), layers=32, dtype=dt)
           for dt in EIGHT_BIT],
@@ -1235,6 +1291,7 @@ def gpu_cases() -> list[Case]:
 
 
 OPS = ("compact_kv_cache", "save_kv_cache", "instantiate_kv_cache", "append", "paged_append",
+       "paged_decode_step",
        "paged_gather", "paged_compact", "attention_decode", "attention_prefill", "increment_lengths")
 
 

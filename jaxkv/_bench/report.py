@@ -65,11 +65,12 @@ def evaluate(row: dict, target, on_gpu: bool, rows=()) -> None:
         if other is None:
             failed.append(f"no row {name!r} in this run to compare with")
         else:  # the measured ratio, shown beside the verdict (fmt_versus)
-            row["versus"] = dict(case=name, ratio=device_time(k) / device_time(other["jaxkv"]),
-                                 limit=ratio)
-            if device_time(k) > ratio * device_time(other["jaxkv"]):
-                failed.append(f"{fmt_time(device_time(k))} > {ratio:.3g} x "
-                              f"{fmt_time(device_time(other['jaxkv']))} of the row compared with")
+            time = (lambda x: x["time_s"]) if target.versus_loop else device_time
+            mine, theirs = time(k), time(other["jaxkv"])
+            row["versus"] = dict(case=name, ratio=mine / theirs, limit=ratio)
+            if mine > ratio * theirs:
+                failed.append(f"{fmt_time(mine)} > {ratio:.3g} x {fmt_time(theirs)} of the row "
+                              "compared with")
     mem = k.get("mem_overhead_frac")
     if mem is not None and mem > target.mem_frac:
         failed.append(f"memory +{mem:.1%} of the cache")
