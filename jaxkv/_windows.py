@@ -100,6 +100,12 @@ def first_kept_column(lengths: jax.Array, window: int | None, page_size: int) ->
     return first_key // page_size
 
 
+def first_column(table: jax.Array) -> jax.Array:
+    """int32 ``[B]``: the first column of each row that holds a page (the table's width: none)."""
+    cols = jnp.arange(table.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(table >= 0, cols, table.shape[-1]), axis=-1)
+
+
 def end_column(table: jax.Array) -> jax.Array:
     """int32 ``[B]``: one past the last column of each row that holds a page (0: none)."""
     cols = jnp.arange(1, table.shape[-1] + 1, dtype=jnp.int32)

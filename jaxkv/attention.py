@@ -45,6 +45,7 @@ import numpy as np
 from . import _cudnn
 from . import _ffi
 from . import _validate as validate
+from . import _windows
 from . import host_tier
 from . import quantization
 from ._checks import check
@@ -144,9 +145,8 @@ def _addressing(op: str, cache, layer_idx) -> _Source:
                       cache.max_batch, cache.num_kv_heads, cap, cache.head_dim, cache._reach())
         if cache.windows is None:
             return src
-        cols = jnp.arange(cache.max_pages_per_seq, dtype=jnp.int32)
-        first = jnp.min(jnp.where(table >= 0, cols, cache.max_pages_per_seq), axis=1)
-        return dataclasses.replace(src, window=window, released=first * cache.page_size)
+        return dataclasses.replace(src, window=window,
+                                   released=_windows.first_column(table) * cache.page_size)
     raise TypeError(f"{op}: cache must be a LinearKVCache, KVCacheManager or PagedKVCache, got "
                     f"{type(cache).__name__}")
 

@@ -398,11 +398,14 @@ def mesh():
                             devices=devices[:8])
 
 
+# A prefix-indexed cache of 4 rows over a (dp=2, tp=4) mesh.
+SHARDED_KW = dict(num_layers=1, num_pages=16, page_size=2, num_kv_heads=4, head_dim=8,
+                  max_batch=4, max_pages_per_seq=4, dtype=jnp.float32, prefix_cache=True)
+
+
 def test_sharded_each_batch_shard_has_its_own_index(mesh):
     s = jaxkv.CacheSharding(mesh, heads="tp", batch="dp")
-    kw = dict(num_layers=1, num_pages=16, page_size=2, num_kv_heads=4, head_dim=8,
-              max_batch=4, max_pages_per_seq=4, dtype=jnp.float32, prefix_cache=True)
-    sharded = PagedKVCache.create(**kw, sharding=s)
+    sharded = PagedKVCache.create(**SHARDED_KW, sharding=s)
     assert sharded.prefix_cache.tokens.sharding.spec[0] == "dp"
     tokens = jnp.tile(jnp.arange(8, dtype=jnp.int32), (4, 1))
     n = jnp.array([8, 0, 0, 0], jnp.int32)
@@ -416,7 +419,7 @@ def test_sharded_each_batch_shard_has_its_own_index(mesh):
     out, matched = run(sharded)
     # row 1 shares row 0's batch shard and finds its pages; row 2 is on the other shard
     assert matched.tolist() == [0, 6, 0, 0]
-    plain, want = run(PagedKVCache.create(**kw))
+    plain, want = run(PagedKVCache.create(**SHARDED_KW))
     assert want.tolist() == [0, 6, 6, 0]
     hlo = jax.jit(run).lower(sharded).compile().as_text()
     assert "all-gather" not in hlo and "all-to-all" not in hlo
@@ -614,9 +617,7 @@ def test_spilled_pages_come_back_only_for_their_namespace():
 
 def test_sharded_namespaces_each_shard_keeps_the_rule(mesh):
     s = jaxkv.CacheSharding(mesh, heads="tp", batch="dp")
-    kw = dict(num_layers=1, num_pages=16, page_size=2, num_kv_heads=4, head_dim=8,
-              max_batch=4, max_pages_per_seq=4, dtype=jnp.float32, prefix_cache=True)
-    sharded = PagedKVCache.create(**kw, sharding=s)
+    sharded = PagedKVCache.create(**SHARDED_KW, sharding=s)
     assert sharded.prefix_cache.namespace.sharding.spec[0] == "dp"
     tokens = jnp.tile(jnp.arange(8, dtype=jnp.int32), (4, 1))
     n = jnp.array([8, 0, 8, 0], jnp.int32)

@@ -806,6 +806,17 @@ def _scale_bytes(dtype, scaling="per_token_head") -> tuple[int, int]:
 OWN_KERNEL, CUDNN = "jaxkv kernel", "cuDNN"  # the paged default's other kernel, as a row
 
 
+def _attention_xla(gather_dense, window_dense, beside: bool, op: str, cache, q, attend) -> dict:
+    """An attention row's other formulations: XLA over the gathered rows, over the window's
+    pages alone (``window_dense``, a window row), and beside the default (``beside``)."""
+    xla = {"gather+dense": gather_dense}
+    if window_dense is not None:
+        xla["window pages+dense"] = window_dense
+    if beside:
+        xla.update(_beside_default(op, cache, q, attend))
+    return xla
+
+
 def _beside_default(op: str, cache, q, attend) -> dict:
     """The other kernel of a paged bf16 call as an extra row (GPU only): jaxkv's own where the
     default goes to cuDNN (jaxkv/_cudnn.py), cuDNN's where it goes to jaxkv's (Hopper at head_dim
@@ -884,11 +895,8 @@ def attention_decode_paged(B, N, Hq, H, D, page, layout, iters, target=None, dty
         def attend(i, q, c, implementation):
             return jaxkv.attention.decode(q, c, i % 2, implementation=implementation)
 
-        xla = {"gather+dense": gather_dense}
-        if window is not None:
-            xla["window pages+dense"] = window_dense
-        if eight_bit is None and plain:
-            xla.update(_beside_default("attention.decode", cache, q, attend))
+        xla = _attention_xla(gather_dense, window_dense if window is not None else None,
+                             eight_bit is None and plain, "attention.decode", cache, q, attend)
         return q, cache, kernel, xla
 
     elem, scale = _scale_bytes(dtype, scaling)
@@ -1019,11 +1027,8 @@ def attention_prefill_paged(B, prefix, T, Hq, H, D, page, iters, target=None,
         def attend(i, q, c, implementation):
             return jaxkv.attention.prefill(q, c, i % 2, new, implementation=implementation)
 
-        xla = {"gather+dense": gather_dense}
-        if window is not None:
-            xla["window pages+dense"] = window_dense
-        if dtype is None and plain:
-            xla.update(_beside_default("attention.prefill", cache, q, attend))
+        xla = _attention_xla(gather_dense, window_dense if window is not None else None,
+                             dtype is None and plain, "attention.prefill", cache, q, attend)
         return q, cache, kernel, xla
 
     label = _cache_label(dtype)
