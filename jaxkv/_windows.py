@@ -112,6 +112,22 @@ def end_column(table: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(table >= 0, cols, 0), axis=-1)
 
 
+def matched_run(founds: list, run: jax.Array, group_windows: tuple, page_size: int) -> jax.Array:
+    """int32 ``[B]``: the most pages ``k <= run`` a row can start on from a prefix cache, where
+    ``founds[g]`` (int32 ``[B, K]``, -1: none) are the cached pages of group ``g`` (group 0's
+    chain is whole below ``run``): each window group needs its pages from the first its window
+    sees at position ``k * page_size`` (``first_kept_column``) to ``k``, a full-attention group
+    all of them."""
+    b, k = founds[0].shape
+    ks = jnp.arange(k + 1, dtype=jnp.int32)
+    ok = ks[None, :] <= run[:, None]
+    for found, window in zip(founds[1:], group_windows[1:]):
+        have = jnp.pad(jnp.cumsum(found >= 0, axis=1, dtype=jnp.int32), ((0, 0), (1, 0)))
+        first = first_kept_column(ks * page_size, window, page_size)
+        ok &= (have[:, ks] - have[:, first]) == ks - first
+    return jnp.max(jnp.where(ok, ks[None, :], 0), axis=1)
+
+
 def max_pages_held(window: int, tokens: int, page_size: int) -> int:
     """The most pages a row of a ``window`` group holds while ``tokens`` are appended at once:
     ``ceil((window + tokens) / page_size) + 1``."""

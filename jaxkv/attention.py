@@ -109,8 +109,9 @@ def _source(op: str, cache, layer_idx) -> _Source:
     if getattr(cache, "scaling", None) is None:
         return src
     if cache.scaling == "per_tensor":  # a manager's layer_idx is a static int, checked above
+        # the layer's own scales (a windowed paged cache's src.layer is a slot of its group)
         layer = (layer_idx if isinstance(cache, KVCacheManager)
-                 else jnp.clip(src.layer, 0, cache.num_layers - 1))
+                 else jnp.clip(jnp.asarray(layer_idx, jnp.int32), 0, cache.num_layers - 1))
         return dataclasses.replace(src, scaling="per_tensor", k_scales=cache.k_scales[layer],
                                    v_scales=cache.v_scales[layer])
     ks, vs = cache.k_scales, cache.v_scales

@@ -6,9 +6,13 @@
 swapping runs under ``jit`` with no host round trip.
 
 A swapped row keeps its length; its own device pages go back to the pool and leave its page table
-(a prefix it shares with other rows stays), so nothing reads or writes memory it no longer owns:
+(the pages it shares with other rows stay), so nothing reads or writes memory it no longer owns:
 ``append``, ``reserve``, ``commit``, ``fork`` and attention see a row on the host and report it.
-Its host pages are listed in ``HostPages.table`` at the positions of the pages they hold.
+Its host pages are listed in ``HostPages.table`` at the positions of the pages they hold. With
+``windows`` (``jaxkv._windows``) each layer group has its own page table: the host table is as
+wide as all of them side by side (the "wide table", ``_wide_table``), so a row's pages of every
+group move in one transfer and come back to the same columns of the same groups' tables; a
+window group's columns its window released hold nothing and move nothing.
 
 Data moves in one custom call per direction (and pool pair) for every page and layer of a
 call: a host page holds the page's K and V of every layer in one contiguous block (the host
@@ -49,13 +53,14 @@ class HostPages:
     pages: jax.Array
     scales: Any  # host memory: [num_host_pages, 2, *page scales] (an 8-bit cache's), else None
     ref_counts: jax.Array  # int32 [num_host_pages]: 1 where a swapped row holds the page
-    # int32 [max_batch, max_pages_per_seq]: a swapped row's host pages at the positions of the
-    # pages it moved; the shared pages it kept on the device (a prefix) stay in its page table
+    # int32 [max_batch, groups * max_pages_per_seq] (one group without windows): a swapped row's
+    # host pages at the positions of the pages it moved in the wide table (``_wide_table``); the
+    # shared pages it kept on the device stay in its page tables
     table: jax.Array
     # Overlapped transfers (``overlap=True``), until ``settle``: int32 [num_pages] the holds of
     # swap_outs still reading each device page (a count: a page matched into another row while in
-    # flight can go out again), and int32 [max_batch, max_pages_per_seq] the device pages a
-    # swap_in writes, at the row's positions (the row stays on the host meanwhile)
+    # flight can go out again), and int32 like ``table`` the device pages a swap_in writes, at
+    # the row's positions (the row stays on the host meanwhile)
     outgoing: jax.Array
     incoming: jax.Array
 
@@ -81,10 +86,11 @@ class HostPages:
 
 
 def empty(num_pages: int, device_pool: jax.Array, layout: str, scaled: bool, max_batch: int,
-          max_pages_per_seq: int, num_device_pages: int, sharding=None) -> HostPages:
+          width: int, num_device_pages: int, sharding=None) -> HostPages:
     """An empty host tier: every host page free, no row swapped; its pages of ``device_pool``'s
     shape and dtype, in the host memory of its device (with ``sharding``, a ``CacheSharding``:
-    of its devices, each batch shard's share of the host pages in its own device's host memory)."""
+    of its devices, each batch shard's share of the host pages in its own device's host memory).
+    ``width``: the columns of a row's host table, its wide table's (``_wide_table``)."""
     axis, pool_shape = PAGE_AXIS[layout], device_pool.shape
     page = pool_shape[:axis] + pool_shape[axis + 1:]
     roles = host_roles(layout, scaled)
@@ -103,7 +109,7 @@ def empty(num_pages: int, device_pool: jax.Array, layout: str, scaled: bool, max
             return jnp.full(shape, fill, dtype)
         return sharding.full(shape, fill, dtype, roles[name])
 
-    rows = (max_batch, max_pages_per_seq)
+    rows = (max_batch, width)
     return HostPages(pages=host("pages", page, device_pool.dtype),
                      scales=host("scales", page[:3], jnp.float32) if scaled else None,
                      ref_counts=state("ref_counts", (num_pages,), 0),
@@ -192,15 +198,30 @@ def _move_to_device(cache, src, dst, overlap: bool = False):
     return dataclasses.replace(cache, host=host)
 
 
-def _moves(table: jax.Array, start: jax.Array, counts: jax.Array, moved: jax.Array,
-           first: jax.Array, free_ids: jax.Array, max_pages: int, limit: int):
-    """The transfer's page pairs: slot ``first[b] + j`` moves page ``table[b, start[b] + j]`` to
-    ``free_ids[first[b] + j]``, for ``j < counts[b]`` of each moved row. Returns ``(src, dst,
-    new_rows)``: ``src``, ``dst`` int32 ``[max_pages]`` (unused entries: ``dst = limit``, out of
-    range), ``new_rows`` each moved row's destination pages laid out like ``table``."""
-    j = jnp.arange(table.shape[1], dtype=jnp.int32)[None, :] - start[:, None]
-    live = moved[:, None] & (j >= 0) & (j < counts[:, None])
-    slot = jnp.where(live, first[:, None] + j, max_pages)
+def _wide_table(cache) -> jax.Array:
+    """int32 ``[max_batch, groups * max_pages_per_seq]``: every layer group's page table side by
+    side (the page table itself without windows), laid out like ``HostPages.table``."""
+    tables = cache._tables()
+    return tables[0] if len(tables) == 1 else jnp.concatenate(tables, axis=1)
+
+
+def _with_wide_table(cache, wide: jax.Array) -> dict:
+    """The cache's fields holding ``wide`` (``_wide_table``'s layout) split back into the groups'
+    page tables, for ``dataclasses.replace``."""
+    groups = wide.shape[1] // cache.max_pages_per_seq
+    return cache._with_tables([wide] if groups == 1 else jnp.split(wide, groups, axis=1))
+
+
+def _moves(table: jax.Array, live: jax.Array, first: jax.Array, free_ids: jax.Array,
+           max_pages: int, limit: int):
+    """The transfer's page pairs: row ``b``'s pages ``table[b, j]`` where ``live[b, j]``, in
+    column order, take slots ``first[b]``, ``first[b] + 1``, ... of the transfer, each moving
+    to ``free_ids`` at its slot. The columns need not be adjacent (a window group's released
+    ones, a shared page kept). Returns ``(src, dst, new_rows)``: ``src``, ``dst`` int32
+    ``[max_pages]`` (unused entries: ``dst = limit``, out of range), ``new_rows`` each moved
+    row's destination pages laid out like ``table``."""
+    rank = jnp.cumsum(live, axis=1, dtype=jnp.int32) - 1
+    slot = jnp.where(live, first[:, None] + rank, max_pages)
     src = jnp.zeros((max_pages,), jnp.int32).at[slot].set(table, mode="drop")
     new_rows = jnp.where(live, free_ids[jnp.clip(slot, 0, free_ids.shape[0] - 1)], NO_PAGE)
     dst = jnp.full((max_pages,), limit, jnp.int32).at[slot].set(new_rows, mode="drop")
@@ -214,28 +235,30 @@ def _budget(need: jax.Array, eligible: jax.Array, max_pages: int) -> jax.Array:
 
 
 def swap_out(op: str, cache, rows: jax.Array, max_pages: int, overlap: bool):
-    """``PagedKVCache.swap_out``'s body (arguments checked). A row's leading pages that another
-    row also holds (a forked or matched prefix) stay on the device, held by the row: moving them
-    would free nothing and bring them back unshared. Overlapped, the pages moved stay held
-    (``outgoing``) until ``settle``."""
+    """``PagedKVCache.swap_out``'s body (arguments checked). A row's pages that another row also
+    holds (a forked or matched prefix) stay on the device, held by the row: moving them would
+    free nothing and bring them back unshared. Every other page the row holds, in any layer
+    group, moves. Overlapped, the pages moved stay held (``outgoing``) until ``settle``."""
     host = cache.host
-    held = cache.pages_held
     on_host = host.on_host
-    table = cache.page_table
+    table = _wide_table(cache)
     # held by another row: an in-flight swap_out's hold (outgoing) is not a row
     holders = cache.ref_counts - host.outgoing
-    shared = (table >= 0) & (holders[jnp.clip(table, 0, cache.num_pages - 1)] > 1)
-    kept = jnp.sum(jnp.cumprod(shared, axis=1), axis=1, dtype=jnp.int32)
-    own = held - kept
+    shared = holders[jnp.clip(table, 0, cache.num_pages - 1)] > 1
+    # Asked page by page: in the wide table a row's pages are no prefix (a window group's row
+    # holds none before its window) and every group's table has its own shared run. Without
+    # windows, the shared pages are the row's leading ones, as before.
+    mine = (table >= 0) & ~shared
+    own = jnp.sum(mine, axis=1, dtype=jnp.int32)
     check(~rows | (~on_host & (own > 0)),
           f"{op}: a selected row is already on the host or holds no pages of its own (nothing "
           "moved)")
     eligible = _budget(own, rows & ~on_host & (own > 0), max_pages)
     host_counts, swapped, first, free_ids, index = _allocate_host(cache, own, eligible)
-    src, dst, host_rows = _moves(table, kept, own, swapped, first, free_ids, max_pages,
+    src, dst, host_rows = _moves(table, swapped[:, None] & mine, first, free_ids, max_pages,
                                  host.num_pages)
     # The pages moved go back to the pool (after the transfer, if overlapped); the shared
-    # prefix stays in the page table.
+    # ones stay in the page tables.
     gone = host_rows >= 0
     moved = jnp.where(gone, table, cache.num_pages)
     ref_counts, outgoing = cache.ref_counts, host.outgoing
@@ -248,8 +271,8 @@ def swap_out(op: str, cache, rows: jax.Array, max_pages: int, overlap: bool):
                                table=jnp.where(swapped[:, None], host_rows, host.table))
     return dataclasses.replace(
         cache, host=host, prefix_cache=index, ref_counts=ref_counts,
-        page_table=jnp.where(gone, NO_PAGE, table),
-        new_tokens=jnp.where(swapped, 0, cache.new_tokens)), swapped
+        new_tokens=jnp.where(swapped, 0, cache.new_tokens),
+        **_with_wide_table(cache, jnp.where(gone, NO_PAGE, table))), swapped
 
 
 def _allocate_host(cache, need: jax.Array, eligible: jax.Array):
@@ -262,8 +285,9 @@ def _allocate_host(cache, need: jax.Array, eligible: jax.Array):
 
 
 def swap_in(op: str, cache, rows: jax.Array, max_pages: int, overlap: bool):
-    """``PagedKVCache.swap_in``'s body (arguments checked). Overlapped, the rows stay on the
-    host, their new pages in ``incoming``, until ``settle``."""
+    """``PagedKVCache.swap_in``'s body (arguments checked): a row's host pages come back to new
+    device pages at their columns of the wide table (``_wide_table``). Overlapped, the rows stay
+    on the host, their new pages in ``incoming``, until ``settle``."""
     host = cache.host
     waiting = host.on_host & ~host.arriving
     check(~rows | waiting,
@@ -272,37 +296,38 @@ def swap_in(op: str, cache, rows: jax.Array, max_pages: int, overlap: bool):
     eligible = _budget(held, rows & waiting, max_pages)
     cache, ref_counts, served, first, free_ids = cache._allocate(held, eligible)
     host = cache.host  # an eviction's spill wrote the host pool
-    src, dst, device_rows = _moves(host.table, cache.pages_held, held, served, first, free_ids,
-                                   max_pages, cache.num_pages)
+    src, dst, device_rows = _moves(host.table, served[:, None] & (host.table >= 0), first,
+                                   free_ids, max_pages, cache.num_pages)
     cache = _move_to_device(cache, src, dst, overlap)
     host = cache.host
     if overlap:
         host = dataclasses.replace(host, incoming=jnp.where(served[:, None], device_rows,
                                                             host.incoming))
         return dataclasses.replace(cache, host=host, ref_counts=ref_counts), served
-    cache = dataclasses.replace(
-        cache, host=released(host, served), ref_counts=ref_counts,
-        page_table=jnp.where(device_rows >= 0, device_rows, cache.page_table))
+    table = jnp.where(device_rows >= 0, device_rows, _wide_table(cache))
+    cache = dataclasses.replace(cache, host=released(host, served), ref_counts=ref_counts,
+                                **_with_wide_table(cache, table))
     return cache, served
 
 
 def settle(cache):
     """``PagedKVCache.settle_swaps``' body: waits for the overlapped transfers, then frees the
-    device pages swapped out and puts the rows swapped in back on their pages."""
+    device pages swapped out and puts the rows swapped in back on their pages (in every layer
+    group's table)."""
     host = cache.host
-    # Fenced: the allocator state and page table, from which every later use of these pages is
+    # Fenced: the allocator state and page tables, from which every later use of these pages is
     # computed, after the transfers (their pools read by the fence).
     pools = [cache.k_pages, cache.v_pages, host.pages]
     if host.scales is not None:
         pools += [cache.k_scales, cache.v_scales, host.scales]
-    ref_counts, page_table = _fence((cache.ref_counts, cache.page_table), pools)
+    ref_counts, table = _fence((cache.ref_counts, _wide_table(cache)), pools)
     incoming, outgoing, arrived = host.incoming, host.outgoing, host.arriving
     host = dataclasses.replace(host, incoming=jnp.full_like(incoming, NO_PAGE),
                                outgoing=jnp.zeros_like(outgoing))
     return dataclasses.replace(
         cache, host=released(host, arrived),
         ref_counts=ref_counts - outgoing,
-        page_table=jnp.where(incoming >= 0, incoming, page_table))
+        **_with_wide_table(cache, jnp.where(incoming >= 0, incoming, table)))
 
 
 def released(host: HostPages, mask: jax.Array) -> HostPages:

@@ -28,6 +28,13 @@ page, so a page is used at least as recently as any of its descendants.
 With a host tier (``jaxkv.host_tier``) the index has an entry per device page and then one per
 host page: entry ``num_pages + h`` is host page ``h``. A chain may run through both tiers (its
 parents are entry ids), and ``move`` carries an entry from one tier to the other.
+
+With sliding-window layers (``PagedKVCache.create(windows=...)``) each layer group has pages of
+its own for the same tokens. Group 0's pages form the chains above (the anchor); a page of group
+``g >= 1`` records its group and, as its parent, group 0's page of the same depth: its "twin"
+of the anchor chain, so a page found through an exact anchor is exact too, and unindexing an
+anchor page unindexes its twins. A window group's pages are found one by one under the anchor:
+a match needs them only for the positions its window still sees (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -59,6 +66,9 @@ class PageIndex:
     used: jax.Array  # int32 [num_pages]: when last matched or inserted (a per-call clock)
     # int32 [num_pages]: the namespace an indexed page (and its whole chain) belongs to
     namespace: jax.Array
+    # int32 [num_pages]: the layer group an indexed page belongs to (0: the anchor chains);
+    # a page of group g >= 1 hangs under group 0's page of the same depth
+    group: jax.Array
 
     @staticmethod
     def empty(num_pages: int, page_size: int, full) -> "PageIndex":
@@ -68,7 +78,8 @@ class PageIndex:
                          parent=full((num_pages,), jnp.int32, ROOT),
                          depth=full((num_pages,), jnp.int32, UNINDEXED),
                          used=full((num_pages,), jnp.int32, 0),
-                         namespace=full((num_pages,), jnp.int32, 0))
+                         namespace=full((num_pages,), jnp.int32, 0),
+                         group=full((num_pages,), jnp.int32, 0))
 
     @property
     def indexed(self) -> jax.Array:
@@ -110,7 +121,8 @@ def move(index: PageIndex, src: jax.Array, dst: jax.Array) -> PageIndex:
         parent=moved.parent.at[d].set(take(moved.parent), mode="drop"),
         depth=moved.depth.at[d].set(take(index.depth), mode="drop"),
         used=moved.used.at[d].set(take(index.used), mode="drop"),
-        namespace=moved.namespace.at[d].set(take(index.namespace), mode="drop"))
+        namespace=moved.namespace.at[d].set(take(index.namespace), mode="drop"),
+        group=moved.group.at[d].set(take(index.group), mode="drop"))
 
 
 # --- hashing -----------------------------------------------------------------------------------
@@ -123,9 +135,11 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def chain_hashes(pages: jax.Array, namespace: jax.Array | None = None) -> jax.Array:
+def chain_hashes(pages: jax.Array, namespace: jax.Array | None = None,
+                 group: int = 0) -> jax.Array:
     """uint32 ``[B, K]``: hash of pages ``0 .. k`` of each row, from token ids ``[B, K, S]``,
-    under each row's ``namespace`` (int32 ``[B]``; None: 0).
+    under each row's ``namespace`` (int32 ``[B]``; None: 0), for the pages of layer ``group``
+    (folded in as the namespace is: group 0 adds nothing).
 
     A sum of mixed (token, position) words: order-sensitive, and a prefix sum over pages, so
     every (row, page) is hashed at once rather than one page after the other. The namespace is
@@ -137,6 +151,8 @@ def chain_hashes(pages: jax.Array, namespace: jax.Array | None = None) -> jax.Ar
     words = _mix(pages.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) + position + jnp.uint32(1))
     hashes = jnp.cumsum(_mix(jnp.sum(words, axis=-1, dtype=jnp.uint32)), axis=1,
                         dtype=jnp.uint32)
+    if group:
+        hashes = hashes + _mix(jnp.uint32(group) * jnp.uint32(0x27D4EB2F))
     if namespace is None:
         return hashes
     return hashes + _mix(namespace.astype(jnp.uint32) * jnp.uint32(0x85EBCA77))[:, None]
@@ -152,6 +168,29 @@ def lookup(index: PageIndex, pages: jax.Array, hashes: jax.Array, limit: jax.Arr
     **Returns** ``(found, run)``: ``found`` int32 ``[B, K]``, the indexed page of the row's
     namespace holding (row, k)'s tokens whose chain hash agrees (or -1); ``run`` int32 ``[B]``,
     the pages from the first that ``found`` walks parent to child, below ``limit``."""
+    b, k, _ = pages.shape
+    found = _candidates(index, pages, hashes, namespace, 0)
+    before = jnp.concatenate([jnp.full((b, 1), ROOT, jnp.int32), found[:, :-1]], axis=1)
+    linked = ((found >= 0) & (index.parent[jnp.maximum(found, 0)] == before)
+              & (jnp.arange(k)[None, :] < limit[:, None]))
+    run = jnp.sum(jnp.cumprod(linked, axis=1), axis=1, dtype=jnp.int32)
+    return found, run
+
+
+def twins(index: PageIndex, pages: jax.Array, hashes: jax.Array, anchors: jax.Array,
+          namespace: jax.Array | None, group: int) -> jax.Array:
+    """int32 ``[B, K]``: layer ``group``'s indexed page holding (row, k)'s tokens under the
+    anchor page ``anchors[b, k]`` (group 0's page of that depth, found by ``lookup``; -1:
+    none), or -1. ``hashes``: ``chain_hashes`` of ``pages`` for ``group``."""
+    found = _candidates(index, pages, hashes, namespace, group)
+    return jnp.where((found >= 0) & (anchors >= 0)
+                     & (index.parent[jnp.maximum(found, 0)] == anchors), found, -1)
+
+
+def _candidates(index: PageIndex, pages: jax.Array, hashes: jax.Array,
+                namespace: jax.Array | None, group: int) -> jax.Array:
+    """int32 ``[B, K]``: an indexed page of ``group`` and the row's namespace at depth k holding
+    (row, k)'s tokens with chain hash ``hashes[b, k]``, or -1 (its parent not yet compared)."""
     num_pages = index.depth.shape[0]
     b, k, _ = pages.shape
     key = jnp.where(index.indexed, index.chain_hash, jnp.uint32(0xFFFFFFFF))
@@ -165,15 +204,10 @@ def lookup(index: PageIndex, pages: jax.Array, hashes: jax.Array, limit: jax.Arr
     level = jnp.arange(k, dtype=jnp.int32)[None, :, None]
     space = jnp.zeros((b,), jnp.int32) if namespace is None else namespace
     same = (in_range & (sorted_key[slot] == hashes[..., None]) & (index.depth[cand] == level)
-            & (index.namespace[cand] == space[:, None, None])
+            & (index.namespace[cand] == space[:, None, None]) & (index.group[cand] == group)
             & jnp.all(index.tokens[cand] == pages[:, :, None, :], axis=-1))
-    found = jnp.where(jnp.any(same, -1),
-                      jnp.take_along_axis(cand, jnp.argmax(same, -1)[..., None], -1)[..., 0], -1)
-    before = jnp.concatenate([jnp.full((b, 1), ROOT, jnp.int32), found[:, :-1]], axis=1)
-    linked = ((found >= 0) & (index.parent[jnp.maximum(found, 0)] == before)
-              & (jnp.arange(k)[None, :] < limit[:, None]))
-    run = jnp.sum(jnp.cumprod(linked, axis=1), axis=1, dtype=jnp.int32)
-    return found, run
+    return jnp.where(jnp.any(same, -1),
+                     jnp.take_along_axis(cand, jnp.argmax(same, -1)[..., None], -1)[..., 0], -1)
 
 
 def _clock(index: PageIndex) -> jax.Array:
@@ -215,13 +249,14 @@ def row_ok(op: str, tokens: jax.Array, num_tokens: jax.Array, capacity: int,
 
 # --- unindexing ---------------------------------------------------------------------------------
 def unindex(index: PageIndex, pages: jax.Array, max_depth: int) -> PageIndex:
-    """``pages`` (bool ``[num_pages]``) and every page descending from one of them leave the
-    index. Pointer jumping: ``ceil(log2(max_depth))`` rounds, each a gather over the pages."""
+    """``pages`` (bool ``[num_pages]``) and every page descending from one of them (a twin of a
+    layer group too) leave the index. Pointer jumping: ``ceil(log2(max_depth + 1))`` rounds,
+    each a gather over the pages (a twin is one edge below its anchor)."""
     num_pages = index.depth.shape[0]
     ids = jnp.arange(num_pages, dtype=jnp.int32)
     up = jnp.where(index.indexed & (index.parent >= 0), index.parent, ids)  # roots: themselves
     gone = pages
-    for _ in range(max(1, math.ceil(math.log2(max(max_depth, 2))))):
+    for _ in range(max(1, math.ceil(math.log2(max_depth + 1)))):
         gone = gone | gone[up]
         up = up[up]
     return dataclasses.replace(index, depth=jnp.where(gone, UNINDEXED, index.depth))
@@ -292,6 +327,7 @@ def insert(index: PageIndex, page_table: jax.Array, pages: jax.Array, full: jax.
         depth=index.depth.at[target].set(jnp.broadcast_to(level, (b, k)), mode="drop"),
         namespace=index.namespace.at[target].set(jnp.broadcast_to(space[:, None], (b, k)),
                                                  mode="drop"),
+        group=index.group.at[target].set(0, mode="drop"),
     )
     # Exactness, whatever the hashes did: each row's chain must walk from ROOT through pages
     # of its namespace holding its own token ids, level by level. A row whose chain does not (a
@@ -312,6 +348,42 @@ def insert(index: PageIndex, page_table: jax.Array, pages: jax.Array, full: jax.
     return touch(index, used_chain)
 
 
+def insert_twins(index: PageIndex, page_table: jax.Array, pages: jax.Array, anchors: jax.Array,
+                 namespace: jax.Array | None, group: int) -> PageIndex:
+    """Indexes layer ``group``'s pages ``page_table[b, k]`` (holding the tokens ``pages[b, k]``)
+    as twins of the anchor pages ``anchors[b, k]`` (group 0's chain of the row, as ``lookup``
+    finds it once group 0 is inserted; -1 where there is none), skipping a twin already indexed
+    and a page the row does not hold (released by its window). One twin per anchor: rows adding
+    one in the same call (the same prompt twice) index the first row's page."""
+    num_pages = index.depth.shape[0]
+    b, k, _ = pages.shape
+    hashes = chain_hashes(pages, namespace, group)
+    own = page_table[:, :k]
+    have = twins(index, pages, hashes, anchors, namespace, group)
+    want = ((anchors >= 0) & (have < 0) & (own >= 0) & (own < num_pages)
+            & ~index.indexed[jnp.clip(own, 0, num_pages - 1)])
+    # the first (row, depth) naming an anchor, and a physical page, wins it
+    order = jnp.arange(b * k, dtype=jnp.int32).reshape(b, k)
+    for ids in (anchors, own):
+        flat = jnp.where(want, ids, num_pages)
+        claim = jnp.full((num_pages + 1,), b * k, jnp.int32).at[flat].min(order)
+        want = want & (claim[flat] == order)
+    target = jnp.where(want, own, num_pages)
+    space = jnp.zeros((b,), jnp.int32) if namespace is None else namespace
+    index = dataclasses.replace(
+        index,
+        tokens=index.tokens.at[target].set(pages, mode="drop"),
+        chain_hash=index.chain_hash.at[target].set(hashes, mode="drop"),
+        parent=index.parent.at[target].set(anchors, mode="drop"),
+        depth=index.depth.at[target].set(
+            jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k)), mode="drop"),
+        namespace=index.namespace.at[target].set(jnp.broadcast_to(space[:, None], (b, k)),
+                                                 mode="drop"),
+        group=index.group.at[target].set(group, mode="drop"),
+    )
+    return touch(index, jnp.where(want, own, have))
+
+
 # --- auditing (on the host) ---------------------------------------------------------------------
 def cross_namespace_entries(index: PageIndex, shards: int = 1) -> int:
     """Indexed entries whose chain (the entry and its parents up to ``ROOT``) is not whole
@@ -321,16 +393,18 @@ def cross_namespace_entries(index: PageIndex, shards: int = 1) -> int:
     tests. ``shards``: the batch shards of a sharded cache (each indexes its own pages, with
     parent ids of its own: its block of the entries is audited on its own)."""
     blocks = [np.asarray(x).reshape(shards, -1)
-              for x in (index.depth, index.parent, index.namespace)]
+              for x in (index.depth, index.parent, index.namespace, index.group)]
     bad = 0
-    for depth, parent, space in zip(*blocks):
+    for depth, parent, space, group in zip(*blocks):
         n = depth.shape[0]
         indexed = depth != UNINDEXED
         up = np.clip(parent, 0, n - 1)
-        at_root = parent == ROOT
+        at_root = (parent == ROOT) & (group == 0)
+        # a chain's edge is one level up in group 0; a twin's, group 0's page of its depth
+        above = np.where(group == 0, depth - 1, depth)
         edge_ok = np.where(at_root, depth == 0,
-                           (parent >= 0) & (parent < n) & indexed[up]
-                           & (depth[up] == depth - 1) & (space[up] == space))
+                           (parent >= 0) & (parent < n) & indexed[up] & (group[up] == 0)
+                           & (depth[up] == above) & (space[up] == space))
         broken = indexed & ~edge_ok
         # a broken edge anywhere above an entry breaks its chain: pointer jumping to the root
         jump = np.where(indexed & ~at_root & edge_ok, up, np.arange(n))

@@ -147,8 +147,8 @@ class PagedKVCache:
         page table and one pool and allocator for all: the pools are
         ``[slots, ...]`` with ``slots`` the layers of a group, and ``num_pages`` pages serve every
         group. ``jaxkv.attention`` reads a layer with its window by default. Not yet with
-        ``prefix_cache``, ``host_pages`` or ``scaling="per_tensor"``. With ``sharding``, every
-        group's table splits by batch like ``page_table``.
+        ``prefix_cache`` and ``host_pages`` together. With ``sharding``, every group's table
+        splits by batch like ``page_table``.
         """
         op = "PagedKVCache.create"
         dims = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
@@ -166,11 +166,9 @@ class PagedKVCache:
         windows = _windows.check_windows(op, windows, num_layers)
         slots = num_layers
         if windows is not None:
-            unsupported = dict(prefix_cache=prefix_cache, host_pages=host_pages,
-                               per_tensor=scaling == "per_tensor")
-            named = [k for k, v in unsupported.items() if v]
-            if named:
-                raise ValueError(f"{op}: windows are not yet supported with {', '.join(named)}")
+            if prefix_cache and host_pages:
+                raise ValueError(f"{op}: windows are not yet supported with prefix_cache and "
+                                 "host_pages together (either one works)")
             slots = _windows.groups(windows).slots
         shape = pool_shape(layout, slots, num_kv_heads, num_pages, page_size, head_dim)
         rows = ((max_batch,), jnp.int32, 0)
@@ -200,9 +198,11 @@ class PagedKVCache:
                        windows=windows)
         if not host_pages:
             return cache
+        # a row's host pages: a table as wide as every group's tables side by side
+        width = max_pages_per_seq * len(cache._tables())
         cache = dataclasses.replace(cache, host=host_tier.empty(
             host_pages, cache.k_pages, layout, scaling == "per_token_head", max_batch,
-            max_pages_per_seq, num_pages, sharding))
+            width, num_pages, sharding))
         if sharding is None and not isinstance(cache.k_pages, jax.core.Tracer):
             # The host pools are committed to their device (placed in its host memory), and a
             # jit's outputs are committed when an input is: the other leaves committed too, the
@@ -771,6 +771,9 @@ class PagedKVCache:
         that found a page shares it. Rows bring theirs in slot order while the transfer and the
         device pool have room; a row past them matches up to its first host page that does not
         come back.
+
+        With ``windows``, a window group needs its cached pages only from the first one its
+        window sees at the matched length, and the row gets only those (docs/hybrid-caches.md).
         """
         op = "PagedKVCache.match_prefix"
         index = self._index_args(op, tokens, num_tokens, namespace)
@@ -788,25 +791,37 @@ class PagedKVCache:
         limit = jnp.where(ok, (num_tokens - 1) // size, 0)
         found, run = page_index.lookup(index, pages, page_index.chain_hashes(pages, namespace),
                                        limit, namespace)
-        cache = self
+        cache, cols = self, jnp.arange(k)[None, :]
         if index.entries > self.num_pages:  # pages found on the host come back to the device
             cache, found, run = host_tier.bring_back(
                 cache, found, run, self._transfer_size(op, "max_host_pages", max_host_pages, lo=0))
-        else:
-            taken = jnp.arange(k)[None, :] < run[:, None]
-            cache = dataclasses.replace(cache, ref_counts=cache.ref_counts.at[
-                jnp.where(taken, found, self.num_pages)].add(1, mode="drop"))
-        taken = jnp.arange(k)[None, :] < run[:, None]
-        mapped = jnp.where(taken, found, NO_PAGE)
-        width = self.max_pages_per_seq  # a where over whole rows, not an update of a slice
-        wide = jnp.pad(mapped, ((0, 0), (0, width - k)), constant_values=NO_PAGE)
-        page_table = jnp.where(run[:, None] > 0, wide, self.page_table)
+        founds = [found]
+        if self.windows is not None:  # each group's twins of the chain; a run all can start on
+            anchors = jnp.where(cols < run[:, None], found, NO_PAGE)
+            founds += [page_index.twins(index, pages, page_index.chain_hashes(pages, namespace, g),
+                                        anchors, namespace, g)
+                       for g in range(1, len(self._tables()))]
+            run = _windows.matched_run(founds, run, self._group_windows(), size)
         matched = run * size
+        # each group's pages from the first its window sees at the matched length
+        mapped = [jnp.where((cols >= _windows.first_kept_column(matched, w, size)[:, None])
+                            & (cols < run[:, None]), f, NO_PAGE)
+                  for f, w in zip(founds, self._group_windows())]
+        if index.entries == self.num_pages:  # (bring_back counted its own)
+            for m in mapped:
+                cache = dataclasses.replace(cache, ref_counts=cache.ref_counts.at[
+                    jnp.where(m >= 0, m, self.num_pages)].add(1, mode="drop"))
+        width = self.max_pages_per_seq  # a where over whole rows, not an update of a slice
+        tables = [jnp.where(run[:, None] > 0,
+                            jnp.pad(m, ((0, 0), (0, width - k)), constant_values=NO_PAGE), t)
+                  for m, t in zip(mapped, self._tables())]
         now = cache.prefix_cache
         assert now is not None  # _index_args checked it; bring_back keeps it
+        # the whole anchor chain is used (a window group's match stands on it), not only mapped
+        used = jnp.concatenate([jnp.where(cols < run[:, None], found, NO_PAGE), *mapped[1:]], 1)
         cache = dataclasses.replace(
-            cache, page_table=page_table, lengths=jnp.where(run > 0, matched, self.lengths),
-            prefix_cache=page_index.touch(now, mapped))
+            cache, lengths=jnp.where(run > 0, matched, self.lengths),
+            prefix_cache=page_index.touch(now, used), **self._with_tables(tables))
         return cache, matched
 
     @per_shard(tokens=Role(ROWS), num_tokens=Role(ROWS), namespace=Role(ROWS))
@@ -822,7 +837,8 @@ class PagedKVCache:
         index it once (under one namespace; equal tokens under two namespaces are two chains of
         two sets of pages). A row holding pages of another namespace's chain (forked from a row
         of another tenant) does not index them. Bad rows are reported as for ``match_prefix``
-        and index nothing.
+        and index nothing. With ``windows``, each group's pages the row still holds are indexed
+        (a window group's released pages are not: insert after each prefill chunk).
         """
         op = "PagedKVCache.insert_prefix"
         index = self._index_args(op, tokens, num_tokens, namespace)
@@ -836,9 +852,18 @@ class PagedKVCache:
         if pages.shape[1] == 0:
             return self
         full = jnp.where(ok & committed, num_tokens // size, 0)
-        full = jnp.minimum(jnp.minimum(full, self.pages_held), pages.shape[1])
+        held = (paged_ops.pages_held(self.page_table) if self.windows is None
+                else _windows.end_column(self.page_table))
+        full = jnp.minimum(jnp.minimum(full, held), pages.shape[1])
         index = page_index.insert(index, self.page_table, pages, full, self.max_pages_per_seq,
                                   namespace)
+        if self.windows is not None:  # every other group's pages, as twins of the chain
+            found, run = page_index.lookup(index, pages, page_index.chain_hashes(pages, namespace),
+                                           full, namespace)
+            anchors = jnp.where(jnp.arange(pages.shape[1])[None, :] < run[:, None], found,
+                                NO_PAGE)
+            for g, table in enumerate(self._tables()[1:], start=1):
+                index = page_index.insert_twins(index, table, pages, anchors, namespace, g)
         return dataclasses.replace(self, prefix_cache=index)
 
     def _index_args(self, op: str, tokens, num_tokens, namespace) -> page_index.PageIndex:
@@ -893,17 +918,31 @@ class PagedKVCache:
                 layers = [i for i in range(self.num_layers) if groups.group_of[i] == g]
                 layers.sort(key=lambda i: groups.slot_of[i])
                 cache = cache._appended_to(op, table, 0, k[jnp.asarray(layers)],
-                                           v[jnp.asarray(layers)], new_lengths)
+                                           v[jnp.asarray(layers)], new_lengths,
+                                           jnp.asarray(layers, jnp.int32))
             return cache
-        table, slot, _ = self.route(op, layer_idx) if k.ndim != 5 else (self.page_table, 0, None)
-        return self._appended_to(op, table, slot, k, v, new_lengths)
+        if k.ndim == 5:
+            return self._appended_to(op, self.page_table, 0, k, v, new_lengths)
+        table, slot, _ = self.route(op, layer_idx)
+        slot_layers = None
+        if self.windows is not None and self.scaling == "per_tensor":
+            layer = jnp.clip(jnp.asarray(layer_idx, jnp.int32), 0, self.num_layers - 1)
+            slot_layers = jnp.broadcast_to(layer, (_windows.groups(self.windows).slots,))
+        return self._appended_to(op, table, slot, k, v, new_lengths, slot_layers)
 
-    def _appended_to(self, op, table, slot, k, v, new_lengths) -> "PagedKVCache":
-        """The append kernel's call on one page table (a layer group's) and pool slot."""
+    def _appended_to(self, op, table, slot, k, v, new_lengths, layers=None) -> "PagedKVCache":
+        """The append kernel's call on one page table (a layer group's) and pool slot.
+        ``layers``: int32 ``[slots]``, the layer each pool slot holds in this call (a windowed
+        cache's per-tensor scales are per layer, its pools per slot)."""
+        scales = quantization.scales_of(self)
+        per_layer = self.scaling == "per_tensor" and self.windows is not None
+        if per_layer:  # the kernel reads the scale of the slot it writes
+            scales = (self.k_scales[layers], self.v_scales[layers], False)
         k_pages, v_pages, k_scales, v_scales = paged_ops.append_tokens(
             op, self.k_pages, self.v_pages, table, self.lengths, slot, k, v, new_lengths,
-            self.layout, quantization.scales_of(self))
-        scales = dict(k_scales=k_scales, v_scales=v_scales) if self.scaling else {}
+            self.layout, scales)
+        kept = self.scaling is not None and not per_layer  # per tensor: scales are not written
+        scales = dict(k_scales=k_scales, v_scales=v_scales) if kept else {}
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages, **scales)
 
     @per_shard(k=Role(KV_LAYERS), v=Role(KV_LAYERS), new_lengths=Role(ROWS))

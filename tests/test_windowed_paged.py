@@ -202,6 +202,35 @@ def test_a_query_reaching_released_pages_is_reported():
         lambda c: jaxkv.attention.decode(q, c, 0, window=None, kv_lengths=jnp.array([8])))(c)[0].get()
 
 
+def test_per_tensor_scales_stay_with_their_layer():
+    """An 8-bit cache with one scale per layer: a window layer's slot in its group is not its
+    layer index, yet each layer writes and reads with its own scale: the windowed cache equals
+    one without windows read with the same windows."""
+    windows, scales = (3, None, 3, None), jnp.array([0.5, 1.0, 2.0, 4.0], jnp.float32)
+    make = functools.partial(jaxkv.PagedKVCache.create, 4, 48, PAGE, H, D, 2, 8, jnp.int8, "NHD",
+                             scaling="per_tensor", k_scale=scales, v_scale=scales / 2)
+    hybrid, plain = make(windows=windows), make()
+    qd = jnp.asarray(_rng.standard_normal((2, 2 * H, D)), jnp.bfloat16)
+    for n in ([6, 2], [1, 1], [1, 3]):
+        n = jnp.asarray(n, jnp.int32)
+        kv = jnp.asarray(_rng.standard_normal((2, 4, 2, H, 3, D)) * 4, jnp.float32)
+        caches = []
+        for c in (hybrid, plain):
+            c, _ = c.reserve(n)
+            c = c.append_layers(kv[0], kv[1], n)
+            c = c.append(1, kv[0, 1], kv[1, 1], n)  # one layer again: the same values
+            caches.append(c.commit(n))
+        hybrid, plain = caches
+        for i, w in enumerate(windows):
+            np.testing.assert_array_equal(
+                jaxkv.attention.decode(qd, hybrid, i), jaxkv.attention.decode(qd, plain, i,
+                                                                              window=w))
+            for b, length in enumerate(np.asarray(plain.lengths)):
+                lo = 0 if w is None else max(int(length) - w, 0)  # the positions still held
+                np.testing.assert_array_equal(hybrid.gather(i, 16, dtype=jnp.float32)[b, ..., lo:, :],
+                                              plain.gather(i, 16, dtype=jnp.float32)[b, ..., lo:, :])
+
+
 def test_bad_windows_are_trace_time_errors_naming_the_argument():
     make = functools.partial(jaxkv.PagedKVCache.create, 2, 16, PAGE, H, D, 2, 4, jnp.float32)
     bad = [
@@ -209,18 +238,12 @@ def test_bad_windows_are_trace_time_errors_naming_the_argument():
         (dict(windows=(4, 0)), ValueError, "windows[1] must be >= 1"),
         (dict(windows=(4, 2.0)), TypeError, "windows[1] must be None or a Python int"),
         (dict(windows=4), TypeError, "windows must be a sequence"),
-        (dict(windows=(4, None), prefix_cache=True), ValueError,
-         "windows are not yet supported with prefix_cache"),
-        (dict(windows=(4, None), host_pages=4), ValueError,
-         "windows are not yet supported with host_pages"),
+        (dict(windows=(4, None), prefix_cache=True, host_pages=4), ValueError,
+         "windows are not yet supported with prefix_cache and host_pages together"),
     ]
     for kw, exc, msg in bad:
         with pytest.raises(exc, match=re.escape("PagedKVCache.create: " + msg)):
             make(**kw)
-    with pytest.raises(ValueError, match=re.escape("PagedKVCache.create: windows are not yet "
-                                                   "supported with per_tensor")):
-        jaxkv.PagedKVCache.create(2, 16, PAGE, H, D, 2, 4, jnp.int8, scaling="per_tensor",
-                                  windows=(4, None))
     assert make(windows=(None, None)).windows is None  # no window: today's cache
 
 
