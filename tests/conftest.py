@@ -29,11 +29,30 @@ def pytest_configure(config):
         raise pytest.UsageError(f"JAXKV_REQUIRE_GPU is set but the backend is {jax.default_backend()}")
 
 
+def _mark_sweeps_long(items):
+    """A parametrized test's fast part: its parameter sets in collection order while each adds a
+    value of some parameter not yet run ("each choice" coverage: every dtype, kind, layout, size
+    runs once); the other combinations are marked long. Deterministic, so every xdist worker
+    selects the same tests."""
+    seen: dict = {}
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if spec is None or "long" in item.keywords:
+            continue
+        values = {(name, repr(value)) for name, value in spec.params.items()}
+        covered = seen.setdefault((item.module.__name__, item.originalname), set())
+        if values <= covered and covered:
+            item.add_marker(pytest.mark.long)
+        covered |= values
+
+
 def pytest_collection_modifyitems(config, items):
     # README's test command runs the contract; the long runs (marker long: fuzzing, property
-    # sweeps, transformers parity, serving soaks) are the second command, `pytest -m long`. Any
-    # -m expression selects for itself ("long or not long": everything).
-    if not config.option.markexpr:
+    # sweeps, transformers parity, serving soaks, the other combinations of parametrized sweeps)
+    # are the second command, `pytest -m long`. Any -m expression selects for itself ("long or
+    # not long": everything), and so do tests named on the command line (files or ids).
+    _mark_sweeps_long(items)
+    if not config.option.markexpr and not config.option.file_or_dir:
         long = [item for item in items if "long" in item.keywords]
         if long:
             config.hook.pytest_deselected(items=long)

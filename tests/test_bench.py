@@ -28,6 +28,7 @@ def run(tmp_path_factory):
     return report, paths
 
 
+@pytest.mark.long
 def test_json_has_every_number(run):
     report, paths = run
     data = json.loads(paths["json"].read_text())
@@ -72,6 +73,7 @@ def test_json_has_every_number(run):
         assert k["mem_overhead_frac"] is not None
 
 
+@pytest.mark.long
 def test_markdown_table(run):
     report, paths = run
     md = paths["markdown"].read_text()
@@ -96,6 +98,7 @@ def test_markdown_table(run):
         assert "](bench.png)" in md
 
 
+@pytest.mark.long
 def test_peers_are_skipped_with_a_note_off_gpu(run):
     """--peers at CPU size: every case whose work a peer does lists its peers, each skipped with
     the reason (no GPU), none timed; the new paged decode and append_layers cases ran."""
@@ -128,6 +131,7 @@ def test_peers_are_skipped_with_a_note_off_gpu(run):
     assert "skipped (needs a CUDA GPU)" in md
 
 
+@pytest.mark.long
 def test_hybrid_rows_ran_beside_their_full_rows(run):
     """The window, soft-cap and sinks rows ran at CPU size with the full rows they compare with,
     each with its measured ratio in the JSON and the table; the window rows with XLA's read of
@@ -147,6 +151,7 @@ def test_hybrid_rows_ran_beside_their_full_rows(run):
         assert ("window pages+dense" in r["xla"]) == ("window" in r["case"])
 
 
+@pytest.mark.long
 def test_window_decode_step_ran_beside_todays_step(run):
     """A window layer's decode step (reserve releasing, append, commit) and today's, their ratio
     by loop time, each beside the same step with XLA's scatter for the append."""
@@ -431,6 +436,7 @@ def test_minimum_bytes_count_only_moving_live_tokens():
     assert jaxkv.LinearKVCache  # the case runs through the public API
 
 
+@pytest.mark.long
 def test_gpu_sizes_trace(monkeypatch):
     """Every H200-size case traces (abstract inputs: nothing is allocated), so the device run
     cannot stop on a shape or validation error. The paged gather and compaction cases build a
@@ -690,6 +696,7 @@ def test_an_op_of_several_launches_is_timed_as_their_sum():
     assert T.per_op_seconds([], 4) is None
 
 
+@pytest.mark.long
 def test_swap_benchmark_checks_the_bytes_and_reports_against_the_copy(tmp_path):
     """--swap: swap_out and swap_in of scattered rows, each checked byte for byte, beside the
     pinned copy of the same bytes measured in the same run."""

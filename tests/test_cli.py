@@ -53,6 +53,7 @@ def test_an_unreadable_checkpoint_is_an_error_not_a_traceback(tmp_path, capsys):
     assert f"--model {tmp_path}" in capsys.readouterr().err
 
 
+@pytest.mark.long
 def test_demo_says_what_it_compiles_and_counts_requests(capsys):
     assert cli.main(SMALL) == 0
     out = capsys.readouterr().out

@@ -183,6 +183,7 @@ def test_paged_decode_attends_with_pallas_on_gpu_when_asked():
     assert "paged_attention" not in dense.compile()["decode"].as_text()
 
 
+@pytest.mark.long
 def test_pallas_decode_attention_equals_dense():
     """The Pallas reader's view of the pool (one head of L * H * P pages, a page table per
     sequence and head) attends to exactly what the gathered cache holds, in every layer."""

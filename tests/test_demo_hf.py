@@ -8,7 +8,7 @@ import pytest
 
 from jaxkv.demo import caches, cli, hf_loader, loop
 
-pytestmark = pytest.mark.hf
+pytestmark = [pytest.mark.hf, pytest.mark.long]  # transformers parity
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

@@ -374,6 +374,7 @@ def test_attention_beside_a_row_on_the_host_reads_only_the_other_rows(implementa
     assert not np.any(np.asarray(got_prefill[1], np.float32))
 
 
+@pytest.mark.long
 def test_rows_on_the_host_are_reported_and_never_touched():
     """Appending, reserving, committing, forking from or attending over a row on the host is
     reported; its length stays and nothing reads or writes device pages for it."""
@@ -594,6 +595,7 @@ def test_random_operations_agree_with_the_model(seed, overlapped):
                                        f"step {step} layer {layer} row {b}")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("host_pages", [8, 3])
 def test_prefix_cache_pages_evicted_by_swap_in_spill_to_the_host_while_it_has_room(host_pages):
     """swap_in takes device pages as reserve does: never-cached free pages first, then cached
@@ -717,6 +719,7 @@ def prefix_cache(num_pages=8, host_pages=8, page_size=2, max_batch=2, max_pages_
                 **kw)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("how", ["ahead", "on eviction", "no room"])
 def test_spilled_prefix_survives_device_pressure_and_comes_back(how):
     """A cached chain spilled to the host, ahead (spill_prefix) or by reserve's own eviction, is
@@ -752,6 +755,7 @@ def test_host_pages_must_split_evenly_over_the_batch_shards():
         make(host_pages=7, sharding=CacheSharding(mesh, batch="batch"))
 
 
+@pytest.mark.long
 def test_each_batch_shard_spills_and_finds_its_own_prefix_on_the_host():
     """The previous test on a cache split over 2 batch shards (and 2 head shards): each shard
     spills its cached chain to its own host pages, loses its device pool to another row, and
@@ -793,6 +797,7 @@ def test_spill_and_bring_back_keep_bytes_and_scales(dtype, scaling, layout):
             slice(0, 3),)], "three pages back")
 
 
+@pytest.mark.long
 def test_a_traced_count_spills_what_a_transfer_of_that_size_spills():
     """spill_prefix(max_pages, count): one compiled spill moves min(count, what could move)
     pages, the same pages and bytes as a transfer of size count; a negative count is reported
@@ -818,6 +823,7 @@ def test_a_traced_count_spills_what_a_transfer_of_that_size_spills():
         cache.spill_prefix(8, 2**31)  # past int32: named, not numpy's OverflowError
 
 
+@pytest.mark.long
 def test_host_pages_come_back_within_the_budget_and_the_pool():
     tokens = jnp.tile(jnp.arange(8, dtype=jnp.int32), (2, 1))  # both rows: the same prompt
     cache = prefix_cache(num_pages=8, max_batch=2)
@@ -910,6 +916,7 @@ def test_swap_out_evicts_cached_host_pages_least_recently_used():
     assert_rows_hold_their_tokens(cache, tokens)
 
 
+@pytest.mark.long
 def test_random_tiered_prefix_operations_keep_every_invariant():
     """match / insert / spill / reserve+append / release / swap in any order: every row on the
     device reads its own tokens (matched pages included), every indexed entry hangs under an
@@ -1095,6 +1102,7 @@ def test_a_shared_prefix_stays_on_the_device_and_stays_shared():
     assert "no pages of its own" in err.get() and not bool(swapped[2])
 
 
+@pytest.mark.long
 def test_a_row_on_the_host_with_nothing_committed_is_not_empty_for_match():
     """Reserved but not committed, then swapped: length 0, no device page, yet on the host.
     match_prefix must not map cached pages into it (they would leak when it comes back)."""

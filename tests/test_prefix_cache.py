@@ -187,6 +187,7 @@ def test_random_operations_agree_with_the_oracle(seed, S, spaces):
         oracle.assert_equal(cache)
 
 
+@pytest.mark.long
 def test_matched_pages_hold_the_first_rows_data():
     """A second request with the same prompt starts on the first one's pages: gather reads the
     same values, and only the last partial page is new."""
@@ -282,6 +283,7 @@ def test_evicting_a_page_unindexes_the_pages_below_it():
     assert matched.tolist() == [0, 2]
 
 
+@pytest.mark.long
 def test_rows_adding_one_chain_together_index_it_once():
     cache = make(16, 2, 3, 4)
     tokens = jnp.tile(jnp.arange(8, dtype=jnp.int32), (3, 1))
@@ -299,6 +301,7 @@ def test_rows_adding_one_chain_together_index_it_once():
     assert np.asarray(again.prefix_cache.depth).tolist() == depth.tolist()
 
 
+@pytest.mark.long
 def test_bad_rows_are_reported_and_change_nothing():
     cache = make(16, 2, 3, 4)
     tokens = jnp.tile(jnp.arange(8, dtype=jnp.int32), (3, 1))

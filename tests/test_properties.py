@@ -22,6 +22,8 @@ import jaxkv
 
 from helpers import DTYPES, as_bytes, assert_bytes_equal, random_array, ref
 
+pytestmark = pytest.mark.long  # property sweeps (hypothesis): `pytest -m long`
+
 INT32_MAX, INT32_MIN = 2**31 - 1, -(2**31)
 HOSTILE = [INT32_MIN, INT32_MIN + 1, -(2**30), -2, -1, INT32_MAX - 1, INT32_MAX]
 

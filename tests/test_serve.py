@@ -335,6 +335,7 @@ def test_serve_command_reports_and_writes_json(tmp_path, capsys, monkeypatch):
     assert doc["engines"]["paged"]["peak_concurrent"] > doc["engines"]["fixed"]["peak_concurrent"]
 
 
+@pytest.mark.long
 def test_serve_preempt_swap_reports_swaps_and_agrees(tmp_path, capsys, monkeypatch):
     """--preempt swap: the paged engine swaps (and paged-swap always does) under pool pressure;
     the table reports the swaps and bytes moved; the tokens agree with recomputation."""
@@ -381,6 +382,7 @@ def test_serve_is_a_listed_command(capsys):
     assert "serve" in capsys.readouterr().out
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
 def test_an_8bit_cache_holds_more_sequences_in_the_same_budget(tmp_path, capsys, monkeypatch,
                                                                 kv_dtype):
@@ -457,6 +459,7 @@ def test_prefix_caching_reuses_pages_and_generates_what_recomputation_does(strea
     assert eng.cache_copies() == 0
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("stream", [CHAT, SHARED], ids=["chat", "shared"])
 def test_a_burst_waits_for_its_prefix_and_reuses_what_the_oracle_does(stream, monkeypatch):
     """Every request queued at once (chat: all turns of a conversation together): a request
@@ -479,6 +482,7 @@ def test_a_burst_waits_for_its_prefix_and_reuses_what_the_oracle_does(stream, mo
     assert reuse[0] < reuse[on]
 
 
+@pytest.mark.long
 def test_prefix_cache_spills_to_the_host_and_finds_pages_there():
     """A prefix-caching engine with a host tier spills cached pages ahead of eviction and finds
     them on the host later: the same tokens as recomputation, more reuse than without a host
@@ -500,6 +504,7 @@ def test_prefix_cache_spills_to_the_host_and_finds_pages_there():
     assert reuse[32] > reuse[0]
 
 
+@pytest.mark.long
 def test_serve_prefix_cache_flag_reports_reuse(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(M.PRESETS, "tiny", CFG)
     path = tmp_path / "serve.json"
@@ -580,6 +585,7 @@ def test_another_tenant_sending_the_same_prompt_computes_every_token(tenants):
     assert kind.cross_namespace_pages(dataclasses.replace(cache, prefix_cache=crossed)) == 2
 
 
+@pytest.mark.long
 def test_serve_tenants_reports_reuse_per_tenant_and_audits_the_index(tmp_path, capsys,
                                                                     monkeypatch):
     """`serve --stream chat --prefix-cache --tenants 2`: each conversation a tenant's, reuse

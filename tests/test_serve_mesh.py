@@ -16,8 +16,9 @@ from jaxkv.demo import model as M
 from jaxkv.demo import serve as S
 from jaxkv.demo import serve_cli
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 4,
-                                reason="needs 4 devices (CPU: conftest emulates 8)")
+pytestmark = [pytest.mark.long,  # every engine served on meshes: minutes on CPU
+              pytest.mark.skipif(jax.device_count() < 4,
+                                 reason="needs 4 devices (CPU: conftest emulates 8)")]
 
 
 @pytest.fixture(autouse=True)

@@ -637,6 +637,7 @@ def test_readme_sharding_example_runs(capsys):
     assert "'tp'" in capsys.readouterr().out
 
 
+@pytest.mark.long
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices of the default backend")
 def test_bench_devices_measures_sharded_ops_in_place():
     from jaxkv._bench import sharded
@@ -688,6 +689,7 @@ def demo_run(kind, axes=None):
     ("paged", "tp=2"),  # KV heads split (the paged kind goes through every sharded path)
     *((kind, axes) for kind in ("linear", "manager", "paged") for axes in ("dp=2,tp=2", "dp=4")),
 ])
+@pytest.mark.long
 def test_demo_with_a_mesh_generates_the_unsharded_tokens(kind, axes):
     from jaxkv.demo import cli
 
@@ -704,6 +706,7 @@ def test_demo_with_a_mesh_generates_the_unsharded_tokens(kind, axes):
     assert stats.admit_steps > 1 and stats.evictions == 8
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kind", ["linear", "paged"])
 def test_demo_command_with_batch_shards_matches_the_xla_baseline(kind, capsys):
     """The XLA baseline on the same sharded cache (its plain scatters on the sharded leaves; the

@@ -9,6 +9,8 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
 import soak  # noqa: E402
 
+pytestmark = pytest.mark.long  # a soak: `pytest -m long`
+
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_paged_soak(layout):

@@ -98,8 +98,10 @@ def test_a_hit_needs_only_the_pages_its_window_sees():
     assert got == {"windows": [0, 14, 0], "full": [0, 14, 6]}
 
 
-@pytest.mark.parametrize("windows,page_size", [((None, 3, None, 3), 2), ((5, 5), 2),
-                                               ((2, None, 7, 7), 3)])
+@pytest.mark.parametrize("windows,page_size", [
+    ((None, 3, None, 3), 2),
+    pytest.param((5, 5), 2, marks=pytest.mark.long),  # every layer windowed: the anchor a window
+    pytest.param((2, None, 7, 7), 3, marks=pytest.mark.long)])
 def test_random_requests_read_their_own_tokens(windows, page_size):
     """Requests over a few shared prompts: match, prefill in chunks (inserting as they go),
     decode, release, under pressure that evicts cached pages. Every held position reads its own

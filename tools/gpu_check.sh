@@ -69,7 +69,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     test_files "$@"
   else
     # From tests/ so that `import jaxkv` is the installed package, not the source folder.
-    (cd tests && JAXKV_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1) | tee "$OUT/tests.log"
+    # every test, the long runs too (a -m in the arguments comes later and wins)
+    (cd tests && JAXKV_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider -m "long or not long" "$@" 2>&1) | tee "$OUT/tests.log"
     tests_rc=${PIPESTATUS[0]}
     grep -E "^(FAILED|ERROR) |^=* ?[0-9]+ (passed|failed)" "$OUT/tests.log" >>"$OUT/summary.log"
   fi
