@@ -58,6 +58,19 @@ for _platform, _targets in _jaxkv.registrations().items():
         jax.ffi.register_ffi_target(_name, _capsule, platform=_platform)
 
 
+def _check_kernels(target: str) -> None:
+    """A build without the CUDA kernels, run by JAX on a GPU: say why no op can run, and the fix,
+    rather than XLA's "No FFI handler registered" deep inside a compile."""
+    if WITH_CUDA or jax.default_backend() != "gpu":
+        return
+    raise RuntimeError(
+        f"jaxkv ({target}): JAX runs on a GPU, but this jaxkv was built without its CUDA kernels "
+        "(no nvcc was found when pip built it). Install the wheel with the CUDA kernels "
+        "(`bash tools/build_wheel.sh` builds it; no toolkit is needed where it is installed), or "
+        "rebuild from source with nvcc on PATH: `JAXKV_CUDA=ON pip install --force-reinstall "
+        "--no-deps .`. To run on the CPU instead: JAX_PLATFORMS=cpu.")
+
+
 def call(target: str, results, *args, input_output_aliases=None, result_inputs=None, **attrs):
     """One ``jax.ffi.ffi_call`` of a jaxkv target (results: ShapeDtypeStructs).
 
@@ -66,6 +79,7 @@ def call(target: str, results, *args, input_output_aliases=None, result_inputs=N
     axis would otherwise pass and silently return shard 0's value): an aliased output follows
     its input, output ``i`` the arguments ``result_inputs[i]`` when given, any other all inputs.
     """
+    _check_kernels(target)
     aliases = input_output_aliases or {}
     out = jax.ffi.ffi_call(
         target,

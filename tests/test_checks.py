@@ -105,3 +105,14 @@ def test_a_check_compiles_to_nothing():
     body = lambda hlo: [line for line in hlo[hlo.index("ENTRY"):].splitlines() if "=" in line]
     assert len(body(checked.as_text())) == len(body(plain))
     assert jax.make_jaxpr(lambda x: check(x > 0, "m"))(x).effects == set()
+
+
+def test_a_gpu_without_the_cuda_kernels_is_told_why_and_what_to_do(monkeypatch):
+    """A CPU-only build run by JAX on a GPU: the first op names the cause (no CUDA kernels in
+    this build) and the fixes, at trace time, instead of XLA's missing-handler error."""
+    from jaxkv import _ffi
+    cache = jaxkv.LinearKVCache.create(1, 2, 1, 8, 16, jnp.float32)
+    monkeypatch.setattr(_ffi, "WITH_CUDA", False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(RuntimeError, match="built without its CUDA kernels.*build_wheel.sh"):
+        cache.commit(1).compact(jnp.array([0, 1], jnp.int32))
