@@ -895,6 +895,7 @@ def test_host_pages_come_back_within_the_budget_and_the_pool():
     assert bool(jnp.any(got.prefix_cache.indexed[3:]))  # the page stays cached on the host
 
 
+@pytest.mark.long
 def test_swap_out_evicts_cached_host_pages_least_recently_used():
     tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
     cache = prefix_cache(num_pages=8, host_pages=4)
@@ -1001,6 +1002,7 @@ def test_a_step_that_reads_pages_to_the_host_then_appends_runs_in_place(dtype, s
     assert [x.unsafe_buffer_pointer() for x in device(cache)] == ptrs
 
 
+@pytest.mark.long
 def test_a_page_in_flight_matched_and_swapped_out_again_is_freed_once_per_hold():
     """A page an overlapped swap_out still reads can be matched into another row (its data is
     intact) and go out again with that row before settle_swaps: each swap holds it, and after
@@ -1072,6 +1074,7 @@ def test_spill_and_match_run_in_place():
     assert_rows_hold_their_tokens(cache, tokens)
 
 
+@pytest.mark.long
 def test_a_shared_prefix_stays_on_the_device_and_stays_shared():
     """A forked row's shared pages stay on the device (held by it) when it swaps out; only its
     own pages move, and they come back behind the shared ones: the pool uses no more pages after

@@ -210,6 +210,7 @@ def test_matched_pages_hold_the_first_rows_data():
         assert_bytes_equal(g[1, :, :, :12], g[0, :, :, :12])
 
 
+@pytest.mark.long
 def test_at_least_one_token_is_left_to_compute():
     cache = make(16, 4, 2, 4)
     tokens = jnp.tile(jnp.arange(16, dtype=jnp.int32), (2, 1))

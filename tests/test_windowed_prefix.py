@@ -143,6 +143,7 @@ def test_random_requests_read_their_own_tokens(windows, page_size):
     assert hits > 0
 
 
+@pytest.mark.long
 def test_evicting_an_anchor_unindexes_its_twins():
     """Pressure that evicts the cached pages of group 0 takes the other groups' twins out of
     the index with them: nothing is found afterwards, and the audit stays clean."""
