@@ -135,11 +135,9 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def chain_hashes(pages: jax.Array, namespace: jax.Array | None = None,
-                 group: int = 0) -> jax.Array:
+def chain_hashes(pages: jax.Array, namespace: jax.Array | None = None) -> jax.Array:
     """uint32 ``[B, K]``: hash of pages ``0 .. k`` of each row, from token ids ``[B, K, S]``,
-    under each row's ``namespace`` (int32 ``[B]``; None: 0), for the pages of layer ``group``
-    (folded in as the namespace is: group 0 adds nothing).
+    under each row's ``namespace`` (int32 ``[B]``; None: 0).
 
     A sum of mixed (token, position) words: order-sensitive, and a prefix sum over pages, so
     every (row, page) is hashed at once rather than one page after the other. The namespace is
@@ -151,11 +149,15 @@ def chain_hashes(pages: jax.Array, namespace: jax.Array | None = None,
     words = _mix(pages.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) + position + jnp.uint32(1))
     hashes = jnp.cumsum(_mix(jnp.sum(words, axis=-1, dtype=jnp.uint32)), axis=1,
                         dtype=jnp.uint32)
-    if group:
-        hashes = hashes + _mix(jnp.uint32(group) * jnp.uint32(0x27D4EB2F))
     if namespace is None:
         return hashes
     return hashes + _mix(namespace.astype(jnp.uint32) * jnp.uint32(0x85EBCA77))[:, None]
+
+
+def group_hashes(hashes: jax.Array, group: int) -> jax.Array:
+    """``chain_hashes`` of the same pages for layer ``group``'s pages: the group folded in as
+    the namespace is (group 0 adds nothing)."""
+    return hashes + _mix(jnp.uint32(group) * jnp.uint32(0x27D4EB2F)) if group else hashes
 
 
 # --- lookup ------------------------------------------------------------------------------------
@@ -169,7 +171,7 @@ def lookup(index: PageIndex, pages: jax.Array, hashes: jax.Array, limit: jax.Arr
     namespace holding (row, k)'s tokens whose chain hash agrees (or -1); ``run`` int32 ``[B]``,
     the pages from the first that ``found`` walks parent to child, below ``limit``."""
     b, k, _ = pages.shape
-    found = _candidates(index, pages, hashes, namespace, 0)
+    found = _candidates(index, _by_hash(index), pages, hashes, namespace, 0)
     before = jnp.concatenate([jnp.full((b, 1), ROOT, jnp.int32), found[:, :-1]], axis=1)
     linked = ((found >= 0) & (index.parent[jnp.maximum(found, 0)] == before)
               & (jnp.arange(k)[None, :] < limit[:, None]))
@@ -178,24 +180,35 @@ def lookup(index: PageIndex, pages: jax.Array, hashes: jax.Array, limit: jax.Arr
 
 
 def twins(index: PageIndex, pages: jax.Array, hashes: jax.Array, anchors: jax.Array,
-          namespace: jax.Array | None, group: int) -> jax.Array:
-    """int32 ``[B, K]``: layer ``group``'s indexed page holding (row, k)'s tokens under the
-    anchor page ``anchors[b, k]`` (group 0's page of that depth, found by ``lookup``; -1:
-    none), or -1. ``hashes``: ``chain_hashes`` of ``pages`` for ``group``."""
-    found = _candidates(index, pages, hashes, namespace, group)
-    return jnp.where((found >= 0) & (anchors >= 0)
-                     & (index.parent[jnp.maximum(found, 0)] == anchors), found, -1)
+          namespace: jax.Array | None, groups) -> list:
+    """Per layer group ``g`` of ``groups``: int32 ``[B, K]``, group g's indexed page holding
+    (row, k)'s tokens under the anchor page ``anchors[b, k]`` (group 0's page of that depth,
+    found by ``lookup``; -1: none), or -1. ``hashes``: the pages' ``chain_hashes`` (group 0's).
+    One sort of the index serves every group."""
+    by_hash = _by_hash(index)
+    out = []
+    for g in groups:
+        found = _candidates(index, by_hash, pages, group_hashes(hashes, g), namespace, g)
+        out.append(jnp.where((found >= 0) & (anchors >= 0)
+                             & (index.parent[jnp.maximum(found, 0)] == anchors), found, -1))
+    return out
 
 
-def _candidates(index: PageIndex, pages: jax.Array, hashes: jax.Array,
-                namespace: jax.Array | None, group: int) -> jax.Array:
-    """int32 ``[B, K]``: an indexed page of ``group`` and the row's namespace at depth k holding
-    (row, k)'s tokens with chain hash ``hashes[b, k]``, or -1 (its parent not yet compared)."""
-    num_pages = index.depth.shape[0]
-    b, k, _ = pages.shape
+def _by_hash(index: PageIndex) -> tuple[jax.Array, jax.Array]:
+    """``(order, sorted_key)``: the entries by chain hash, unindexed ones last."""
     key = jnp.where(index.indexed, index.chain_hash, jnp.uint32(0xFFFFFFFF))
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    sorted_key = key[order]
+    return order, key[order]
+
+
+def _candidates(index: PageIndex, by_hash, pages: jax.Array, hashes: jax.Array,
+                namespace: jax.Array | None, group: int) -> jax.Array:
+    """int32 ``[B, K]``: an indexed page of ``group`` and the row's namespace at depth k holding
+    (row, k)'s tokens with chain hash ``hashes[b, k]``, or -1 (its parent not yet compared).
+    ``by_hash``: ``_by_hash(index)``."""
+    num_pages = index.depth.shape[0]
+    b, k, _ = pages.shape
+    order, sorted_key = by_hash
     first = jnp.searchsorted(sorted_key, hashes.reshape(-1), side="left").reshape(b, k, 1)
     slot = first + jnp.arange(CANDIDATES, dtype=jnp.int32)
     in_range = slot < num_pages
@@ -348,40 +361,45 @@ def insert(index: PageIndex, page_table: jax.Array, pages: jax.Array, full: jax.
     return touch(index, used_chain)
 
 
-def insert_twins(index: PageIndex, page_table: jax.Array, pages: jax.Array, anchors: jax.Array,
-                 namespace: jax.Array | None, group: int) -> PageIndex:
-    """Indexes layer ``group``'s pages ``page_table[b, k]`` (holding the tokens ``pages[b, k]``)
-    as twins of the anchor pages ``anchors[b, k]`` (group 0's chain of the row, as ``lookup``
-    finds it once group 0 is inserted; -1 where there is none), skipping a twin already indexed
-    and a page the row does not hold (released by its window). One twin per anchor: rows adding
-    one in the same call (the same prompt twice) index the first row's page."""
+def insert_twins(index: PageIndex, tables: list, pages: jax.Array, hashes: jax.Array,
+                 anchors: jax.Array, namespace: jax.Array | None) -> PageIndex:
+    """Indexes layer group ``g``'s pages ``tables[g - 1][b, k]`` (``g >= 1``, holding the tokens
+    ``pages[b, k]``, whose ``chain_hashes`` are ``hashes``) as twins of the anchor pages
+    ``anchors[b, k]`` (group 0's chain of the row, as ``lookup`` finds it once group 0 is
+    inserted; -1 where there is none), skipping a twin already indexed and a page the row does
+    not hold (released by its window). One twin per anchor and group: rows adding one in the
+    same call (the same prompt twice) index the first row's page. The groups' twins never
+    meet (a page is one group's), so one lookup before any insert serves them all."""
     num_pages = index.depth.shape[0]
     b, k, _ = pages.shape
-    hashes = chain_hashes(pages, namespace, group)
-    own = page_table[:, :k]
-    have = twins(index, pages, hashes, anchors, namespace, group)
-    want = ((anchors >= 0) & (have < 0) & (own >= 0) & (own < num_pages)
-            & ~index.indexed[jnp.clip(own, 0, num_pages - 1)])
-    # the first (row, depth) naming an anchor, and a physical page, wins it
+    groups = range(1, len(tables) + 1)
+    haves = twins(index, pages, hashes, anchors, namespace, groups)
     order = jnp.arange(b * k, dtype=jnp.int32).reshape(b, k)
-    for ids in (anchors, own):
-        flat = jnp.where(want, ids, num_pages)
-        claim = jnp.full((num_pages + 1,), b * k, jnp.int32).at[flat].min(order)
-        want = want & (claim[flat] == order)
-    target = jnp.where(want, own, num_pages)
     space = jnp.zeros((b,), jnp.int32) if namespace is None else namespace
-    index = dataclasses.replace(
-        index,
-        tokens=index.tokens.at[target].set(pages, mode="drop"),
-        chain_hash=index.chain_hash.at[target].set(hashes, mode="drop"),
-        parent=index.parent.at[target].set(anchors, mode="drop"),
-        depth=index.depth.at[target].set(
-            jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k)), mode="drop"),
-        namespace=index.namespace.at[target].set(jnp.broadcast_to(space[:, None], (b, k)),
-                                                 mode="drop"),
-        group=index.group.at[target].set(group, mode="drop"),
-    )
-    return touch(index, jnp.where(want, own, have))
+    used = []
+    for g, table, have in zip(groups, tables, haves):
+        own = table[:, :k]
+        want = ((anchors >= 0) & (have < 0) & (own >= 0) & (own < num_pages)
+                & ~index.indexed[jnp.clip(own, 0, num_pages - 1)])
+        # the first (row, depth) naming an anchor, and a physical page, wins it
+        for ids in (anchors, own):
+            flat = jnp.where(want, ids, num_pages)
+            claim = jnp.full((num_pages + 1,), b * k, jnp.int32).at[flat].min(order)
+            want = want & (claim[flat] == order)
+        target = jnp.where(want, own, num_pages)
+        index = dataclasses.replace(
+            index,
+            tokens=index.tokens.at[target].set(pages, mode="drop"),
+            chain_hash=index.chain_hash.at[target].set(group_hashes(hashes, g), mode="drop"),
+            parent=index.parent.at[target].set(anchors, mode="drop"),
+            depth=index.depth.at[target].set(
+                jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k)), mode="drop"),
+            namespace=index.namespace.at[target].set(jnp.broadcast_to(space[:, None], (b, k)),
+                                                     mode="drop"),
+            group=index.group.at[target].set(g, mode="drop"),
+        )
+        used.append(jnp.where(want, own, have))
+    return touch(index, jnp.stack(used)) if used else index
 
 
 # --- auditing (on the host) ---------------------------------------------------------------------

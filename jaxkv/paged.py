@@ -789,8 +789,8 @@ class PagedKVCache:
         if k == 0:
             return self, jnp.zeros((rows,), jnp.int32)
         limit = jnp.where(ok, (num_tokens - 1) // size, 0)
-        found, run = page_index.lookup(index, pages, page_index.chain_hashes(pages, namespace),
-                                       limit, namespace)
+        hashes = page_index.chain_hashes(pages, namespace)
+        found, run = page_index.lookup(index, pages, hashes, limit, namespace)
         cache, cols = self, jnp.arange(k)[None, :]
         if index.entries > self.num_pages:  # pages found on the host come back to the device
             cache, found, run = host_tier.bring_back(
@@ -798,9 +798,8 @@ class PagedKVCache:
         founds = [found]
         if self.windows is not None:  # each group's twins of the chain; a run all can start on
             anchors = jnp.where(cols < run[:, None], found, NO_PAGE)
-            founds += [page_index.twins(index, pages, page_index.chain_hashes(pages, namespace, g),
-                                        anchors, namespace, g)
-                       for g in range(1, len(self._tables()))]
+            founds += page_index.twins(index, pages, hashes, anchors, namespace,
+                                       range(1, len(self._tables())))
             run = _windows.matched_run(founds, run, self._group_windows(), size)
         matched = run * size
         # each group's pages from the first its window sees at the matched length
@@ -858,12 +857,14 @@ class PagedKVCache:
         index = page_index.insert(index, self.page_table, pages, full, self.max_pages_per_seq,
                                   namespace)
         if self.windows is not None:  # every other group's pages, as twins of the chain
-            found, run = page_index.lookup(index, pages, page_index.chain_hashes(pages, namespace),
-                                           full, namespace)
+            # looked up again: the chain as inserted (a row whose borrowed chain was taken out
+            # again must not hang twins under pages no longer indexed)
+            hashes = page_index.chain_hashes(pages, namespace)
+            found, run = page_index.lookup(index, pages, hashes, full, namespace)
             anchors = jnp.where(jnp.arange(pages.shape[1])[None, :] < run[:, None], found,
                                 NO_PAGE)
-            for g, table in enumerate(self._tables()[1:], start=1):
-                index = page_index.insert_twins(index, table, pages, anchors, namespace, g)
+            index = page_index.insert_twins(index, self._tables()[1:], pages, hashes, anchors,
+                                            namespace)
         return dataclasses.replace(self, prefix_cache=index)
 
     def _index_args(self, op: str, tokens, num_tokens, namespace) -> page_index.PageIndex:
