@@ -807,9 +807,9 @@ class PagedKVCache:
                             & (cols < run[:, None]), f, NO_PAGE)
                   for f, w in zip(founds, self._group_windows())]
         if index.entries == self.num_pages:  # (bring_back counted its own)
-            for m in mapped:
-                cache = dataclasses.replace(cache, ref_counts=cache.ref_counts.at[
-                    jnp.where(m >= 0, m, self.num_pages)].add(1, mode="drop"))
+            every = jnp.concatenate(mapped, axis=1)
+            cache = dataclasses.replace(cache, ref_counts=cache.ref_counts.at[
+                jnp.where(every >= 0, every, self.num_pages)].add(1, mode="drop"))
         width = self.max_pages_per_seq  # a where over whole rows, not an update of a slice
         tables = [jnp.where(run[:, None] > 0,
                             jnp.pad(m, ((0, 0), (0, width - k)), constant_values=NO_PAGE), t)
