@@ -19,6 +19,11 @@ PARAMS = M.init_params(CFG, seed=3)
 SYSTEM = np.random.default_rng(5).integers(0, CFG.vocab_size, 7).astype(np.int32)
 
 
+# JAX's Pallas paged_attention (deprecated in jax 0.11) is gone from jax 0.12.1.
+NEEDS_PALLAS = pytest.mark.skipif(caches.pallas_paged_attention() is None,
+                                  reason="this jax no longer ships Pallas paged_attention")
+
+
 def kind(name, ops, marks=(), **options):
     words = [name, ops] + [f"{k}={v}" for k, v in options.items()]
     return pytest.param(name, ops, options, marks=marks, id="-".join(words))
@@ -31,8 +36,9 @@ KINDS = [
     kind("paged", "jaxkv", page_size=4), kind("paged", "xla", page_size=4),
     # JAX's Pallas paged_attention for decode steps, interpreted on CPU. On a GPU the Triton
     # kernel multiplies in TF32, so greedy tokens may differ: compared with a tolerance instead.
-    kind("paged", "jaxkv", page_size=16, attention="pallas", marks=pytest.mark.skipif(
-        on_gpu(), reason="TF32 in Triton: see test_pallas_decode_attention_equals_dense")),
+    kind("paged", "jaxkv", page_size=16, attention="pallas", marks=[pytest.mark.skipif(
+        on_gpu(), reason="TF32 in Triton: see test_pallas_decode_attention_equals_dense"),
+        NEEDS_PALLAS]),
 ]
 
 
@@ -175,6 +181,13 @@ def test_paged_kind_reads_the_pool_with_jaxkv_by_default(monkeypatch):
     assert "jaxkv_attention" in hlo
 
 
+def test_asking_for_pallas_where_jax_lacks_it_says_so(monkeypatch):
+    monkeypatch.setattr(caches, "pallas_paged_attention", lambda: None)
+    with pytest.raises(ValueError, match="attention='pallas'.*no longer ships"):
+        engine("paged", "jaxkv", page_size=16, attention="pallas").compile()
+
+
+@NEEDS_PALLAS
 @pytest.mark.gpu
 def test_paged_decode_attends_with_pallas_on_gpu_when_asked():
     eng = engine("paged", "jaxkv", page_size=16, attention="pallas")
@@ -183,6 +196,7 @@ def test_paged_decode_attends_with_pallas_on_gpu_when_asked():
     assert "paged_attention" not in dense.compile()["decode"].as_text()
 
 
+@NEEDS_PALLAS
 @pytest.mark.long
 def test_pallas_decode_attention_equals_dense():
     """The Pallas reader's view of the pool (one head of L * H * P pages, a page table per

@@ -332,7 +332,7 @@ class PagedKind:
     the pool holds all its rows at full length). Attention is ``jaxkv.attention`` reading the pool
     in place (``ops="jaxkv"``); the XLA baseline (and ``attention="dense"``) gathers the layer
     into dense memory and attends densely; ``attention="pallas"`` uses JAX's deprecated Pallas
-    ``paged_attention`` for decode steps.
+    ``paged_attention`` for decode steps (jax 0.10 to 0.12.0; later jax no longer ships it).
     """
 
     cfg: LlamaConfig
@@ -543,6 +543,9 @@ class PagedKind:
             return False
         if self.attention != "pallas":
             return False
+        if pallas_paged_attention() is None:
+            raise ValueError(f"attention='pallas': jax {jax.__version__} no longer ships Pallas "
+                             "paged_attention (removed in jax 0.12.1); use attention='auto'")
         _, per_block = _pallas_blocks(cache.max_pages_per_seq)
         block, d = per_block * cache.page_size, cache.head_dim
         fits = all(n >= 16 and n & (n - 1) == 0 for n in (block, d))  # Triton block shapes
@@ -559,8 +562,7 @@ class PagedKind:
         (sequence, KV head) pair as a sequence of its own whose page table points into its layer
         and head: the kernel reads exactly the pages it would have read, in place.
         """
-        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-
+        paged_attention = pallas_paged_attention()
         num_layers, heads, pages, size, head_dim = cache.k_pages.shape
         batch, _, q_heads, _ = q.shape
         pool = lambda x: x.reshape(1, num_layers * heads * pages, size, head_dim)
@@ -625,6 +627,15 @@ class PagedKind:
         used = int(np.sum(np.asarray(cache.ref_counts) > 0))
         pool = cache.k_pages.nbytes + cache.v_pages.nbytes
         return used * pool // cache.num_pages, sum(x.nbytes for x in jax.tree.leaves(cache))
+
+
+def pallas_paged_attention():
+    """JAX's Pallas ``paged_attention``, or None where this jax no longer ships it (0.12.1 on)."""
+    try:
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    except ImportError:
+        return None
+    return paged_attention
 
 
 def _pallas_blocks(pages_per_seq: int) -> tuple[int, int]:
