@@ -6,7 +6,8 @@ import pytest
 
 import jaxkv._ffi
 from jaxkv import __main__ as entry
-from jaxkv.demo import cli, loop
+from jaxkv.demo import cli
+from jaxkv.serving import loop
 
 SMALL = ["--requests", "5", "--max-batch", "2", "--system-len", "4", "--max-prompt-len", "4",
          "--max-new-tokens", "6"]

@@ -8,12 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.demo import caches, cli, loop
-from jaxkv.demo import model as M
+from jaxkv.demo import cli
+from jaxkv.serving import caches, loop
+from jaxkv import models
+from jaxkv.models import decoder as M
 
 from helpers import copies_of, on_gpu, random_array
 
-CFG = M.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+CFG = models.ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=16)
 PARAMS = M.init_params(CFG, seed=3)
 SYSTEM = np.random.default_rng(5).integers(0, CFG.vocab_size, 7).astype(np.int32)

@@ -6,7 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxkv.demo import caches, cli, hf_loader, loop
+from jaxkv.demo import cli
+from jaxkv import models
+from jaxkv.models import hf_loader
+from jaxkv.serving import caches, loop
 
 pytestmark = [pytest.mark.hf, pytest.mark.long]  # transformers parity
 torch = pytest.importorskip("torch")
@@ -99,7 +102,7 @@ def test_greedy_tokens_match_transformers_generate(checkpoint, kind_name):
 
 def test_llama3_rope_scaling_matches_transformers(llama3_checkpoint):
     cfg = greedy_matches_transformers(*llama3_checkpoint, "linear")
-    assert cfg.rope_llama3 == (8.0, 1.0, 4.0, 8)
+    assert cfg.rope_scaling == models.RopeScaling("llama3", 8.0, 1.0, 4.0, 8)
 
 
 def test_demo_command_loads_a_checkpoint(checkpoint, capsys):

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.demo import cli, hf_loader
-from jaxkv.demo import model as M
+from jaxkv.demo import cli
+from jaxkv.models import hf_loader
+from jaxkv.models import decoder as M
 
 _CODES = {"float32": "F32", "bfloat16": "BF16"}
 _LAYER_TENSORS = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj",

@@ -1,4 +1,4 @@
-"""The serving schedule's host-side choices over batch shards (``jaxkv.demo.schedule``), on a
+"""The serving schedule's host-side choices over batch shards (``jaxkv.serving.schedule``), on a
 stand-in engine: no device and no model. Each batch shard has its own rows and its own pool of
 pages, so admission, prefill lanes and preemption are decided shard by shard."""
 
@@ -6,8 +6,8 @@ import types
 
 import numpy as np
 
-from jaxkv.demo import schedule as S
-from jaxkv.demo.stream import ServeRequest
+from jaxkv.serving import schedule as S
+from jaxkv.serving.stream import ServeRequest
 
 PAGE = 16
 

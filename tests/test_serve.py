@@ -14,14 +14,15 @@ import numpy as np
 import pytest
 
 from jaxkv import __main__ as entry
-from jaxkv.demo import metrics
-from jaxkv.demo import model as M
-from jaxkv.demo import schedule
-from jaxkv.demo import serve as S
+from jaxkv.serving import metrics
+from jaxkv import models
+from jaxkv.models import decoder as M
+from jaxkv.serving import schedule
+from jaxkv.serving import serve as S
 from jaxkv.demo import serve_cli
 
-CFG = M.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_heads=4, num_kv_heads=2, head_dim=16)
+CFG = models.ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=16)
 PARAMS = M.stack_layers(M.init_params(CFG, seed=3))
 # Long-tailed lengths, max_seq_len 40; the system prompt (5 tokens) ends inside a page of 4, so
 # every paged admission forks its full page and copies the partial one.
@@ -82,6 +83,38 @@ def test_every_engine_generates_what_recomputation_does(name):
     assert outputs == recomputed()
     assert m["peak_live"] <= PLANS[name].batch
     assert engine(name).cache_copies() == 0  # every call updates the cache in place
+
+
+# Gemma 3's layer kinds on the test model: a 4-token window on layer 0, layer 1 global.
+HYBRID = dataclasses.replace(CFG, family="gemma3", windows=(4, None), local_rope_theta=100.0,
+                             gemma_norms=True, qk_norm=True, activation="gelu_tanh",
+                             query_scale=0.2)
+
+
+@pytest.mark.parametrize("name", ["paged", "paged-global", "paged-8bit"])
+def test_a_model_with_windows_serves_what_recomputation_does(name):
+    """The paged engine releases what the window layer no longer sees; paged-global keeps every
+    token (the window in attention only); both generate what recomputation does, in place, with
+    the allocator's counts intact. The 8-bit cache's agreement is printed."""
+    params = M.stack_layers(M.init_params(HYBRID, seed=5))
+    per_token = S.kv_bytes_per_token(HYBRID, "float32")
+    p = S.plan(name, 24 * 4 * per_token, per_token, 40, 4, 4, HYBRID)
+    kind = S.make_kind(name, HYBRID, "float32", p)
+    assert kind.windows == (None if name == "paged-global" else HYBRID.windows)
+    assert p.num_pages == (24 if name == "paged-global" else 48)  # pages of one layer each
+    eng = S.ServeEngine(HYBRID, params, kind, batch=4, max_seq_len=40, system_prompt=SYSTEM,
+                        prefill_rows=2, prefill_chunk=4, decode_steps=4, mixed_steps=2)
+    requests = S.fresh(REQUESTS)
+    m = eng.run(requests)
+    want = serve_cli.recompute(HYBRID, params, SYSTEM, REQUESTS, len(REQUESTS), 40, None)
+    got = [r.output for r in requests]
+    assert m["miscounted_pages"] == 0 and eng.cache_copies() == 0
+    if name == "paged-8bit":
+        agree = np.mean([a == b for a, b in zip(got, want)])
+        print(f"8-bit cache with windows: {agree:.0%} of requests identical to recomputation")
+        assert agree >= 0.5
+    else:
+        assert got == want
 
 
 def test_unrolled_layers_equal_the_scan():
@@ -237,7 +270,7 @@ def test_poisson_arrivals_wait_for_their_time():
 def test_every_engine_lowers_at_the_8b_preset():
     """The GPU run's shapes (32 layers, head_dim 128, bf16, a 16 GiB budget), traced and lowered
     without weights or memory: shape errors show here, not on the device."""
-    cfg = M.PRESETS["8b"]
+    cfg = models.PRESETS["8b"]
     params = jax.eval_shape(lambda: M.init_stacked_params(cfg, 0, "bfloat16"))
     per_token = S.kv_bytes_per_token(cfg, "bfloat16")
     for name in ("paged", "linear", "fixed", "linear-xla"):
@@ -293,31 +326,38 @@ def _imports(path: pathlib.Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module is None:  # from . import x
+            names |= {"." * node.level + a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            names.add("." * node.level + (node.module or ""))
+            names.add("." * node.level + node.module)
     return names
 
 
 def test_fixed_slot_engine_contains_no_jaxkv():
-    """fixed_slot.py and what it imports from the package (model.py) reach only jax and numpy."""
-    demo = pathlib.Path(S.__file__).parent
-    seen, todo = set(), ["fixed_slot"]
+    """serving/fixed_slot.py and the model code it imports (jaxkv.models) reach only jax and
+    numpy: no module of jaxkv's caches or ops."""
+    package = pathlib.Path(S.__file__).parent.parent  # jaxkv/
+    seen, todo = set(), ["serving/fixed_slot"]
     while todo:
         name = todo.pop()
         seen.add(name)
-        for imp in _imports(demo / f"{name}.py"):
-            if imp.startswith(".."):
-                raise AssertionError(f"{name}.py imports {imp}: jaxkv code")
-            if imp.startswith("."):
-                todo += [] if imp[1:] in seen else [imp[1:]]
+        here = name.rsplit("/", 1)[0]
+        for imp in _imports(package / f"{name}.py"):
+            if imp.startswith(".."):  # another subpackage of jaxkv: the models only
+                target = imp[2:].replace(".", "/")
+                assert target.startswith("models/"), f"{name}.py imports {imp}: jaxkv code"
+            elif imp.startswith("."):
+                target = f"{here}/{imp[1:]}"
             else:
                 assert imp.split(".")[0] in {"__future__", "dataclasses", "typing", "jax",
                                              "numpy", "math"}, f"{name}.py imports {imp}"
-    assert seen == {"fixed_slot", "model"}
+                continue
+            todo += [] if target in seen else [target]
+    assert "serving/fixed_slot" in seen and any(n.startswith("models/") for n in seen)
 
 
 def test_serve_command_reports_and_writes_json(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(M.PRESETS, "tiny", CFG)
+    monkeypatch.setitem(models.PRESETS, "tiny", CFG)
     path = tmp_path / "serve.json"
     rc = entry.main(["serve", "--engines", "paged,fixed", "--requests", "6", "--max-seq-len",
                      "40", "--system-len", "5", "--mean-prompt", "6", "--mean-output", "6",
@@ -339,7 +379,7 @@ def test_serve_command_reports_and_writes_json(tmp_path, capsys, monkeypatch):
 def test_serve_preempt_swap_reports_swaps_and_agrees(tmp_path, capsys, monkeypatch):
     """--preempt swap: the paged engine swaps (and paged-swap always does) under pool pressure;
     the table reports the swaps and bytes moved; the tokens agree with recomputation."""
-    monkeypatch.setitem(M.PRESETS, "tiny", CFG)
+    monkeypatch.setitem(models.PRESETS, "tiny", CFG)
     path = tmp_path / "serve.json"
     # float32 at full matmul precision: greedy tokens equal recomputation on a GPU too
     with jax.default_matmul_precision("highest"):
@@ -389,11 +429,11 @@ def test_an_8bit_cache_holds_more_sequences_in_the_same_budget(tmp_path, capsys,
     """``--engines paged,paged-8bit``: the 8-bit engine plans about twice the pages of bf16 (4x
     float32) in the same KV budget, serves every request, and reports its greedy agreement
     (float32 runs require it of every other engine, not of the 8-bit one)."""
-    monkeypatch.setitem(M.PRESETS, "tiny", CFG)
+    monkeypatch.setitem(models.PRESETS, "tiny", CFG)
     eight = S.kv_bytes_per_token(CFG, S.KV_DTYPES[kv_dtype], scaled=True)
     assert S.kv_bytes_per_token(CFG, "bfloat16") / eight >= 1.5  # head_dim 16: scales weigh
-    assert S.kv_bytes_per_token(M.PRESETS["8b"], "bfloat16") / S.kv_bytes_per_token(
-        M.PRESETS["8b"], S.KV_DTYPES[kv_dtype], scaled=True) >= 1.9
+    assert S.kv_bytes_per_token(models.PRESETS["8b"], "bfloat16") / S.kv_bytes_per_token(
+        models.PRESETS["8b"], S.KV_DTYPES[kv_dtype], scaled=True) >= 1.9
     path = tmp_path / "serve.json"
     rc = entry.main(["serve", "--engines", "paged,paged-8bit", "--kv-dtype", kv_dtype,
                      "--requests", "6", "--max-seq-len", "40", "--system-len", "5",
@@ -506,7 +546,7 @@ def test_prefix_cache_spills_to_the_host_and_finds_pages_there():
 
 @pytest.mark.long
 def test_serve_prefix_cache_flag_reports_reuse(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(M.PRESETS, "tiny", CFG)
+    monkeypatch.setitem(models.PRESETS, "tiny", CFG)
     path = tmp_path / "serve.json"
     rc = entry.main(["serve", "--engines", "paged", "--prefix-cache", "--stream", "shared",
                      "--prefixes", "2", "--prefix-len", "12", "--requests", "8",
@@ -591,7 +631,7 @@ def test_serve_tenants_reports_reuse_per_tenant_and_audits_the_index(tmp_path, c
     """`serve --stream chat --prefix-cache --tenants 2`: each conversation a tenant's, reuse
     reported per tenant (within each tenant's oracle best), and the audit of the index at the
     end: no page cached across tenants. The tokens equal recomputation."""
-    monkeypatch.setitem(M.PRESETS, "tiny", CFG)
+    monkeypatch.setitem(models.PRESETS, "tiny", CFG)
     path = tmp_path / "serve.json"
     rc = entry.main(["serve", "--engines", "paged-prefix", "--stream", "chat", "--tenants", "2",
                      "--turns", "3", "--turn-gap", "0", "--requests", "9", "--max-seq-len",
@@ -613,7 +653,7 @@ def test_serve_tenants_reports_reuse_per_tenant_and_audits_the_index(tmp_path, c
     assert f"paged-prefix {n}/{n} identical" in out and "2 tenants" in out
 
 
-@pytest.mark.parametrize("preset", sorted(M.PRESETS))
+@pytest.mark.parametrize("preset", sorted(models.PRESETS))
 def test_every_preset_the_command_offers_parses(preset):
     """`--preset` offers every model preset; each has the serving defaults it needs."""
     args = serve_cli.parse_args(["--preset", preset])

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from jaxkv import __main__ as entry
-from jaxkv.demo import cli, hf_loader
-from jaxkv.demo import model as M
-from jaxkv.demo import serve as S
+from jaxkv.demo import cli
+from jaxkv.models import hf_loader
+from jaxkv import models
+from jaxkv.models import decoder as M
+from jaxkv.serving import serve as S
 from jaxkv.demo import serve_cli
 
 pytestmark = [pytest.mark.long,  # every engine served on meshes: minutes on CPU
@@ -96,13 +98,13 @@ def test_a_batch_shards_pool_must_hold_a_whole_sequence(capsys):
 
 def test_weights_split_megatron_style():
     s = cli.cache_sharding({"tp": 2, "dp": 2})
-    params = M.init_stacked_params(M.PRESETS["tiny"], 0, "float32", s.mesh)
+    params = M.init_stacked_params(models.PRESETS["tiny"], 0, "float32", s.mesh)
     specs = {k: tuple(v.sharding.spec) for k, v in params["layers"].items()}
     assert specs["wq"][-1] == specs["wk"][-1] == specs["w_up"][-1] == "tp"  # by columns
     assert specs["wo"][-2] == specs["w_down"][-2] == "tp"  # by rows
     assert tuple(params["embed"].sharding.spec) in ((), (None, None))
     assert tuple(params["lm_head"].sharding.spec) == (None, "tp")  # by vocabulary columns
-    plain = M.init_stacked_params(M.PRESETS["tiny"], 0, "float32")
+    plain = M.init_stacked_params(models.PRESETS["tiny"], 0, "float32")
     np.testing.assert_array_equal(np.asarray(params["layers"]["wq"]),
                                   np.asarray(plain["layers"]["wq"]))
 
@@ -115,7 +117,7 @@ _COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-reduce|all-gather|all-to-
 def test_no_collective_moves_cache_data(name):
     """Every collective of the compiled prefill, decode and evict is smaller than one layer's
     K of one row, and none has a cache leaf's shape (global or per device) or the logits'."""
-    cfg = M.PRESETS["tiny"]
+    cfg = models.PRESETS["tiny"]
     s = cli.cache_sharding({"tp": 2} if name == "paged-prefix" else {"tp": 2, "dp": 2})
     params = M.init_stacked_params(cfg, 0, "float32", s.mesh)
     system, _ = S.make_stream(S.StreamConfig(requests=4), cfg.vocab_size)
@@ -146,7 +148,7 @@ def test_no_collective_moves_cache_data(name):
 def _paged_prefill_hlo(axes) -> str:
     """The compiled prefill of a paged engine of 4 rows (chunks of 2 lanes x 16 tokens) over
     ``axes``."""
-    cfg = M.PRESETS["tiny"]
+    cfg = models.PRESETS["tiny"]
     s = cli.cache_sharding(axes)
     params = M.init_stacked_params(cfg, 0, "float32", s.mesh)
     system, _ = S.make_stream(S.StreamConfig(requests=4), cfg.vocab_size)
@@ -180,7 +182,7 @@ def test_each_batch_shard_runs_the_model_on_its_own_lanes(axes):
 def test_host_arrays_reach_every_device_in_one_put():
     """The prefill's host arrays (rows, tokens, counts, the end token) are taken replicated and
     ``put`` places them so: none is copied from the first device to the others at each call."""
-    cfg = M.PRESETS["tiny"]
+    cfg = models.PRESETS["tiny"]
     s = cli.cache_sharding({"tp": 2})
     params = M.init_stacked_params(cfg, 0, "float32", s.mesh)
     system, _ = S.make_stream(S.StreamConfig(requests=4), cfg.vocab_size)
@@ -254,7 +256,7 @@ def test_a_tp_that_does_not_divide_a_checkpoints_heads_is_an_argument_error(tmp_
 def test_every_engine_lowers_at_the_70b_preset_over_tp4():
     """The multi-GPU run's shapes (80 layers, 64 / 8 heads, FFN 28672, bf16) with the weights
     split over tp=4, traced and lowered without weights or memory."""
-    cfg = M.PRESETS["70b"]
+    cfg = models.PRESETS["70b"]
     s = cli.cache_sharding({"tp": 4})
     abstract = jax.eval_shape(lambda: M.init_stacked_params(cfg, 0, "bfloat16"))
     params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),

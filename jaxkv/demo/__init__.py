@@ -1,8 +1,8 @@
-"""``python -m jaxkv demo``: a small Llama served with continuous batching from a jaxkv cache.
+"""``python -m jaxkv demo`` and ``python -m jaxkv serve``: the command lines.
 
-- ``model.py``: the decoder (RMSNorm, RoPE, GQA, SwiGLU) and a cache-free reference.
-- ``hf_loader.py``: a local Hugging Face Llama checkpoint (config.json + safetensors).
-- ``caches.py``: one adapter per cache kind, with jaxkv ops or plain-XLA ops.
-- ``loop.py``: the request stream and the jitted, cache-donating step functions.
-- ``cli.py``: the command line, progress bar and report.
+- ``cli.py``: the demo, a stream of requests with continuous batching (``jaxkv.serving.loop``),
+  its progress bar and report.
+- ``serve_cli.py``: the serving benchmark (``jaxkv.serving.serve``) over its presets and engines.
+
+The models live in ``jaxkv.models``, the engines and cache adapters in ``jaxkv.serving``.
 """

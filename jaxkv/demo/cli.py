@@ -10,8 +10,8 @@ import time
 import jax
 import numpy as np
 
-from . import caches, loop
-from . import model as M
+from ..serving import caches, loop
+from ..models import decoder as M
 
 
 def parse_args(argv):
@@ -101,11 +101,11 @@ def cache_sharding(axes: dict[str, int] | None):
 def load_model(args):
     """(config, params, description) of the model to serve."""
     if args.model:
-        from . import hf_loader
+        from ..models import hf_loader
 
         cfg, params = hf_loader.load(args.model, dtype=args.dtype)
         return cfg, params, args.model
-    cfg = M.LlamaConfig()
+    cfg = M.ModelConfig()
     params = M.init_params(cfg, seed=args.seed, dtype=args.dtype)
     return cfg, params, f"random weights, seed {args.seed}"
 

@@ -11,9 +11,10 @@ import sys
 import jax
 import numpy as np
 
-from . import metrics
-from . import model as M
-from . import serve as S
+from ..serving import metrics
+from ..models import decoder as M
+from ..models.registry import PRESETS
+from ..serving import serve as S
 from .cli import cache_sharding, parse_mesh
 
 # Per preset: the stream (max_seq_len 8x its mean total length), the KV budget, the prefill chunk
@@ -33,6 +34,15 @@ DEFAULTS = {
     "1b": dict(kv_gib=8, **_BIG),
     "8b": dict(kv_gib=16, **_BIG),
     "70b": dict(kv_gib=16, **_BIG),  # its 140 GB of weights need --mesh tp=N
+    # Models with sliding windows on a long-context stream (prompts of 8k tokens on average, at
+    # most 32k): the paged engine releasing window pages against the same engine keeping every
+    # layer's tokens, at one KV budget.
+    "gemma3-12b": dict(_BIG, kv_gib=64, requests=2048, duration=60.0, max_seq_len=32768,
+                       mean_prompt=8192, mean_output=1024, prefill_rows="1,2",
+                       prefill_chunk=2048, engines="paged,paged-global"),
+    "gpt-oss-20b": dict(_BIG, kv_gib=32, requests=2048, duration=30.0, max_seq_len=32768,
+                        mean_prompt=8192, mean_output=1024, prefill_rows="1,2",
+                        prefill_chunk=2048, engines="paged,paged-global"),
 }
 
 
@@ -45,12 +55,14 @@ def parse_args(argv):
         epilog="Engines: " + "; ".join(f"{k}: {v}" for k, v in S.ENGINES.items()) +
                ". Unset sizes take the preset's defaults (docs/serving.md).")
     add = p.add_argument
-    add("--preset", default="tiny", choices=sorted(M.PRESETS), help="model shapes (tiny)")
-    add("--model", metavar="PATH", help="a local Hugging Face Llama checkpoint instead")
+    add("--preset", default="tiny", choices=sorted(PRESETS), help="model shapes (tiny)")
+    add("--model", metavar="PATH", help="a local Hugging Face checkpoint instead (Llama, Mistral, Gemma 2, Gemma 3, "
+        "gpt-oss)")
     add("--dtype", choices=["float32", "bfloat16"],
         help="weights and cache (float32 on CPU, bfloat16 on GPU)")
-    add("--engines", default=",".join(S.DEFAULT_ENGINES),
-        help=f"comma-separated, from {', '.join(S.ENGINES)} ({','.join(S.DEFAULT_ENGINES)})")
+    add("--engines",
+        help=f"comma-separated, from {', '.join(S.ENGINES)} ({','.join(S.DEFAULT_ENGINES)}; "
+             "paged,paged-global for a model with sliding windows)")
     add("--kv-gib", type=float, help="KV memory budget of every engine, GiB (default: the "
         "preset's, for each dp batch shard)")
     add("--kv-dtype", choices=sorted(S.KV_DTYPES), default=None,
@@ -118,6 +130,8 @@ def parse_args(argv):
     for name, value in DEFAULTS[args.preset].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.engines is None:
+        args.engines = ",".join(S.DEFAULT_ENGINES)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if args.mesh:
         try:
@@ -128,9 +142,9 @@ def parse_args(argv):
             p.error(f"--mesh: axes are tp and dp, got {', '.join(args.mesh)}")
         if not kv_given:  # a batch shard serves its rows from its own pool, a replica's share
             args.kv_gib *= args.mesh.get("dp", 1)
-        cfg, model = M.PRESETS[args.preset], f"preset {args.preset}"
+        cfg, model = PRESETS[args.preset], f"preset {args.preset}"
         if args.model and (pathlib.Path(args.model) / "config.json").is_file():
-            from . import hf_loader  # the checkpoint's heads, before its weights load
+            from ..models import hf_loader  # the checkpoint's heads, before its weights load
 
             try:
                 cfg = hf_loader.read_config(args.model)
@@ -191,13 +205,13 @@ def load(args):
     """(config, params, description): the params in the engines' layout (``--layers``: stacked
     for a scan, a list of layers unrolled), so that no engine holds a second copy of them."""
     if args.model:
-        from . import hf_loader
+        from ..models import hf_loader
 
         mesh = args.sharding.mesh if args.sharding is not None else None
         cfg, params = hf_loader.load(args.model, dtype=args.dtype, mesh=mesh)
         source = args.model
     else:
-        cfg = M.PRESETS[args.preset]
+        cfg = PRESETS[args.preset]
         mesh = args.sharding.mesh if args.sharding is not None else None
         params = M.init_stacked_params(cfg, args.seed, args.dtype, mesh)
         source = f"preset {args.preset}, random"
@@ -240,6 +254,10 @@ def table(results: dict[str, dict], profiled: bool) -> list[str]:
                                       for r in runs)),
             ("peak concurrent sequences", *(str(r["peak_concurrent"]) for r in runs)),
             ("peak decoding together", *(str(r["peak_decoding"]) for r in runs)),
+            ("mean concurrent sequences", *(f"{r['mean_concurrent']:.1f}" for r in runs)),
+            ("KV held per live sequence, mean", *("-" if r["kv_per_sequence_mean_bytes"] is None
+                                                  else size(r["kv_per_sequence_mean_bytes"])
+                                                  for r in runs)),
             ("KV allocated", *(size(r["kv_allocated_bytes"]) for r in runs)),
             ("KV reserved by live sequences, mean", *(size(r["kv_reserved_mean_bytes"])
                                                       for r in runs)),
@@ -327,7 +345,7 @@ def recompute(cfg, params, system, requests, n: int, max_seq_len: int, eos):
 def engine_bytes_per_token(name, args, cfg, per_token):
     """KV bytes of one token in engine ``name``'s cache: ``per_token`` (the model's dtype), or
     the 8-bit engine's bytes with its scales (the same budget holds about twice the tokens)."""
-    if name == "paged-8bit":
+    if "8bit" in name.split("-"):
         return S.kv_bytes_per_token(cfg, S.KV_DTYPES[args.kv_dtype], scaled=True)
     return per_token
 
@@ -339,8 +357,11 @@ def run_engine(name, args, cfg, params, system, requests, kv_gib, per_token, mea
     oracle = S.oracle_reuse(system, requests, args.page_size)
     window = ((args.duration or 0) / 2, 4) if args.profile else None  # mid-run, 4 iterations
     m = engine.run(reqs, eos=args.eos, duration=args.duration, profile=window)
-    allocated = (p.num_pages * args.page_size if p.num_pages else p.batch * args.max_seq_len)
-    summary = metrics.summarize(reqs, m, per_token, allocated * per_token, oracle)
+    # a page of a cache with windows holds one layer group's layers: a token of it, a share
+    unit = per_token * getattr(engine.kind, "page_layers", cfg.num_layers) / cfg.num_layers
+    allocated = (p.num_pages * args.page_size * unit if p.num_pages
+                 else p.batch * args.max_seq_len * per_token)
+    summary = metrics.summarize(reqs, m, per_token, int(allocated), oracle, unit)
     summary.update(engine=name, kv_gib=kv_gib, batch=p.batch, num_pages=p.num_pages)
     return summary, [r.output for r in reqs]
 
@@ -350,7 +371,7 @@ def make_engine(name, args, cfg, params, system, kv_gib, per_token, mean_total):
     per_token = engine_bytes_per_token(name, args, cfg, per_token)
     kv = int(kv_gib * 2**30)
     batch = args.max_batch or max(1, min(256, int(kv // per_token // mean_total)))
-    p = S.plan(name, kv, per_token, args.max_seq_len, args.page_size, batch)
+    p = S.plan(name, kv, per_token, args.max_seq_len, args.page_size, batch, cfg)
     dp = args.sharding.batch_shards if args.sharding is not None and name != "fixed" else 1
     if dp > 1:  # rows and pages split over dp evenly
         pages = None if p.num_pages is None else p.num_pages // dp * dp
@@ -473,11 +494,11 @@ def serve(args, on_gpu: bool) -> int:
         print(f"recomputation without a cache, first {len(want)} requests: " + ", ".join(
             f"{k} {v}/{len(want)} identical" for k, v in checked.items()))
         if args.dtype == "float32" and any(v != len(want) for k, v in checked.items()
-                                           if k != "paged-8bit"):
+                                           if "8bit" not in k):
             rc = 1
     # float32 engines must agree token for token; an 8-bit cache's agreement is reported.
     if args.dtype == "float32" and any(v["identical"] != v["of"] for k, v in agree.items()
-                                       if k != "paged-8bit"):
+                                       if "8bit" not in k):
         rc = 1
 
     miscounted = {k: r["miscounted_pages"] for k, r in results.items() if r["miscounted_pages"]}

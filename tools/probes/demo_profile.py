@@ -13,7 +13,8 @@ import tempfile
 
 import jax
 
-from jaxkv.demo import cli, loop
+from jaxkv.demo import cli
+from jaxkv.serving import loop
 
 
 def device_events(trace_dir: str):

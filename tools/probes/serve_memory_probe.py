@@ -15,7 +15,7 @@ import sys
 import jax
 import numpy as np
 
-from jaxkv.demo import serve as S
+from jaxkv.serving import serve as S
 from jaxkv.demo import serve_cli
 
 GiB = 2**30

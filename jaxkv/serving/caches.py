@@ -50,24 +50,28 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from jaxkv import page_index, reference
+from jaxkv import _windows, page_index, reference
 from jaxkv.sharding import leaf_specs
 
-from .model import LlamaConfig, dense_attention
+from ..models.config import ModelConfig
+from ..models.layers import AttentionSpec, dense_attention
 
 
-def _kernel_attends(cfg: LlamaConfig) -> bool:
+def _kernel_attends(cfg: ModelConfig) -> bool:
     """jaxkv.attention's kernels are built for this head_dim (else: dense attention)."""
     return cfg.head_dim in jaxkv.attention.HEAD_DIMS
 
 
-def _jaxkv_attend(cache, layer, q, new_lengths):
-    """The new tokens attend causally over the cache, read in place (jaxkv.attention.prefill)."""
+def _jaxkv_attend(cache, layer, q, new_lengths, spec: AttentionSpec = AttentionSpec()):
+    """The new tokens attend causally over the cache, read in place (jaxkv.attention.prefill),
+    with the layer's window, scale, soft cap and sinks."""
     if new_lengths is None:
         new_lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
     # An 8-bit cache is read under a 16-bit query (the kernels' pairs), any other under its dtype.
     q_dtype = jnp.bfloat16 if getattr(cache, "scaling", None) else cache.dtype
-    out = jaxkv.attention.prefill(q.astype(q_dtype), cache, layer, new_lengths)
+    out = jaxkv.attention.prefill(q.astype(q_dtype), cache, layer, new_lengths,
+                                  window=spec.window, scale=spec.scale, soft_cap=spec.soft_cap,
+                                  sinks=spec.sinks)
     return out.astype(q.dtype)
 
 
@@ -125,7 +129,7 @@ def _put_rows(x, rows, values, shards: int = 1):
     return put(blocks, local, values).reshape(x.shape)
 
 
-def _attend_rows_full(kind, cache, layer, rows, q, k, v, new_lengths, positions):
+def _attend_rows_full(kind, cache, layer, rows, q, k, v, new_lengths, positions, spec):
     """``attend_rows`` through the full-batch ``append`` and ``attend``: the chunk's rows are
     scattered into otherwise empty ``[B, ...]`` arrays (rows taking no part add no token)."""
     batch, shards = kind.lengths(cache).shape[0], kind.batch_shards
@@ -135,8 +139,8 @@ def _attend_rows_full(kind, cache, layer, rows, q, k, v, new_lengths, positions)
     if kind.ops == "xla" and hasattr(kind, "kv"):  # dense attention over the chunk's rows only
         keys, values = kind.kv(cache, layer)
         return dense_attention(q, _take_rows(keys, rows, shards),
-                               _take_rows(values, rows, shards), positions), cache
-    out = kind.attend(cache, layer, full(q), full(positions), n)
+                               _take_rows(values, rows, shards), positions, spec), cache
+    out = kind.attend(cache, layer, full(q), full(positions), n, spec)
     return _take_rows(out, rows, shards), cache
 
 
@@ -175,7 +179,7 @@ def _xla_compact(buffer, batch_mapping) -> jax.Array:
 class _RowKind:
     """Shared by the two caches whose rows hold whole sequences (linear and manager)."""
 
-    cfg: LlamaConfig
+    cfg: ModelConfig
     dtype: str = "float32"
     ops: str = "jaxkv"  # or "xla"
     sharding: jaxkv.CacheSharding | None = None  # --mesh: KV heads over tp, the batch over dp
@@ -205,17 +209,18 @@ class _RowKind:
     def reserve_served(self, cache, new_lengths):
         return cache, jnp.ones(new_lengths.shape, bool)
 
-    def attend_rows(self, cache, layer, rows, q, k, v, new_lengths, positions):
-        return _attend_rows_full(self, cache, layer, rows, q, k, v, new_lengths, positions)
+    def attend_rows(self, cache, layer, rows, q, k, v, new_lengths, positions,
+                    spec=AttentionSpec()):
+        return _attend_rows_full(self, cache, layer, rows, q, k, v, new_lengths, positions, spec)
 
     def commit(self, cache, new_lengths):
         return cache.commit(new_lengths)
 
-    def attend(self, cache, layer, q, positions, new_lengths=None):
+    def attend(self, cache, layer, q, positions, new_lengths=None, spec=AttentionSpec()):
         if self.ops == "jaxkv" and _kernel_attends(self.cfg):
-            return _jaxkv_attend(cache, layer, q, new_lengths)
+            return _jaxkv_attend(cache, layer, q, new_lengths, spec)
         k, v = self.kv(cache, layer)
-        return dense_attention(q, k, v, positions)
+        return dense_attention(q, k, v, positions, spec)
 
     def admit(self, cache, saved, new):
         if self.ops == "jaxkv":
@@ -289,9 +294,21 @@ class LinearKind(_RowKind):
 class ManagerKind(_RowKind):
     """``jaxkv.KVCacheManager``: one buffer ``[B, 2, Hkv, S, D]`` per layer."""
 
+    # A model's window layers as rings of ``window + ring_chunk - 1`` slots, ``ring_chunk`` the
+    # most tokens a step appends (jaxkv.KVLayerConfig); None: every layer holds max_seq_len.
+    ring_chunk: int | None = None
+
     def create(self, max_batch: int, max_seq_len: int):
         c = self.cfg
-        layers = [jaxkv.KVLayerConfig(c.num_kv_heads, c.head_dim)] * c.num_layers
+
+        def layer(i):
+            w = c.window(i)
+            if self.ring_chunk is None or w is None or w + self.ring_chunk - 1 >= max_seq_len:
+                return jaxkv.KVLayerConfig(c.num_kv_heads, c.head_dim)
+            return jaxkv.KVLayerConfig(c.num_kv_heads, c.head_dim, w + self.ring_chunk - 1,
+                                       ring=True)
+
+        layers = [layer(i) for i in range(c.num_layers)]
         return jaxkv.KVCacheManager.create(layers, max_batch, max_seq_len, jnp.dtype(self.dtype),
                                            self.sharding)
 
@@ -335,7 +352,7 @@ class PagedKind:
     ``paged_attention`` for decode steps (jax 0.10 to 0.12.0; later jax no longer ships it).
     """
 
-    cfg: LlamaConfig
+    cfg: ModelConfig
     dtype: str = "float32"
     ops: str = "jaxkv"  # or "xla"
     page_size: int = 16
@@ -354,6 +371,10 @@ class PagedKind:
     # A host tier of this many pages (jaxkv.host_tier): preempted rows swap their pages out to
     # host memory and back instead of recomputing them.
     host_pages: int = 0
+    # Each layer's sliding window (the model's ``cfg.windows``): window layers release the pages
+    # their window no longer sees (PagedKVCache(windows=...)). None: every layer keeps every
+    # token (the window still applies in attention).
+    windows: tuple | None = None
 
     @property
     def pool_layout(self) -> str:
@@ -364,16 +385,39 @@ class PagedKind:
     def batch_shards(self) -> int:
         return _batch_shards(self.sharding)
 
+    @property
+    def page_groups(self) -> int:
+        """Page tables over the pool: one per layer group with windows, else one."""
+        return 1 if self.windows is None else _windows.groups(self.windows).num_groups
+
+    @property
+    def page_layers(self) -> int:
+        """Layers a page holds: a layer group's with windows, else every layer's."""
+        return (self.cfg.num_layers if self.windows is None
+                else _windows.groups(self.windows).slots)
+
+    def row_pages(self, tokens: int, chunk: int = 1) -> int:
+        """Pages a row of ``tokens`` tokens holds at most, in every layer group, appending
+        ``chunk`` tokens at a time (a window group: ``ceil((window + chunk) / page_size) + 1``
+        at most, PagedKVCache.create)."""
+        full = -(-tokens // self.page_size)
+        if self.windows is None:
+            return full
+        return sum(full if w is None else min(full, -(-(w + chunk) // self.page_size) + 1)
+                   for w in _windows.groups(self.windows).group_windows)
+
     def create(self, max_batch: int, max_seq_len: int):
         c = self.cfg
         pages_per_seq = -(-max_seq_len // self.page_size)
         rows = max_batch + self.batch_shards  # and a prompt row per shard
+        groups = self.page_groups  # each with every row at full length
         return jaxkv.PagedKVCache.create(
-            num_layers=c.num_layers, num_pages=self.num_pages or rows * pages_per_seq,
+            num_layers=c.num_layers, num_pages=self.num_pages or rows * pages_per_seq * groups,
             page_size=self.page_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             max_batch=rows, max_pages_per_seq=pages_per_seq,
             dtype=jnp.dtype(self.kv_dtype or self.dtype), layout=self.pool_layout,
-            sharding=self.sharding, prefix_cache=self.prefix_cache, host_pages=self.host_pages)
+            sharding=self.sharding, prefix_cache=self.prefix_cache, host_pages=self.host_pages,
+            windows=self.windows)
 
     def swap_out(self, cache, rows, max_pages: int):
         """``swap_out`` of the batch rows in ``rows`` (bool [B]); swapped [B]."""
@@ -431,8 +475,12 @@ class PagedKind:
         host = view.host  # its pools and counts: a match spills and brings pages back
         if host is not None:  # the rows' host tables: the whole batch's (match leaves them)
             host = dataclasses.replace(host, table=cache.host.table, incoming=cache.host.incoming)
+        groups = cache.group_tables
+        if groups is not None:
+            groups = jax.vmap(lambda c, v: _put_rows(c, at, v, shards))(groups, view.group_tables)
         cache = dataclasses.replace(
             view, page_table=_put_rows(cache.page_table, at, view.page_table, shards),
+            group_tables=groups,
             lengths=_put_rows(cache.lengths, at, view.lengths, shards),
             new_tokens=cache.new_tokens, host=host)
         return cache if res is None else (cache, res)
@@ -489,15 +537,17 @@ class PagedKind:
         used = (cache.ref_counts > 0).reshape(self.batch_shards, -1)
         return jnp.sum(used, axis=1, dtype=jnp.int32) * cache.page_size
 
-    def attend_rows(self, cache, layer, rows, q, k, v, new_lengths, positions):
+    def attend_rows(self, cache, layer, rows, q, k, v, new_lengths, positions,
+                    spec=AttentionSpec()):
         """With jaxkv's ops, a view of the cache with the chunk's rows only (their page-table
         rows and lengths; the same pools) takes the append and the attention: no full-batch
         arrays. Over batch shards, each shard's view holds its lane group's rows."""
         if not (self.ops == "jaxkv" and self.attention == "auto" and _kernel_attends(self.cfg)):
-            return _attend_rows_full(self, cache, layer, rows, q, k, v, new_lengths, positions)
+            return _attend_rows_full(self, cache, layer, rows, q, k, v, new_lengths, positions,
+                                     spec)
         sub = _rows_view(cache, self._lane_rows(cache, rows), self.batch_shards)
         sub = sub.append(layer, k, v, new_lengths)
-        out = _jaxkv_attend(sub, layer, q, new_lengths)
+        out = _jaxkv_attend(sub, layer, q, new_lengths, spec)
         return out, dataclasses.replace(cache, k_pages=sub.k_pages, v_pages=sub.v_pages,
                                         k_scales=sub.k_scales, v_scales=sub.v_scales)
 
@@ -519,13 +569,16 @@ class PagedKind:
         table = cache.page_table
         return jnp.where(table >= 0, table + first[:, None], table)
 
-    def attend(self, cache, layer, q, positions, new_lengths=None):
+    def attend(self, cache, layer, q, positions, new_lengths=None, spec=AttentionSpec()):
         visible = cache.lengths + cache.new_tokens  # committed tokens and the ones just appended
         if self._use_pallas(cache) and q.shape[1] == 1:
+            if spec != AttentionSpec():
+                raise ValueError("attention='pallas' serves plain attention only (no window, "
+                                 "scale, soft cap or sinks); use attention='auto'")
             return self._pallas(cache, layer, q, visible)[:, None]
         if self.ops == "jaxkv" and self.attention == "auto" and _kernel_attends(self.cfg):
             n = None if new_lengths is None else self._pad(new_lengths)
-            return self._unpad(_jaxkv_attend(cache, layer, self._pad(q), n))
+            return self._unpad(_jaxkv_attend(cache, layer, self._pad(q), n, spec))
         max_len = cache.max_pages_per_seq * cache.page_size
         if self.ops == "jaxkv":
             k, v = jaxkv.paged_gather(cache.k_pages, cache.v_pages, cache.page_table, visible,
@@ -535,7 +588,7 @@ class PagedKind:
             kv = reference.paged_gather(cache.k_pages, cache.v_pages, self._pool_table(cache),
                                         visible, layer, max_len, cache.layout)
             k, v = kv[:, 0], kv[:, 1]
-        return dense_attention(q, self._unpad(k), self._unpad(v), positions)
+        return dense_attention(q, self._unpad(k), self._unpad(v), positions, spec)
 
     def _use_pallas(self, cache) -> bool:
         on_gpu = jax.default_backend() == "gpu"
@@ -613,9 +666,13 @@ class PagedKind:
     def miscounted_pages(self, cache) -> int:
         """Pages (of either tier) whose reference count differs from the table entries naming
         them: 0 when the allocator and the tables agree. Read on the host after a run."""
-        table = np.asarray(self._pool_table(cache))
-        named = np.bincount(table[(table >= 0) & (table < cache.num_pages)],
-                            minlength=cache.num_pages)
+        tables = [cache.page_table] + ([] if cache.group_tables is None
+                                       else list(cache.group_tables))  # every layer group's
+        named = np.zeros(cache.num_pages, np.int64)
+        for t in tables:
+            table = np.asarray(self._pool_table(dataclasses.replace(cache, page_table=t)))
+            named += np.bincount(table[(table >= 0) & (table < cache.num_pages)],
+                                 minlength=cache.num_pages)
         bad = int(np.sum(np.asarray(cache.ref_counts) != named))
         if cache.host is not None:
             host = np.asarray(cache.host.table)
@@ -656,12 +713,15 @@ def _rows_view(cache, rows, shards: int = 1):
     host = cache.host
     if host is not None:
         host = dataclasses.replace(host, table=take(host.table), incoming=take(host.incoming))
+    groups = cache.group_tables
+    if groups is not None:
+        groups = jax.vmap(take)(groups)
     return dataclasses.replace(cache, page_table=take(cache.page_table),
                                lengths=take(cache.lengths), new_tokens=take(cache.new_tokens),
-                               host=host)
+                               host=host, group_tables=groups)
 
 
-def make_kind(name: str, cfg: LlamaConfig, dtype: str = "float32", ops: str = "jaxkv", **options):
+def make_kind(name: str, cfg: ModelConfig, dtype: str = "float32", ops: str = "jaxkv", **options):
     if name not in KINDS:
         raise ValueError(f"unknown cache kind {name!r}; choose from {', '.join(KINDS)}")
     if ops not in ("jaxkv", "xla"):

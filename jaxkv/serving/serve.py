@@ -44,8 +44,10 @@ import numpy as np
 
 import jaxkv.sharding
 
+from jaxkv import _windows
+
 from . import caches, loop
-from . import model as M
+from ..models import decoder as M
 from .fixed_slot import FixedSlotKind
 from .metrics import profile_summary
 from .schedule import Schedule
@@ -64,6 +66,10 @@ ENGINES = {
                     "cached pages of its longest indexed prefix (match_prefix / insert_prefix)",
     "paged-swap": "the paged engine preempting by swap: a preempted request's pages go to host "
                   "memory (swap_out) and come back when it is readmitted (swap_in)",
+    "paged-global": "a model with sliding windows: the paged engine keeping every layer's "
+                    "tokens (the windows apply in attention only; vLLM with its hybrid manager "
+                    "off), where paged releases what a window layer no longer sees",
+    "paged-global-8bit": "paged-global with its cache in 8 bits (--kv-dtype)",
 }
 PREEMPT = ("recompute", "swap")  # --preempt: what the paged engines do with a preempted request
 KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "int8": "int8"}  # --kv-dtype
@@ -73,7 +79,7 @@ DEFAULT_ENGINES = ("paged", "fixed", "linear", "linear-xla")  # the issue's targ
 # --- engines (the host's schedule: schedule.py; the report: metrics.py) ---
 
 
-def kv_bytes_per_token(cfg: M.LlamaConfig, dtype, scaled: bool = False) -> int:
+def kv_bytes_per_token(cfg: M.ModelConfig, dtype, scaled: bool = False) -> int:
     """K and V bytes of one token, every layer (an 8-bit cache's with its float32 scales)."""
     per_head = cfg.head_dim * jnp.dtype(dtype).itemsize + (4 if scaled else 0)
     return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
@@ -90,17 +96,21 @@ class Plan:
 
 
 def plan(name: str, kv_bytes: int, per_token: int, max_seq_len: int, page_size: int,
-         max_batch: int) -> Plan:
+         max_batch: int, cfg: M.ModelConfig | None = None) -> Plan:
     """Rows of ``max_seq_len`` (linear, fixed) or pages (paged) that fit in ``kv_bytes``; the
-    paged engines decode at most ``max_batch`` rows together."""
+    paged engines decode at most ``max_batch`` rows together. A model with windows (``cfg``): a
+    paged engine that releases window pages has pages of one layer group (a page table per
+    group over one pool), more of them for the same bytes."""
     tokens = kv_bytes // per_token
     if name.startswith("paged"):
         pages = tokens // page_size
+        if cfg is not None and cfg.hybrid and "global" not in name.split("-"):
+            pages = pages * cfg.num_layers // _windows.groups(cfg.windows).slots
         return Plan(name, max(1, max_batch), pages, page_size)
     return Plan(name, tokens // max_seq_len)
 
 
-def make_kind(name: str, cfg: M.LlamaConfig, dtype: str, p: Plan, unroll: bool = False,
+def make_kind(name: str, cfg: M.ModelConfig, dtype: str, p: Plan, unroll: bool = False,
               kv_dtype: str = "float8_e4m3fn", sharding=None, host_pages: int = 0):
     """The cache kind of engine ``name``; ``sharding`` (a ``jaxkv.CacheSharding``): jaxkv's
     caches split over KV heads and batch (the fixed slots' buffers over KV heads too);
@@ -109,19 +119,22 @@ def make_kind(name: str, cfg: M.LlamaConfig, dtype: str, p: Plan, unroll: bool =
     if name == "fixed":  # unrolled layers: a buffer per layer, as a JAX expert keeps them
         return FixedSlotKind(cfg, dtype, per_layer=unroll,
                              mesh=None if sharding is None else sharding.mesh)
-    base, _, ops = name.partition("-")
+    base, *mods = name.split("-")
     options = dict(page_size=p.page_size, num_pages=p.num_pages) if base == "paged" else {}
-    if ops == "8bit":
-        ops, options = "jaxkv", dict(options, kv_dtype=kv_dtype)
-    if ops == "prefix":
-        ops, options = "jaxkv", dict(options, prefix_cache=True)
-    if ops == "swap":
-        ops, host_pages = "jaxkv", host_pages or p.num_pages
+    ops = "xla" if "xla" in mods else "jaxkv"
+    if "8bit" in mods:
+        options["kv_dtype"] = kv_dtype
+    if "prefix" in mods:
+        options["prefix_cache"] = True
+    if "swap" in mods:
+        host_pages = host_pages or p.num_pages
     if base == "paged" and host_pages and ops != "xla":
         options["host_pages"] = host_pages
+    if base == "paged" and cfg.hybrid and "global" not in mods:
+        options["windows"] = cfg.windows  # window layers release their old pages
     if sharding is not None:
         options["sharding"] = sharding
-    return caches.make_kind(base, cfg, dtype, ops or "jaxkv", **options)
+    return caches.make_kind(base, cfg, dtype, ops, **options)
 
 
 class ServeEngine(loop.Engine):
@@ -129,7 +142,7 @@ class ServeEngine(loop.Engine):
     ``loop.Engine`` it keeps ``abstract_cache`` and ``cache_copies`` (copies of the cache in the
     compiled functions: 0 when every call updates it in place)."""
 
-    def __init__(self, cfg: M.LlamaConfig, params, kind, *, batch: int, max_seq_len: int,
+    def __init__(self, cfg: M.ModelConfig, params, kind, *, batch: int, max_seq_len: int,
                  system_prompt, prefill_rows: int | tuple[int, ...], prefill_chunk: int,
                  decode_steps: int, mixed_steps: int | None = None, unroll: bool = False):
         # unroll: the layers as a Python loop (static layer indices) instead of a scan
@@ -220,9 +233,9 @@ class ServeEngine(loop.Engine):
             steps = tokens.shape[1]
             positions = kind.lengths(cache)[at][:, None] + jnp.arange(steps, dtype=i32)[None, :]
 
-            def attend(cache, i, q, k, v):
+            def attend(cache, i, q, k, v, spec):
                 return kind.attend_rows(cache, i, rows, q, k.transpose(0, 2, 1, 3),
-                                        v.transpose(0, 2, 1, 3), n, positions)
+                                        v.transpose(0, 2, 1, 3), n, positions, spec)
 
             x, cache = M.decoder(cfg, params, tokens, positions, attend, cache)
             cache = kind.commit(cache, jnp.where(served, n_full, 0))

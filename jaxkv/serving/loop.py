@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import model as M
+from ..models import decoder as M
 
 # XLA's rematerialization pass, which runs when a program's planned memory (the donated cache
 # counted as input and again as output) passes the device's limit, miscompiled the serving steps
@@ -143,7 +143,7 @@ class Slots:
 class Engine:
     """Serves requests with a cache ``kind`` (``caches.py``) and a model (``model.py``)."""
 
-    def __init__(self, cfg: M.LlamaConfig, params, kind, *, max_batch: int, system_prompt,
+    def __init__(self, cfg: M.ModelConfig, params, kind, *, max_batch: int, system_prompt,
                  max_prompt_len: int, max_new_tokens: int):
         self.cfg, self.params, self.kind = cfg, params, kind
         self.max_batch = max_batch
@@ -333,7 +333,9 @@ class Engine:
 
 def _hlo_type(x) -> str:
     """HLO spelling of an array type, e.g. 'f32[2,4,2,8,64,128]'."""
-    name = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[jnp.dtype(x.dtype).name]
+    name = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "s8", "uint8": "u8",
+            "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2",
+            "int32": "s32"}[jnp.dtype(x.dtype).name]
     sharding = getattr(x, "sharding", None)  # a sharded step's HLO holds per-device shapes
     shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
     return f"{name}[{','.join(map(str, shape))}]"

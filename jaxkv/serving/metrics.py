@@ -17,9 +17,12 @@ def percentile(values, q) -> float | None:
 
 
 def summarize(requests: list[ServeRequest], m: dict, per_token: int, allocated: int,
-              oracle: dict | None = None) -> dict:
+              oracle: dict | None = None, reserved_per_token: float | None = None) -> dict:
     """The report of one engine's run (times in seconds, memory in bytes). ``oracle``: request id
-    -> the tokens an unbounded prefix cache could give it (``oracle_reuse``)."""
+    -> the tokens an unbounded prefix cache could give it (``oracle_reuse``).
+    ``reserved_per_token``: the bytes of a token of reserved memory where it differs from a
+    token's (a paged cache with windows: a page holds one layer group's layers)."""
+    unit = per_token if reserved_per_token is None else reserved_per_token
     started = [r for r in requests if r.started]
     best = sum(oracle[r.id] for r in started) if oracle else 0
     wall = m["wall"]
@@ -41,9 +44,13 @@ def summarize(requests: list[ServeRequest], m: dict, per_token: int, allocated: 
         tpot_p50_s=percentile(tpot, 50), tpot_p99_s=percentile(tpot, 99),
         peak_concurrent=m["peak_live"], peak_decoding=m["peak_decoding"],
         kv_allocated_bytes=allocated,
-        kv_reserved_mean_bytes=float(np.mean(usage[:, 2])) * per_token if len(usage) else 0.0,
+        kv_reserved_mean_bytes=float(np.mean(usage[:, 2])) * unit if len(usage) else 0.0,
         kv_live_mean_bytes=float(np.mean(usage[:, 1])) * per_token if len(usage) else 0.0,
-        kv_reserved_peak_bytes=int(np.max(usage[:, 2], initial=0)) * per_token,
+        kv_reserved_peak_bytes=int(np.max(usage[:, 2], initial=0) * unit),
+        # what a live sequence holds, on average over the decode calls that had one
+        kv_per_sequence_mean_bytes=(float(np.mean(usage[busy, 2] / usage[busy, 0])) * unit
+                                    if np.any(busy := usage[:, 0] > 0) else None),
+        mean_concurrent=float(np.mean(usage[:, 0])) if len(usage) else 0.0,
         iterations=m["iterations"], decode_calls=m["decode_calls"],
         prefill_calls=m["prefill_calls"], evict_calls=m["evict_calls"],
         decode_steps=m["decode_steps"], preemptions=m["preemptions"],

@@ -1,4 +1,4 @@
-"""Loads a local Hugging Face Llama checkpoint (config.json + *.safetensors), no network access.
+"""Loads a local Hugging Face checkpoint of a family jaxkv serves (config.json + *.safetensors), no network access.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header of name -> dtype, shape,
 byte offsets, then raw data. ``load`` reads every file's header once, then each tensor's bytes
@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .model import LlamaConfig, weight_sharding
+from . import registry
+from .config import ModelConfig
+from .decoder import weight_sharding
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -72,43 +74,15 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
     return {name: _read_tensor(name, stored) for name, stored in _read_header(path).items()}
 
 
-def config_from_hf(hf: dict) -> LlamaConfig:
-    """LlamaConfig of a Hugging Face ``config.json`` (Llama architecture only)."""
-    archs = hf.get("architectures") or ["LlamaForCausalLM"]
-    if hf.get("model_type", "llama") != "llama" or archs[0] != "LlamaForCausalLM":
-        raise ValueError(
-            f"only Llama checkpoints are supported, got {hf.get('model_type')} {archs}")
-    # transformers 5 writes rope_parameters (with rope_theta in it), earlier versions rope_scaling.
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"RoPE type {rope_type!r} is not supported (default and llama3 only)")
-    llama3 = None
-    if rope_type == "llama3":
-        llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]),
-                  float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError("attention_bias / mlp_bias are not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {hf['hidden_act']} is not supported (SwiGLU with silu only)")
-    heads = hf["num_attention_heads"]
-    return LlamaConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        rope_llama3=llama3,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )
+def config_from_hf(hf: dict) -> ModelConfig:
+    """The ModelConfig of a Hugging Face ``config.json``: its family's (``registry.FAMILIES``,
+    by ``model_type``); a family or a feature jaxkv cannot compute exactly is refused, naming it."""
+    model_type = hf.get("model_type", "llama")
+    return registry.family(model_type).config_from_hf(dict(hf, model_type=model_type))
 
 
-def read_config(path) -> LlamaConfig:
-    """The LlamaConfig of the checkpoint in directory ``path`` (its ``config.json`` alone)."""
+def read_config(path) -> ModelConfig:
+    """The ModelConfig of the checkpoint in directory ``path`` (its ``config.json`` alone)."""
     config = pathlib.Path(path) / "config.json"
     if not config.is_file():
         raise FileNotFoundError(
@@ -129,17 +103,19 @@ def _checkpoint_index(root: pathlib.Path) -> dict[str, _Stored]:
 
 
 def load(path, dtype="float32", mesh=None):
-    """(LlamaConfig, params) of the checkpoint in directory ``path``. With ``mesh``, each weight
+    """(ModelConfig, params) of the checkpoint in directory ``path``. With ``mesh``, each weight
     goes from the host straight to its devices, split as ``model.weight_sharding`` says: a model
     larger than one device never sits whole on the first one. Each tensor is read from its file
     only as it is placed, so the host never holds the checkpoint (the module's docstring)."""
     root = pathlib.Path(path)
     cfg = read_config(root)
+    cfg_type = json.loads((root / "config.json").read_text()).get("model_type", "llama")
     index = _checkpoint_index(root)
 
     def host(name, transpose=True):  # torch's Linear is [out, in]
         if name not in index:
-            raise KeyError(f"{root}: checkpoint has no tensor {name!r}")
+            raise KeyError(f"{root}: checkpoint has no tensor {name!r} (a {cfg.family} "
+                           f"checkpoint's weights, unquantized, are expected)")
         w = np.asarray(_read_tensor(name, index[name]), np.float32)
         return np.asarray(w.T if transpose else w, jnp.dtype(dtype))
 
@@ -148,12 +124,9 @@ def load(path, dtype="float32", mesh=None):
             return jnp.asarray(w)
         return jax.device_put(w, weight_sharding(key, w.shape, mesh))
 
-    names = dict(attn_norm="input_layernorm", wq="self_attn.q_proj", wk="self_attn.k_proj",
-                 wv="self_attn.v_proj", wo="self_attn.o_proj",
-                 mlp_norm="post_attention_layernorm", w_gate="mlp.gate_proj",
-                 w_up="mlp.up_proj", w_down="mlp.down_proj")
-    layers = [{key: place(key, host(f"layers.{i}.{name}.weight", "norm" not in key))
-               for key, name in names.items()} for i in range(cfg.num_layers)]
+    names = registry.family(cfg_type).layer_weights(cfg)
+    layers = [{key: place(key, host(f"layers.{i}.{name}", transpose))
+               for key, (name, transpose) in names.items()} for i in range(cfg.num_layers)]
     embed_host = host("embed_tokens.weight", False)
     embed = place("embed", embed_host)
     if cfg.tie_word_embeddings or "lm_head.weight" not in index:

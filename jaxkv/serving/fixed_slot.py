@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .model import LlamaConfig, dense_attention
+from ..models.config import ModelConfig
+from ..models.layers import AttentionSpec, dense_attention
 
 
 @jax.tree_util.register_dataclass
@@ -42,7 +43,7 @@ class FixedSlotKind:
     """Slots of ``max_seq_len`` tokens; freed in place (``compacts = False``: the scheduler keeps
     a free list instead of compacting survivors to the front)."""
 
-    cfg: LlamaConfig
+    cfg: ModelConfig
     dtype: str = "float32"
     per_layer: bool = False  # one buffer per layer (layers unrolled, static layer indices)
     ops: str = "xla"  # (what it is; the loop prints it)
@@ -125,14 +126,16 @@ class FixedSlotKind:
         slots = jnp.arange(cache.lengths.shape[0], dtype=jnp.int32)
         return self._write(cache, layer, slots, k, v, jnp.where(cache.live, new_lengths, 0))
 
-    def attend(self, cache, layer, q, positions, new_lengths=None):
+    def attend(self, cache, layer, q, positions, new_lengths=None, spec=AttentionSpec()):
         """Every slot's whole buffer, masked past each query's position (dense attention)."""
-        return dense_attention(q, cache.k[layer], cache.v[layer], positions)
+        return dense_attention(q, cache.k[layer], cache.v[layer], positions, spec)
 
-    def attend_rows(self, cache, layer, rows, q, k, v, new_lengths, positions):
+    def attend_rows(self, cache, layer, rows, q, k, v, new_lengths, positions,
+                    spec=AttentionSpec()):
         cache = self._write(cache, layer, rows, k, v, new_lengths)
         slot = jnp.clip(rows, 0, cache.lengths.shape[0] - 1)
-        return dense_attention(q, cache.k[layer][slot], cache.v[layer][slot], positions), cache
+        return dense_attention(q, cache.k[layer][slot], cache.v[layer][slot], positions,
+                               spec), cache
 
     def commit(self, cache, new_lengths):
         return dataclasses.replace(

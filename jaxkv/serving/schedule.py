@@ -104,6 +104,13 @@ class Schedule:
         kind, b = engine.kind, engine.batch
         self.page_size = getattr(kind, "page_size", None) if num_pages else None
         self.num_pages = num_pages
+        # A kind with sliding windows keeps a page table per layer group over its pool: a row's
+        # pages in all of them (its window groups' bounded by their windows).
+        self.groups = getattr(kind, "page_groups", 1)
+        row_pages = getattr(kind, "row_pages", None)
+        chunk = getattr(engine, "prefill_chunk", 1)
+        self._pages = ((lambda n: row_pages(n, chunk)) if row_pages is not None
+                       else (lambda n: _pages(n, self.page_size)))
         self.syslen = len(engine.system_prompt)
         self.future = collections.deque(sorted(requests, key=lambda r: r.arrival))
         self.waiting: collections.deque[ServeRequest] = collections.deque()
@@ -169,7 +176,7 @@ class Schedule:
         if self.page_size:
             for row, r in self.live:
                 if r.phase == "decode":
-                    self.free[self._shard(row)] -= _pages(steps, self.page_size)
+                    self.free[self._shard(row)] -= self.groups * _pages(steps, self.page_size)
 
     def _shard(self, row: int) -> int:
         return row // self.per_shard
@@ -184,8 +191,8 @@ class Schedule:
             pending = [0] * self.shards
             for row, r in self.slots.rows():
                 if r.phase == "prefill":
-                    pending[self._shard(row)] += (_pages(self.syslen + len(r.ext), size)
-                                                  - _pages(self.syslen + r.offset, size))
+                    pending[self._shard(row)] += (self._pages(self.syslen + len(r.ext))
+                                                  - self._pages(self.syslen + r.offset))
             mark = max(1, self.num_pages // self.shards // 100)
             room = [f - p - mark for f, p in zip(self.free, pending)]
             self._swap_ins(room)
@@ -206,7 +213,9 @@ class Schedule:
                 i += 1  # its prefix is still being prefilled by another row: later, it finds it
                 self.m["deferred"] += 1
                 continue
-            need = _pages(self.syslen + len(ext) + 1, size) - self.syslen // size if size else 0
+            # (the system prompt's full pages are shared, by fork, in every group)
+            need = (self._pages(self.syslen + len(ext) + 1) - self.syslen // size * self.groups
+                    if size else 0)
             s = self._pick_shard(ext, r.tenant, need, free_rows, room)
             if size:
                 if need > room[s] and (chosen or len(self.slots)):
