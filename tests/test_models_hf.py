@@ -215,3 +215,49 @@ def test_serve_command_serves_a_checkpoint_with_windows(tmp_path, capsys):
     runs = json.loads((tmp_path / "serve.json").read_text())["engines"]
     held = {k: r["kv_per_sequence_mean_bytes"] for k, r in runs.items()}
     assert held["paged"] < held["paged-global"], held
+
+
+def test_readme_model_tour_runs(tmp_path):
+    """README's model tour, on a tiny Gemma 3 checkpoint (its token ids mapped into the tiny
+    vocabulary): the greedy tokens equal transformers'."""
+    import pathlib
+    import re
+
+    path, model = save_tiny(tmp_path / "gemma3", "gemma3")
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "hf_loader" in b)
+    ids = [int(x) for x in re.search(r"np\.array\(\[([0-9, ]+)\]", block).group(1).split(",")]
+    small = [i % 300 for i in ids]
+    block = block.replace('"gemma-3-1b-it"', repr(str(path))).replace(
+        ", ".join(map(str, ids)), ", ".join(map(str, small)))
+    namespace = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    want = model.generate(torch.tensor([[2, *small]]), max_new_tokens=32, do_sample=False)
+    assert namespace["requests"][0].output == want[0, 1 + len(small):].tolist()
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration (a vision tower beside the text
+    decoder, the config nested in ``text_config``): the loader reads the language model, whose
+    greedy tokens equal the text decoder's in transformers."""
+    if not hasattr(transformers, "Gemma3ForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no "
+                    "Gemma3ForConditionalGeneration")
+    _, _, extra = FAMILIES["gemma3"]
+    text = transformers.Gemma3TextConfig(**{**SMALL, **extra})
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=32, patch_size=8)
+    full = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4)).eval()
+    full.save_pretrained(tmp_path)
+    cfg, params = hf_loader.load(tmp_path)
+    assert cfg.family == "gemma3" and cfg.qk_norm and cfg.windows.count(WINDOW) == 3
+    prompt = np.random.default_rng(5).integers(0, 300, PROMPT).astype(np.int32)
+    with torch.no_grad():
+        want = full.generate(torch.tensor(prompt[None].astype(np.int64)), max_new_tokens=NEW,
+                             do_sample=False)[0, PROMPT:].tolist()
+    got, _ = cached_greedy(cfg, M.stack_layers(params),
+                           caches.make_kind("paged", cfg, page_size=4, windows=cfg.windows),
+                           [prompt])
+    assert got[0] == want

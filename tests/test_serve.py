@@ -283,6 +283,24 @@ def test_every_engine_lowers_at_the_8b_preset():
         assert p.batch == (256 if name == "paged" else 32)
 
 
+@pytest.mark.long
+@pytest.mark.parametrize("preset", ["gemma3-12b", "gpt-oss-20b"])
+def test_the_hybrid_presets_lower_with_and_without_window_pages(preset):
+    """The GPU run's hybrid shapes (Gemma 3 12B: 48 layers, head_dim 256, 40 window layers;
+    gpt-oss-20b: sinks and experts), unrolled, lowered without weights or memory."""
+    cfg = models.PRESETS[preset]
+    params = jax.eval_shape(lambda: M.unstack_layers(M.init_stacked_params(cfg, 0, "bfloat16")))
+    per_token = S.kv_bytes_per_token(cfg, "bfloat16")
+    for name in ("paged", "paged-global"):
+        p = S.plan(name, 8 * 2**30, per_token, 32768, 16, 64, cfg)
+        kind = S.make_kind(name, cfg, "bfloat16", p, unroll=True)
+        e = S.ServeEngine(cfg, params, kind, batch=p.batch, max_seq_len=32768,
+                          system_prompt=np.ones(64, np.int32), prefill_rows=(1, 2),
+                          prefill_chunk=2048, decode_steps=16, mixed_steps=2, unroll=True)
+        for key, args in e.example_args().items():
+            e.functions[key.rstrip("0123456789")].lower(*args)
+
+
 def test_kernel_summary_takes_the_union_of_kernel_intervals():
     events = [("_ZN5jaxkv12append_kernelEv", 0, 10), ("loop_fusion", 5, 10),  # overlapping
               ("_ZN5jaxkv16attention_kernelEv", 30, 10), ("input_scatter_fusion", 50, 20)]

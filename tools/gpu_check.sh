@@ -3,7 +3,7 @@
 # whole test suite on the GPU, then the benchmarks, then the demo for each cache kind against its
 # XLA baseline. Logs go to $OUT (default /tmp/jaxkv-gpu), packed at the end into logs.tgz (the
 # main ones also beside it). SKIP_TESTS=1 / SKIP_BENCH=1 / SKIP_DEMO=1
-# / SKIP_SANITIZE=1 / SKIP_SOAK=1 / SKIP_BUILD=1 / SKIP_SERVE=1 skip parts; BENCH_OPS="op ..." limits the benchmark to those ops,
+# / SKIP_SANITIZE=1 / SKIP_SOAK=1 / SKIP_BUILD=1 / SKIP_SERVE=1 (SKIP_SERVE_8B=1) skip parts; BENCH_OPS="op ..." limits the benchmark to those ops,
 # BENCH_ARGS more arguments of the benchmark (e.g. "--match window"),
 # MEMCHECK / RACECHECK="test files" replace the sanitizers' default test lists, RACECHECK_SELECT
 # racecheck's -k expression, TESTS_BUDGET_S=N the tests file by file within N seconds (below).
@@ -216,11 +216,22 @@ if [ -z "${SKIP_DEMO:-}" ]; then
   } | tee "$OUT/demo.log"
 fi
 if [ -z "${SKIP_SERVE:-}" ]; then
-  echo "== serve: prefix caching on and off (8B, chat stream), the index's cost at 8B sizes"
   {
-    (tool="$PWD/tools/prefix_cost.py"; cd /tmp && python3 "$tool" 2>&1)
-    (cd /tmp && python3 -m jaxkv serve --preset 8b --stream "${SERVE_STREAM:-chat}" \
-      --engines paged --prefix-cache ${SERVE_ARGS:-} --json "$OUT/serving-8b-${SERVE_STREAM:-chat}.json" 2>&1)
+    if [ -z "${SKIP_SERVE_8B:-}" ]; then
+      echo "== serve: prefix caching on and off (8B, chat stream), the index's cost at 8B sizes"
+      (tool="$PWD/tools/prefix_cost.py"; cd /tmp && python3 "$tool" 2>&1)
+      (cd /tmp && python3 -m jaxkv serve --preset 8b --stream "${SERVE_STREAM:-chat}" \
+        --engines paged --prefix-cache ${SERVE_ARGS:-} --json "$OUT/serving-8b-${SERVE_STREAM:-chat}.json" 2>&1)
+    fi
+    # SERVE_HYBRID="gemma3-12b ...": models with sliding windows, window pages released against
+    # every layer's tokens kept (SERVE_HYBRID_ARGS: more options, e.g. the 8-bit engines).
+    for preset in ${SERVE_HYBRID:-}; do
+      echo "== serve: $preset, KV per sequence and the engines with and without window pages"
+      (tool="$PWD/tools/hybrid_pages.py"; cd /tmp && python3 "$tool" --preset "$preset" \
+        --json "$OUT/pages-$preset.json" 2>&1)
+      (cd /tmp && python3 -m jaxkv serve --preset "$preset" ${SERVE_HYBRID_ARGS:-} \
+        --json "$OUT/serving-$preset.json" 2>&1)
+    done
   } | tee "$OUT/serve.log"
 fi
 # The device tool brings back at most 8 files of $OUT: every log goes into logs.tgz, and only the

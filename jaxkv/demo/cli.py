@@ -23,7 +23,8 @@ def parse_args(argv):
     add("--cache", default="linear", choices=sorted(caches.KINDS), help="cache kind (linear)")
     add("--baseline", choices=["xla"], help="run the loop again with plain-XLA cache ops")
     add("--model", metavar="PATH",
-        help="local Hugging Face Llama checkpoint (config.json + *.safetensors)")
+        help="local Hugging Face checkpoint: Llama, Mistral, Gemma 2, Gemma 3 or gpt-oss "
+             "(config.json + *.safetensors)")
     add("--requests", type=int, default=64, help="requests in the stream (64)")
     add("--max-batch", type=int, default=16, help="sequences decoded together (16)")
     add("--system-len", type=int, default=32, help="tokens of the shared system prompt (32)")
@@ -191,6 +192,8 @@ class Stream:
         """The serving loop with jaxkv's cache ops (``ops="jaxkv"``) or XLA's (``"xla"``)."""
         a = self.args
         options = dict(page_size=a.page_size) if a.cache == "paged" else {}
+        if a.cache == "paged" and ops == "jaxkv" and self.cfg.hybrid:
+            options["windows"] = self.cfg.windows  # window layers release their old pages
         options["sharding"] = cache_sharding(getattr(a, "mesh", None))
         kind = caches.make_kind(a.cache, self.cfg, dtype=a.dtype, ops=ops, **options)
         return loop.Engine(self.cfg, self.params, kind, max_batch=a.max_batch,
@@ -208,7 +211,8 @@ def serve(args) -> int:
     cfg = stream.cfg
     prompt_range, answer_range = stream.prompt_range, stream.answer_range
     print(f"jaxkv demo on {jax.default_backend()} ({jax.devices()[0].device_kind})")
-    print(f"model: Llama, {stream.source}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+    print(f"model: {cfg.family}, {stream.source}: {cfg.num_layers} layers, hidden "
+          f"{cfg.hidden_size}, "
           f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads x {cfg.head_dim}, "
           f"vocab {cfg.vocab_size}, {args.dtype}")
     print(f"stream: {args.requests} requests, {args.max_batch} slots; a {args.system_len}-token "

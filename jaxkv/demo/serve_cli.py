@@ -56,8 +56,8 @@ def parse_args(argv):
                ". Unset sizes take the preset's defaults (docs/serving.md).")
     add = p.add_argument
     add("--preset", default="tiny", choices=sorted(PRESETS), help="model shapes (tiny)")
-    add("--model", metavar="PATH", help="a local Hugging Face checkpoint instead (Llama, Mistral, Gemma 2, Gemma 3, "
-        "gpt-oss)")
+    add("--model", metavar="PATH", help="a local Hugging Face checkpoint instead (Llama, "
+        "Mistral, Gemma 2, Gemma 3, gpt-oss)")
     add("--dtype", choices=["float32", "bfloat16"],
         help="weights and cache (float32 on CPU, bfloat16 on GPU)")
     add("--engines",
@@ -370,7 +370,10 @@ def make_engine(name, args, cfg, params, system, kv_gib, per_token, mean_total):
     """Engine ``name`` with ``kv_gib`` of KV, and its plan (rows, pages)."""
     per_token = engine_bytes_per_token(name, args, cfg, per_token)
     kv = int(kv_gib * 2**30)
-    batch = args.max_batch or max(1, min(256, int(kv // per_token // mean_total)))
+    # the rows decoded together: as many as the budget holds at the mean length (a cache with
+    # windows: a decoding sequence holds every global layer's tokens and each window's last ones)
+    per_seq = S.sequence_bytes(name, cfg, per_token, int(mean_total), args.page_size, 1)
+    batch = args.max_batch or max(1, min(256, int(kv // per_seq)))
     p = S.plan(name, kv, per_token, args.max_seq_len, args.page_size, batch, cfg)
     dp = args.sharding.batch_shards if args.sharding is not None and name != "fixed" else 1
     if dp > 1:  # rows and pages split over dp evenly

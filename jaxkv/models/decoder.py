@@ -1,9 +1,11 @@
-"""A small Llama-style decoder in JAX: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""The decoder every family shares: embedding, layers (attention and a gated MLP or experts, each
+residual), final norm and logits, written once in JAX.
 
-The layer math follows Hugging Face's ``LlamaForCausalLM`` (rotate-half RoPE, RMSNorm in
-float32), so a checkpoint loaded by ``hf_loader`` computes what ``transformers`` computes.
-Attention is the cache's business: ``forward`` hands each layer's new K/V to a cache kind
-(``caches.py``), which writes them and attends over everything the sequence holds.
+The layer math follows transformers' implementations (``layers.py``), so a checkpoint loaded by
+``hf_loader`` computes what ``transformers`` computes; the family's switches live in
+``ModelConfig``. Attention is the cache's business: ``forward`` hands each layer's new K/V and its
+``AttentionSpec`` (window, scale, soft cap, sinks) to a cache kind (``jaxkv.serving.caches``),
+which writes them and attends over everything the sequence holds.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Loads a local Hugging Face checkpoint of a family jaxkv serves (config.json + *.safetensors), no network access.
+"""Loads a local Hugging Face checkpoint (config.json + *.safetensors) of a family jaxkv serves
+(``registry.FAMILIES``), with no network access.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header of name -> dtype, shape,
 byte offsets, then raw data. ``load`` reads every file's header once, then each tensor's bytes
@@ -74,11 +75,19 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
     return {name: _read_tensor(name, stored) for name, stored in _read_header(path).items()}
 
 
+def text_config(hf: dict) -> dict:
+    """A checkpoint's language model's config: a multimodal Gemma 3 (``model_type`` gemma3)
+    keeps it under ``text_config``; jaxkv serves its text decoder."""
+    if hf.get("model_type") == "gemma3" and "text_config" in hf:
+        return dict({"model_type": "gemma3_text"}, **hf["text_config"])
+    return dict(hf, model_type=hf.get("model_type", "llama"))
+
+
 def config_from_hf(hf: dict) -> ModelConfig:
     """The ModelConfig of a Hugging Face ``config.json``: its family's (``registry.FAMILIES``,
     by ``model_type``); a family or a feature jaxkv cannot compute exactly is refused, naming it."""
-    model_type = hf.get("model_type", "llama")
-    return registry.family(model_type).config_from_hf(dict(hf, model_type=model_type))
+    hf = text_config(hf)
+    return registry.family(hf["model_type"]).config_from_hf(hf)
 
 
 def read_config(path) -> ModelConfig:
@@ -99,7 +108,11 @@ def _checkpoint_index(root: pathlib.Path) -> dict[str, _Stored]:
     index: dict[str, _Stored] = {}
     for f in files:
         index.update(_read_header(f))
-    return {k.removeprefix("model."): v for k, v in index.items()}
+    # A multimodal checkpoint's language model: model.language_model.* (transformers 5) or
+    # language_model.model.* (earlier); its vision tower's tensors are never read.
+    prefixes = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+    return {next((k.removeprefix(p) for p in prefixes if k.startswith(p)), k): v
+            for k, v in index.items()}
 
 
 def load(path, dtype="float32", mesh=None):
@@ -109,7 +122,7 @@ def load(path, dtype="float32", mesh=None):
     only as it is placed, so the host never holds the checkpoint (the module's docstring)."""
     root = pathlib.Path(path)
     cfg = read_config(root)
-    cfg_type = json.loads((root / "config.json").read_text()).get("model_type", "llama")
+    cfg_type = text_config(json.loads((root / "config.json").read_text()))["model_type"]
     index = _checkpoint_index(root)
 
     def host(name, transpose=True):  # torch's Linear is [out, in]

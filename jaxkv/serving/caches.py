@@ -726,4 +726,7 @@ def make_kind(name: str, cfg: ModelConfig, dtype: str = "float32", ops: str = "j
         raise ValueError(f"unknown cache kind {name!r}; choose from {', '.join(KINDS)}")
     if ops not in ("jaxkv", "xla"):
         raise ValueError(f"unknown ops {ops!r}; choose jaxkv or xla")
+    if options.get("windows") is not None and ops == "xla":
+        raise ValueError("a paged cache with windows (a page table per layer group) has no XLA "
+                         "baseline: use ops='jaxkv', or windows=None")
     return KINDS[name](cfg=cfg, dtype=dtype, ops=ops, **options)

@@ -110,6 +110,18 @@ def plan(name: str, kv_bytes: int, per_token: int, max_seq_len: int, page_size: 
     return Plan(name, tokens // max_seq_len)
 
 
+def sequence_bytes(name: str, cfg: M.ModelConfig, per_token: int, tokens: int, page_size: int,
+                   chunk: int) -> int:
+    """KV bytes a sequence of ``tokens`` holds in engine ``name`` (``per_token``: a token's,
+    every layer): a paged engine of a model with windows releases what each window no longer
+    sees (its window groups hold ``ceil((window + chunk) / page_size) + 1`` pages at most)."""
+    if not (name.startswith("paged") and cfg.hybrid and "global" not in name.split("-")):
+        return per_token * tokens
+    groups = _windows.groups(cfg.windows)
+    kind = caches.PagedKind(cfg, page_size=page_size, windows=cfg.windows)
+    return kind.row_pages(tokens, chunk) * page_size * per_token * groups.slots // cfg.num_layers
+
+
 def make_kind(name: str, cfg: M.ModelConfig, dtype: str, p: Plan, unroll: bool = False,
               kv_dtype: str = "float8_e4m3fn", sharding=None, host_pages: int = 0):
     """The cache kind of engine ``name``; ``sharding`` (a ``jaxkv.CacheSharding``): jaxkv's
