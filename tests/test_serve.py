@@ -91,7 +91,9 @@ HYBRID = dataclasses.replace(CFG, family="gemma3", windows=(4, None), local_rope
                              query_scale=0.2)
 
 
-@pytest.mark.parametrize("name", ["paged", "paged-global", "paged-8bit"])
+@pytest.mark.parametrize("name", ["paged", "paged-global", "paged-8bit",
+                                  pytest.param("paged-prefix", marks=pytest.mark.long),
+                                  pytest.param("paged-swap", marks=pytest.mark.long)])
 def test_a_model_with_windows_serves_what_recomputation_does(name):
     """The paged engine releases what the window layer no longer sees; paged-global keeps every
     token (the window in attention only); both generate what recomputation does, in place, with
@@ -102,6 +104,8 @@ def test_a_model_with_windows_serves_what_recomputation_does(name):
     kind = S.make_kind(name, HYBRID, "float32", p)
     assert kind.windows == (None if name == "paged-global" else HYBRID.windows)
     assert p.num_pages == (24 if name == "paged-global" else 48)  # pages of one layer each
+    assert (kind.prefix_cache, kind.host_pages > 0) == (name == "paged-prefix",
+                                                        name == "paged-swap")
     eng = S.ServeEngine(HYBRID, params, kind, batch=4, max_seq_len=40, system_prompt=SYSTEM,
                         prefill_rows=2, prefill_chunk=4, decode_steps=4, mixed_steps=2)
     requests = S.fresh(REQUESTS)
