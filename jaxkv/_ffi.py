@@ -6,12 +6,15 @@ The extension exposes ``registrations()``: ``{platform: {target: capsule}}``. A 
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
+import warnings
 
 import jax
 import jaxlib
 
+from . import _fallback
 from ._shard_map import mark_varying, varying_axes
 
 try:
@@ -58,17 +61,53 @@ for _platform, _targets in _jaxkv.registrations().items():
         jax.ffi.register_ffi_target(_name, _capsule, platform=_platform)
 
 
-def _check_kernels(target: str) -> None:
-    """A build without the CUDA kernels, run by JAX on a GPU: say why no op can run, and the fix,
-    rather than XLA's "No FFI handler registered" deep inside a compile."""
-    if WITH_CUDA or jax.default_backend() != "gpu":
-        return
-    raise RuntimeError(
-        f"jaxkv ({target}): JAX runs on a GPU, but this jaxkv was built without its CUDA kernels "
-        "(no nvcc was found when pip built it). Install the wheel with the CUDA kernels "
-        "(`bash tools/build_wheel.sh` builds it; no toolkit is needed where it is installed), or "
-        "rebuild from source with nvcc on PATH: `JAXKV_CUDA=ON pip install --force-reinstall "
-        "--no-deps .`. To run on the CPU instead: JAX_PLATFORMS=cpu.")
+KERNELS_MODES = ("auto", "xla", "require")
+"""``JAXKV_KERNELS``: ``auto`` (default: jaxkv's kernels where this build has them for the
+platform, the XLA formulation elsewhere, with one warning), ``xla`` (the XLA formulation
+everywhere) or ``require`` (an error where the platform has no kernels)."""
+_warned: set[str] = set()
+
+
+def _jax_platform() -> str:
+    """The platform JAX runs on: cpu, cuda, rocm, tpu, ..."""
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return backend
+    version = getattr(jax.devices()[0].client, "platform_version", "").lower()
+    return "rocm" if "rocm" in version else "cuda"
+
+
+def _why_no_kernels(target: str, platform: str) -> str:
+    if platform == "cuda":
+        return (f"jaxkv ({target}): JAX runs on a CUDA GPU, but this jaxkv was built without its "
+                "CUDA kernels (no nvcc was found when pip built it). Install the wheel with the "
+                "CUDA kernels (`bash tools/build_wheel.sh` builds it; no toolkit is needed where "
+                "it is installed), or rebuild from source with nvcc on PATH: `JAXKV_CUDA=ON pip "
+                "install --force-reinstall --no-deps .`. To run on the CPU instead: "
+                "JAX_PLATFORMS=cpu.")
+    return (f"jaxkv ({target}): jaxkv has no kernels for {platform} (CUDA and CPU only).")
+
+
+def use_xla(target: str) -> bool:
+    """Whether ``target`` runs as its XLA formulation (``_fallback``), by ``JAXKV_KERNELS`` and
+    the platform; ``require`` on a platform without kernels is a RuntimeError naming why."""
+    mode = os.environ.get("JAXKV_KERNELS", "auto").lower()
+    if mode not in KERNELS_MODES:
+        raise ValueError(f"JAXKV_KERNELS must be one of {', '.join(KERNELS_MODES)}, got {mode!r}")
+    if mode == "xla":
+        return True
+    platform = _jax_platform()
+    if platform == "cpu" or (platform == "cuda" and WITH_CUDA):
+        return False
+    why = _why_no_kernels(target, platform)
+    if mode == "require":
+        raise RuntimeError(why + " JAXKV_KERNELS=require asked for kernels.")
+    if platform not in _warned:
+        _warned.add(platform)
+        warnings.warn(why + " Every op runs its XLA formulation instead: correct and in place "
+                      "where XLA allows, not tuned (JAXKV_KERNELS=xla says so quietly, "
+                      "JAXKV_KERNELS=require makes this an error).", stacklevel=3)
+    return True
 
 
 def call(target: str, results, *args, input_output_aliases=None, result_inputs=None, **attrs):
@@ -79,14 +118,16 @@ def call(target: str, results, *args, input_output_aliases=None, result_inputs=N
     axis would otherwise pass and silently return shard 0's value): an aliased output follows
     its input, output ``i`` the arguments ``result_inputs[i]`` when given, any other all inputs.
     """
-    _check_kernels(target)
     aliases = input_output_aliases or {}
-    out = jax.ffi.ffi_call(
-        target,
-        results,
-        input_output_aliases=aliases,
-        vmap_method="sequential",
-    )(*args, **attrs)
+    if use_xla(target):
+        out = _fallback.call(target, results, *args, **attrs)
+    else:
+        out = jax.ffi.ffi_call(
+            target,
+            results,
+            input_output_aliases=aliases,
+            vmap_method="sequential",
+        )(*args, **attrs)
     every = set().union(*(varying_axes(a) for a in args))
     if not every:
         return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import types
 
@@ -87,6 +88,20 @@ def copies_of(compiled_hlo: str, x) -> list[str]:
     t = re.escape(hlo_type(x))
     pattern = re.compile(rf"=\s*{t}(\{{[^}}]*\}})?\s+copy(-start)?\(")
     return [line.strip() for line in compiled_hlo.splitlines() if pattern.search(line)]
+
+
+XLA_FALLBACK = os.environ.get("JAXKV_KERNELS", "auto").lower() == "xla"
+"""The suite runs with every op's XLA formulation forced (``JAXKV_KERNELS=xla``, jaxkv._fallback):
+no jaxkv kernel is launched."""
+
+
+def assert_launches(compiled_hlo: str, target: str, count: int = 1) -> None:
+    """The compiled module launches ``target`` ``count`` times (one launch for every layer, ...);
+    under the forced XLA formulation, it launches no jaxkv kernel at all."""
+    if XLA_FALLBACK:
+        assert 'custom_call_target="jaxkv_' not in compiled_hlo
+    else:
+        assert compiled_hlo.count(f'custom_call_target="{target}"') == count
 
 
 def mesh_of(shape, names):

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.experimental import checkify
 
@@ -107,12 +108,28 @@ def test_a_check_compiles_to_nothing():
     assert jax.make_jaxpr(lambda x: check(x > 0, "m"))(x).effects == set()
 
 
-def test_a_gpu_without_the_cuda_kernels_is_told_why_and_what_to_do(monkeypatch):
-    """A CPU-only build run by JAX on a GPU: the first op names the cause (no CUDA kernels in
-    this build) and the fixes, at trace time, instead of XLA's missing-handler error."""
+def test_a_gpu_without_the_cuda_kernels_runs_xla_and_is_told_why(monkeypatch):
+    """A CPU-only build run by JAX on a GPU: one warning names the cause (no CUDA kernels in
+    this build) and the fixes, and the ops run their XLA formulation; with
+    JAXKV_KERNELS=require the first op is an error saying the same, at trace time, instead of
+    XLA's missing-handler error."""
     from jaxkv import _ffi
-    cache = jaxkv.LinearKVCache.create(1, 2, 1, 8, 16, jnp.float32)
+    cache = jaxkv.LinearKVCache.create(1, 2, 1, 8, 16, jnp.float32).reset(
+        jnp.zeros((2,), jnp.int32))
+    k = jnp.arange(2 * 3 * 16, dtype=jnp.float32).reshape(2, 1, 3, 16)
+    want = cache.append(0, k, k).commit(3).compact(jnp.array([1, 0], jnp.int32))
     monkeypatch.setattr(_ffi, "WITH_CUDA", False)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(_ffi, "_jax_platform", lambda: "cuda")
+    monkeypatch.setattr(_ffi, "_warned", set())
+    monkeypatch.delenv("JAXKV_KERNELS", raising=False)
+    with pytest.warns(UserWarning, match="built without its CUDA kernels.*build_wheel.sh"
+                                         ".*XLA formulation"):
+        got = cache.append(0, k, k).commit(3).compact(jnp.array([1, 0], jnp.int32))
+    np.testing.assert_array_equal(got.buffer, want.buffer)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+    monkeypatch.setenv("JAXKV_KERNELS", "require")
     with pytest.raises(RuntimeError, match="built without its CUDA kernels.*build_wheel.sh"):
+        cache.commit(1).compact(jnp.array([0, 1], jnp.int32))
+    monkeypatch.setenv("JAXKV_KERNELS", "fast")
+    with pytest.raises(ValueError, match="JAXKV_KERNELS must be one of auto, xla, require"):
         cache.commit(1).compact(jnp.array([0, 1], jnp.int32))

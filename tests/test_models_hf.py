@@ -5,12 +5,16 @@ cache kind that can hold the model, in chunked prefill; 8-bit caches against jax
 
 import dataclasses
 import functools
+import json
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv.demo import serve_cli
 from jaxkv.models import decoder as M
 from jaxkv.models import hf_loader
 from jaxkv.serving import caches
@@ -200,8 +204,6 @@ def test_serve_command_serves_a_checkpoint_with_windows(tmp_path, capsys):
     """``python -m jaxkv serve --model PATH`` on a Gemma 3 checkpoint: the paged engine with
     window pages released and the one keeping every token both generate what recomputation
     does, the first holding less KV per sequence."""
-    from jaxkv.demo import serve_cli
-
     path, _ = save_tiny(tmp_path / "gemma3", "gemma3")
     argv = ["--model", str(path), "--engines", "paged,paged-global", "--requests", "6",
             "--check", "6", "--max-seq-len", "96", "--system-len", "4", "--mean-prompt", "40",
@@ -210,8 +212,6 @@ def test_serve_command_serves_a_checkpoint_with_windows(tmp_path, capsys):
     assert serve_cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "paged 6/6 identical, paged-global 6/6 identical" in out
-    import json
-
     runs = json.loads((tmp_path / "serve.json").read_text())["engines"]
     held = {k: r["kv_per_sequence_mean_bytes"] for k, r in runs.items()}
     assert held["paged"] < held["paged-global"], held
@@ -220,9 +220,6 @@ def test_serve_command_serves_a_checkpoint_with_windows(tmp_path, capsys):
 def test_readme_model_tour_runs(tmp_path):
     """README's model tour, on a tiny Gemma 3 checkpoint (its token ids mapped into the tiny
     vocabulary): the greedy tokens equal transformers'."""
-    import pathlib
-    import re
-
     path, model = save_tiny(tmp_path / "gemma3", "gemma3")
     readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
     block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "hf_loader" in b)
