@@ -90,13 +90,18 @@ def config_from_hf(hf: dict) -> ModelConfig:
     return registry.family(hf["model_type"]).config_from_hf(hf)
 
 
-def read_config(path) -> ModelConfig:
-    """The ModelConfig of the checkpoint in directory ``path`` (its ``config.json`` alone)."""
+def _read_hf(path) -> dict:
+    """The language model's part of the ``config.json`` in directory ``path`` (``text_config``)."""
     config = pathlib.Path(path) / "config.json"
     if not config.is_file():
         raise FileNotFoundError(
             f"{path}: no config.json (expected a local Hugging Face checkpoint)")
-    return config_from_hf(json.loads(config.read_text()))
+    return text_config(json.loads(config.read_text()))
+
+
+def read_config(path) -> ModelConfig:
+    """The ModelConfig of the checkpoint in directory ``path`` (its ``config.json`` alone)."""
+    return config_from_hf(_read_hf(path))
 
 
 def _checkpoint_index(root: pathlib.Path) -> dict[str, _Stored]:
@@ -121,8 +126,8 @@ def load(path, dtype="float32", mesh=None):
     larger than one device never sits whole on the first one. Each tensor is read from its file
     only as it is placed, so the host never holds the checkpoint (the module's docstring)."""
     root = pathlib.Path(path)
-    cfg = read_config(root)
-    cfg_type = text_config(json.loads((root / "config.json").read_text()))["model_type"]
+    hf = _read_hf(root)
+    cfg = config_from_hf(hf)
     index = _checkpoint_index(root)
 
     def host(name, transpose=True):  # torch's Linear is [out, in]
@@ -137,7 +142,7 @@ def load(path, dtype="float32", mesh=None):
             return jnp.asarray(w)
         return jax.device_put(w, weight_sharding(key, w.shape, mesh))
 
-    names = registry.family(cfg_type).layer_weights(cfg)
+    names = registry.family(hf["model_type"]).layer_weights(cfg)
     layers = [{key: place(key, host(f"layers.{i}.{name}", transpose))
                for key, (name, transpose) in names.items()} for i in range(cfg.num_layers)]
     embed_host = host("embed_tokens.weight", False)

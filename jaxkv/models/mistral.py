@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from . import _hf, llama
 from .config import ModelConfig
 
@@ -9,11 +11,9 @@ MODEL_TYPES = ("mistral",)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    cfg = llama.config_from_hf(dict(hf, model_type="mistral"))
-    layers = hf["num_hidden_layers"]
-    windows = _hf.windows(hf, hf.get("layer_types") or ["sliding_attention"] * layers)
-    return _hf.base_config(hf, "mistral", windows=windows,
-                           rms_norm_eps=cfg.rms_norm_eps)
+    layers = hf.get("layer_types") or ["sliding_attention"] * hf["num_hidden_layers"]
+    return dataclasses.replace(llama.config_from_hf(hf), family="mistral",
+                               windows=_hf.windows(hf, layers))
 
 
 layer_weights = llama.layer_weights
