@@ -357,10 +357,48 @@ def quantize(x: jax.Array, dtype, scale=None):
 
 
 def _divide(a, b):
-    """``a / b`` in float32, correctly rounded. XLA turns a division by a broadcast value (a
-    constant, a scale per vector) into a multiplication by its reciprocal, which rounds
-    differently; a divisor of ``a``'s full shape behind a barrier stays a division."""
-    return a / jax.lax.optimization_barrier(jnp.broadcast_to(b, a.shape))
+    """``a / b`` in float32, correctly rounded (``b > 0``), on every backend. XLA:CPU divides
+    so, once a divisor of ``a``'s full shape sits behind a barrier (a division by a broadcast
+    value becomes a multiplication by its reciprocal); XLA:GPU's division is within 2 ulp only
+    (``div.full.f32``, openxla/xla#37181), as is TPU's: there, integer long division."""
+    a = a.astype(jnp.float32)
+    b = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, jnp.float32), a.shape))
+    return jax.lax.platform_dependent(a, b, cpu=lambda a, b: a / b, default=divide_exact)
+
+
+def divide_exact(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a / b`` for float32 ``a`` and ``b > 0`` (finite, same shape), correctly rounded to
+    nearest even with integer operations alone, subnormals included: 26 quotient bits by long
+    division of the significands, then one rounding at the result's precision."""
+    u32, i32 = jnp.uint32, jnp.int32
+    ua = jax.lax.bitcast_convert_type(a, u32)
+    ub = jax.lax.bitcast_convert_type(b, u32)
+
+    def significand(u):  # (m in [2^23, 2^24), biased exponent e): |x| = m * 2^(e - 150)
+        e = ((u >> 23) & 0xFF).astype(i32)
+        m = u & 0x7FFFFF
+        m = jnp.where(e > 0, m | 0x800000, m)
+        shift = jnp.maximum(jax.lax.clz(m).astype(i32) - 8, 0)  # a subnormal's leading zeros
+        return m << shift.astype(u32), jnp.maximum(e, 1) - shift
+
+    ma, ea = significand(ua)
+    mb, eb = significand(ub)
+    low = ma < mb  # the quotient of the significands in [1, 2)
+    ma, ea = jnp.where(low, ma << 1, ma), ea - low.astype(i32)
+    q, r = jnp.zeros_like(ma), ma
+    for _ in range(26):  # q: 26 bits of ma / mb, the first one 1
+        bit = r >= mb
+        q = (q << 1) | bit.astype(u32)
+        r = jnp.where(bit, r - mb, r) << 1
+    field = ea - eb + 127  # the result's biased exponent; below 1: a subnormal result
+    drop = (2 + jnp.clip(1 - field, 0, 29)).astype(u32)  # q's bits below the result's last
+    kept, rest, half = q >> drop, q & ((u32(1) << drop) - 1), u32(1) << (drop - 1)
+    up = (rest > half) | ((rest == half) & ((r != 0) | ((kept & 1) == 1)))
+    kept = kept + up.astype(u32)
+    bits = jnp.where(field >= 1, (jnp.maximum(field - 1, 0).astype(u32) << 23) + kept, kept)
+    bits = jnp.where(field >= 255, u32(0x7F800000), bits) | ((ua ^ ub) & u32(0x80000000))
+    out = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return jnp.where((a == 0) | ~jnp.isfinite(a), a / b, out)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:

@@ -340,6 +340,26 @@ def test_a_per_tensor_scale_saturates_values_far_past_it(kind, dtype):
         assert_bytes_equal(after, want, f"{kind} data {kv}")
 
 
+def test_the_division_of_every_backend_is_correctly_rounded():
+    """reference.divide_exact, the quotient the reference takes where XLA's own division is
+    not correctly rounded (GPU, TPU), equals IEEE division bit for bit: random floats of every
+    exponent, subnormal operands and results, the scales' divisors and quotients near 1."""
+    rng = np.random.default_rng()
+    a = rng.integers(0, 0x7F800000, 200_000, dtype=np.uint32).view(np.float32)
+    a = np.where(rng.random(a.shape) < 0.5, -a, a)
+    b = rng.integers(1, 0x7F800000, a.shape, dtype=np.uint32).view(np.float32)
+    near = values((4096,), jnp.float32, spread=20.0)
+    qmax = np.asarray([reference.QMAX[n] for n in reference.QMAX], np.float32)
+    a = np.concatenate([a, np.asarray(near), np.float32([3163.328613, 4.6875, 0.0, -0.0, 1e-45])])
+    b = np.concatenate([b, np.resize(qmax, 4096) * np.asarray(near[::-1]) ** 2 + 1e-30,
+                        np.float32([3163.328613, 0.9375, 3.0, 3.0, 448.0])])
+    with np.errstate(all="ignore"):
+        want = (a / b).astype(np.float32)
+    with jax.default_device(CPU):
+        got = np.asarray(jax.jit(reference.divide_exact)(a, b))
+    assert_bytes_equal(got, want, "divide_exact")
+
+
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
 def test_reference_quantize_matches_the_format(dtype):
     """The definition itself: scale max|x| / QMAX, values within half a step of x / scale,
