@@ -32,6 +32,7 @@ if [ -n "${WHEEL:-}" ]; then  # a wheel built beforehand (below), its Python rep
   python3 -m pip install --no-deps --no-index --force-reinstall "$wheel" >>"$OUT/build.log" 2>&1 \
     || { tail -50 "$OUT/build.log"; exit 1; }
   site=$(cd /tmp && python3 -c "import jaxkv, os; print(os.path.dirname(jaxkv.__file__))")
+  find "$site" -name "*.py" -delete  # no module the tree has moved or removed stays importable
   cp -r jaxkv/* "$site/"
 elif [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: a second call on a warm machine
   echo "== build" | tee "$OUT/build.log"

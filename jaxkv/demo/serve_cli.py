@@ -246,6 +246,9 @@ def table(results: dict[str, dict], profiled: bool) -> list[str]:
             ("  before the drain", *("-" if r["loaded_tokens_per_s"] is None else
                                             f"{r['loaded_tokens_per_s']:.0f} in "
                                             f"{r['loaded_s']:.2f} s" for r in runs)),
+            ("  second half of the run", *("-" if r["second_half_tokens_per_s"] is None else
+                                           f"{r['second_half_tokens_per_s']:.0f}"
+                                           for r in runs)),
             ("requests finished", *(str(r["requests"]) for r in runs)),
             ("requests/s", *(f"{r['requests_per_s']:.2f}" for r in runs)),
             ("TTFT p50 / p99 (ms)", *(f"{ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])}"

@@ -40,6 +40,10 @@ def summarize(requests: list[ServeRequest], m: dict, per_token: int, allocated: 
         loaded_tokens_per_s=(m["drained_tokens"] / m["drained_at"]
                              if m.get("drained_at") else None),
         loaded_s=m.get("drained_at"),
+        # The second half of a run of fixed length: past the ramp, where each engine's first
+        # rows are all prefilling (an engine that holds more rows ramps longer).
+        second_half_tokens_per_s=((out_tokens - m["half_tokens"]) / (wall - m["half_at"])
+                                  if m.get("half_at") and wall > m["half_at"] else None),
         ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
         tpot_p50_s=percentile(tpot, 50), tpot_p99_s=percentile(tpot, 99),
         peak_concurrent=m["peak_live"], peak_decoding=m["peak_decoding"],

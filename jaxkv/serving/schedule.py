@@ -368,6 +368,13 @@ class Schedule:
             self.m["drained_at"] = t
             self.m["drained_tokens"] = sum(len(r.output) for r in self.requests)
 
+    def note_half(self, t: float, duration: float | None) -> None:
+        """Half-way through a run of fixed length: the output rate after it is the one past the
+        ramp, where every engine first prefills the prompts of its first rows."""
+        if duration and self.m.get("half_at") is None and t >= duration / 2:
+            self.m["half_at"] = t
+            self.m["half_tokens"] = sum(len(r.output) for r in self.requests)
+
     def prefill_chunk(self, admitted) -> Chunk | None:
         """The next chunk of the oldest rows still prefilling, on the fewest lanes that hold
         them; None when there is nothing to admit or prefill."""

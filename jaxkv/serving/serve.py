@@ -523,6 +523,7 @@ class ServeEngine(loop.Engine):
             mapping = sched.leave()
             admitted = sched.admit()
             sched.note_drain(now())
+            sched.note_half(now(), duration)
             chunk = sched.prefill_chunk(admitted)
             if mapping is not None:
                 cache, tok, remaining, _ = fns["evict"](cache, tok, remaining,
