@@ -1,6 +1,8 @@
 """Strict test configuration, shared by the CPU (CI) and CUDA (H200) runs of the same suite."""
 
 import os
+import shutil
+import tempfile
 
 # Several emulated CPU devices for sharding tests; harmless on GPU.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -17,6 +19,17 @@ if jax.default_backend() == "cpu":
     # more than it saves: LLVM at -O0 for the code XLA:CPU generates. The compiled HLO (fusion,
     # copies, donation, loops: what the tests inspect) is the same; the kernels are compiled C++.
     jax.config.update("jax_disable_most_optimizations", True)
+    # The xdist workers of one run compile many of the same small programs: one compilation
+    # cache for the run (a folder the controller makes and removes, below), every entry kept.
+    if os.environ.get("JAXKV_TEST_COMPILE_CACHE"):
+        jax.config.update("jax_compilation_cache_dir", os.environ["JAXKV_TEST_COMPILE_CACHE"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_jaxkv_cache", None):
+        shutil.rmtree(config._jaxkv_cache, ignore_errors=True)
 
 
 def pytest_report_header(config):
@@ -24,6 +37,11 @@ def pytest_report_header(config):
 
 
 def pytest_configure(config):
+    if (jax.default_backend() == "cpu" and not os.environ.get("PYTEST_XDIST_WORKER")
+            and getattr(config.option, "numprocesses", None)
+            and "JAXKV_TEST_COMPILE_CACHE" not in os.environ):
+        config._jaxkv_cache = tempfile.mkdtemp(prefix="jaxkv-test-xla-")
+        os.environ["JAXKV_TEST_COMPILE_CACHE"] = config._jaxkv_cache  # the workers inherit it
     # The GPU script sets this so that a run that silently fell back to CPU cannot pass.
     if os.environ.get("JAXKV_REQUIRE_GPU") and jax.default_backend() != "gpu":
         raise pytest.UsageError(f"JAXKV_REQUIRE_GPU is set but the backend is {jax.default_backend()}")
@@ -32,14 +50,15 @@ def pytest_configure(config):
 def _mark_sweeps_long(items):
     """A parametrized test's fast part: its parameter sets in collection order while each adds a
     value of some parameter not yet run ("each choice" coverage: every dtype, kind, layout, size
-    runs once); the other combinations are marked long. Deterministic, so every xdist worker
-    selects the same tests."""
+    runs once; a seed counts as no parameter); the other combinations are marked long.
+    Deterministic, so every xdist worker selects the same tests."""
     seen: dict = {}
     for item in items:
         spec = getattr(item, "callspec", None)
         if spec is None or "long" in item.keywords:
             continue
-        values = {(name, repr(value)) for name, value in spec.params.items()}
+        # A seed is no choice of the contract: its other values are the property sweep.
+        values = {(name, repr(value)) for name, value in spec.params.items() if name != "seed"}
         covered = seen.setdefault((item.module.__name__, item.originalname), set())
         if values <= covered and covered:
             item.add_marker(pytest.mark.long)
