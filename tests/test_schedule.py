@@ -109,3 +109,20 @@ def test_a_request_waits_only_for_its_own_tenants_prefilling_prefix():
     assert {key[0] for key in sched.home} == {0, 1}
     c = sched.prefill_chunk(admitted)
     assert sorted((int(c.space[i]), r.id) for i, _, r in c.lanes) == [(0, 0), (1, 2)]
+
+
+def test_the_second_half_of_a_run_counts_from_its_middle():
+    """note_half marks the first iteration past half the duration, with the tokens so far; a run
+    without a duration has no second half."""
+    requests = [types.SimpleNamespace(output=[1, 2]), types.SimpleNamespace(output=[3])]
+    sched = types.SimpleNamespace(m={}, requests=requests)
+    S.Schedule.note_half(sched, 0.4, 1.0)
+    assert sched.m == {}
+    S.Schedule.note_half(sched, 0.6, 1.0)
+    assert sched.m == {"half_at": 0.6, "half_tokens": 3}
+    requests[0].output.append(4)
+    S.Schedule.note_half(sched, 0.9, 1.0)
+    assert sched.m == {"half_at": 0.6, "half_tokens": 3}
+    unbounded = types.SimpleNamespace(m={}, requests=requests)
+    S.Schedule.note_half(unbounded, 5.0, None)
+    assert unbounded.m == {}
