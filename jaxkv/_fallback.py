@@ -23,38 +23,102 @@ from . import reference
 _DENSE, _PAGED_HND, _PAGED_NHD, _DENSE_RING = 0, 1, 2, 3  # attention.py's layout codes
 
 
+_BITS = {1: jnp.uint8, 2: jnp.uint16}
+
+
+def _as_bits(x):
+    """A float of 8 or 16 bits as its bits: data movement that XLA does not convert (XLA:CPU
+    computes bfloat16 through float32, which takes a scatter out of place, and a float8 scatter
+    may rewrite a NaN's payload)."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize in _BITS:
+        return jax.lax.bitcast_convert_type(x, _BITS[jnp.dtype(x.dtype).itemsize])
+    return x
+
+
+def _from_bits(bits, dtype):
+    return bits if bits.dtype == dtype else jax.lax.bitcast_convert_type(bits, dtype)
+
+
 def _set(buf, index, value):
-    """``buf.at[index].set(value, mode="drop")``; an 8-bit float buffer's as bytes (XLA's
-    scatter of float8 may pass through a wider float and rewrite a NaN's payload)."""
-    if jnp.dtype(buf.dtype).itemsize == 1 and jnp.issubdtype(buf.dtype, jnp.floating):
-        bits = jax.lax.bitcast_convert_type(buf, jnp.uint8)
-        new = bits.at[index].set(jax.lax.bitcast_convert_type(value.astype(buf.dtype), jnp.uint8),
-                                 mode="drop")
-        return jax.lax.bitcast_convert_type(new, buf.dtype)
-    return buf.at[index].set(value, mode="drop")
+    """``buf.at[index].set(value, mode="drop")``, moving bits (``_as_bits``)."""
+    new = _as_bits(buf).at[index].set(_as_bits(value.astype(buf.dtype)), mode="drop")
+    return _from_bits(new, buf.dtype)
 
 
 def _axis_index(axis: int, index) -> tuple:
     return (slice(None),) * axis + (index,)
 
 
-def _moved_rows(x, targets, n: int, axis: int):
-    """``x`` with row ``i < n`` (along ``axis``) moved to row ``targets[i]`` (``rows``: dropped),
-    as ``reference.compact_tensor_batch``."""
-    # The moved rows, read out first (a permutation may move a row onto one still to be read):
-    # XLA then scatters into the donated buffer itself.
-    src = jax.lax.optimization_barrier(jax.lax.slice_in_dim(x, 0, n, axis=axis))
-    return _set(x, _axis_index(axis, targets), src)
+def _move_order(targets, n: int, rows: int):
+    """The order of an in-place row permutation (old row ``i < n`` to ``targets[i]``, targets
+    distinct; ``rows``: not moved), as the kernels' move schedule: a chain from its far end, so
+    that each row is read before it is overwritten; then each cycle, cut at its lowest row (read
+    into a spare row first, written last). Returns (``order``: rows by their turn, ``moves``,
+    ``first``: a cycle's first move, ``last``: a cycle's cut row, read from the spare)."""
+    idx = jnp.arange(rows, dtype=jnp.int32)
+    nxt = jnp.full((rows,), -1, jnp.int32).at[:n].set(jnp.where(targets < rows, targets, -1))
+    nxt = jnp.where(nxt == idx, -1, nxt)  # a row that stays is no move
+    moving = nxt >= 0
+    succ = jnp.where(moving & moving[jnp.maximum(nxt, 0)], nxt, -1)  # the move that must go first
+    steps = max(1, int(np.ceil(np.log2(rows))) + 1)
+
+    def jump(cut):  # (moves to the chain's end or to ``cut``, the least row on the way)
+        p = jnp.where(succ == cut, -1, succ)
+        d, low = (p >= 0).astype(jnp.int32), jnp.where(p >= 0, jnp.minimum(idx, p), idx)
+        for _ in range(steps):
+            at = jnp.maximum(p, 0)
+            d = d + jnp.where(p >= 0, d[at], 0)
+            low = jnp.where(p >= 0, jnp.minimum(low, low[at]), low)
+            p = jnp.where(p >= 0, p[at], -1)
+        return d, low, p
+
+    depth, low, p = jump(jnp.full((rows,), -2, jnp.int32))
+    cycle = moving & (p >= 0)  # never reaches a chain's end
+    breaker = jnp.where(cycle, low, -1)
+    # On a cycle: moves to its cut row, the cut row's own move last (its turn: the cycle's length).
+    to_cut, _, _ = jump(jnp.where(cycle, breaker[jnp.maximum(succ, 0)], -2))
+    key = jnp.where(cycle, rows + 1 + breaker * (rows + 2) + to_cut, depth)
+    key = jnp.where(moving, key, jnp.iinfo(jnp.int32).max)
+    order = jnp.argsort(key).astype(jnp.int32)
+    first = cycle & (to_cut == 0)
+    last = cycle & (idx == breaker)
+    return order, jnp.sum(moving, dtype=jnp.int32), nxt, first, last
+
+
+def _moved_rows(buffers, axes, targets, n: int):
+    """``buffers`` with row ``i < n`` (along each one's axis) moved to row ``targets[i]``
+    (``rows``: not moved), as ``reference.compact_tensor_batch``: one row at a time in the
+    kernels' order (``_move_order``), in place in a donated buffer, one spare row a buffer."""
+    rows = buffers[0].shape[axes[0]]
+    order, moves, nxt, first, last = _move_order(targets, n, rows)
+
+    def row(x, axis, i):
+        return jax.lax.dynamic_slice_in_dim(x, i, 1, axis)
+
+    def body(j, carry):
+        xs, spares = carry
+        i = order[j]
+        dst = nxt[i]
+        out_x, out_s = [], []
+        for x, spare, axis in zip(xs, spares, axes):
+            spare = jnp.where(first[i], row(x, axis, dst), spare)  # a cycle's cut row, kept
+            src = jnp.where(last[i], spare, row(x, axis, i))
+            out_x.append(jax.lax.dynamic_update_slice_in_dim(x, src, dst, axis))
+            out_s.append(spare)
+        return out_x, out_s
+
+    bits = [_as_bits(x) for x in buffers]
+    spares = [jnp.zeros_like(row(x, axis, 0)) for x, axis in zip(bits, axes)]
+    moved = jax.lax.fori_loop(0, moves, body, (bits, spares))[0]
+    return [_from_bits(x, b.dtype) for x, b in zip(moved, buffers)]
 
 
 def compact(results, batch_mapping, lengths, *buffers, kv: bool, rows: int):
     n = batch_mapping.shape[0]
     targets = jnp.where((batch_mapping >= 0) & (batch_mapping < rows), batch_mapping, rows)
-    moved = []
-    for b in buffers:
-        # kv: layers [(L,) rows, 2, H, S, D] and scales [(L,) rows, H, S]; else [rows, ...]
-        axis = (b.ndim - 5 if b.ndim >= 5 else b.ndim - 3) if kv else 0
-        moved.append(_moved_rows(b, targets, n, axis))
+    # kv: layers [(L,) rows, 2, H, S, D] and scales [(L,) rows, H, S]; else [rows, ...]
+    axes = [(b.ndim - 5 if b.ndim >= 5 else b.ndim - 3) if kv else 0 for b in buffers]
+    moved = _moved_rows(buffers, axes, targets, n) if buffers else []
     if lengths.shape[0]:
         lengths = reference.compact_lengths(lengths, batch_mapping)
     return [lengths, *moved]
@@ -150,11 +214,15 @@ def _paged_read(pool, layer, page_table, positions: int, nhd: bool):
     held = (page >= 0) & (page < num_pages) & (logical < page_table.shape[1])[None, :]
     held &= (layer >= 0) & (layer < num_layers)
     at = jnp.clip(page, 0, num_pages - 1)
-    lay = pool[jnp.clip(layer, 0, num_layers - 1)]
-    if nhd:  # [P, S, H(, D)] -> [B, X, H(, D)]
-        x = jnp.swapaxes(lay[at, pos % page_size], 1, 2)
-    else:  # [H, P, S(, D)] -> [H, B, X(, D)]
-        x = jnp.swapaxes(lay[:, at, pos % page_size], 0, 1)
+    lay = jnp.clip(layer, 0, num_layers - 1)
+    # One gather of the tokens read, by their bits: no slice of the pool, and no conversion of
+    # all of it (XLA:CPU computes a bfloat16 slice through float32).
+    bits = _as_bits(pool)
+    if nhd:  # [L, P, S, H(, D)] -> [B, X, H(, D)]
+        x = bits[lay, at, pos % page_size]
+    else:  # [L, H, P, S(, D)] -> [B, X, H(, D)]
+        x = bits[lay, :, at, pos % page_size]
+    x = _from_bits(jnp.swapaxes(x, 1, 2), pool.dtype)
     shape = held.shape[:1] + (1,) + held.shape[1:] + (1,) * (x.ndim - 3)
     return jnp.where(held.reshape(shape), x, jnp.zeros((), x.dtype)), held
 
@@ -316,14 +384,20 @@ def quantize_prefix(results, slots, given, *arrays, rows: int):
 def _dense_keys(buf, scales, layer, kv: int, positions: int, ring: int):
     """A dense layer's K (``kv`` 0) or V (1) at positions [0, positions) ([B, H, X, D]), a ring's
     slot ``p % S`` for position ``p``; its per-token scales [B, H, X] or None."""
-    stacked = buf.ndim == 6
-    lay = buf[jnp.clip(layer, 0, buf.shape[0] - 1)] if stacked else buf  # [B, 2, H, S, D]
-    slot = jnp.arange(positions, dtype=jnp.int32) % (ring or lay.shape[3])
-    x = lay[:, kv][:, :, slot]
+    slot = jnp.arange(positions, dtype=jnp.int32) % (ring or buf.shape[-2])
+    bits = _as_bits(buf)  # one gather, as _paged_read's
+    if buf.ndim == 6:  # [L, B, 2, H, S, D]: the layer's slots, [X, B, H, D]
+        x = bits[jnp.clip(layer, 0, buf.shape[0] - 1), :, kv, :, slot]
+    else:  # [B, 2, H, S, D]
+        x = bits[:, kv, :, slot]
+    x = _from_bits(jnp.moveaxis(x, 0, 2), buf.dtype)  # [B, H, X, D]
     if scales is None:
         return x, None
-    s = scales[jnp.clip(layer, 0, scales.shape[0] - 1)] if scales.ndim == 4 else scales
-    return x, s[:, :, slot]
+    if scales.ndim == 4:  # [L, B, H, S]
+        s = jnp.moveaxis(scales[jnp.clip(layer, 0, scales.shape[0] - 1), :, :, slot], 0, 2)
+    else:
+        s = scales[:, :, slot]
+    return x, s
 
 
 def attention(results, q, k, v, table, starts, counts, layer, k_scale, v_scale, k_scales,
@@ -416,6 +490,7 @@ def call(target: str, results, *args, **attrs):
             "(JAXKV_KERNELS=xla, or a platform this build has no kernels for, runs every other "
             "op through XLA)")
     single = not isinstance(results, (list, tuple))
+    args = tuple(jnp.asarray(a) for a in args)  # an operand may come as a NumPy array
     out = TARGETS[target](results if not single else (results,), *args, **attrs)
     if single:
         return out if not isinstance(out, list) else out[0]

@@ -22,7 +22,7 @@ from jax.experimental import checkify
 import jaxkv
 from jaxkv import reference
 
-from helpers import on_gpu
+from helpers import XLA_FALLBACK, on_gpu
 
 _rng = np.random.default_rng()
 # Jitted once per shape: eager jnp would compile each of the reference's ops separately.
@@ -414,7 +414,7 @@ def test_donated_decode_step_slices_and_copies_nothing(which, implementation):
         return cache.commit(1), out
 
     hlo = jax.jit(step, donate_argnums=0).lower(cache, q, kv, kv).compile().as_text()
-    assert ("jaxkv_attention_decode" in hlo) != cudnn
+    assert ("jaxkv_attention_decode" in hlo) == (not cudnn and not XLA_FALLBACK)
     assert bool(_CUDNN.search(hlo)) == cudnn
     assert slices_and_copies_of(hlo, pool) == []
     # cuDNN is handed the pool as pages ([L * P, S, H, D], or [L * H * P, S, 1, D]): no copy of

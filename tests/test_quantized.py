@@ -19,7 +19,7 @@ from jax.experimental import checkify
 import jaxkv
 from jaxkv import reference
 
-from helpers import assert_bytes_equal, copies_of, random_array, ref
+from helpers import XLA_FALLBACK, assert_bytes_equal, copies_of, random_array, ref
 
 EIGHT_BIT = [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8]
 EIGHT_BIT_IDS = ["e4m3", "e5m2", "int8"]
@@ -653,7 +653,8 @@ def test_quantizing_instantiate_is_one_launch_in_place(kind, scaling):
     slots = jnp.asarray([0, 2], jnp.int32)
     hlo = run.lower(c, saved, slots).compile().as_text()
     calls = [t for t in hlo.split('custom_call_target="')[1:] if t.startswith("jaxkv_")]
-    assert [t.split('"')[0] for t in calls] == ["jaxkv_quantize_prefix"], calls
+    want = [] if XLA_FALLBACK else ["jaxkv_quantize_prefix"]  # the fallback launches none
+    assert [t.split('"')[0] for t in calls] == want, calls
     big = [x for x in jax.tree.leaves(c) if x.size >= 256]
     for x in big:
         assert not copies_of(hlo, x), copies_of(hlo, x)
