@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv import reference
 
-from helpers import assert_bytes_equal, random_array
+from helpers import assert_bytes_equal, copies_of, random_array
 
 
 def both(monkeypatch, fn):
@@ -91,3 +92,31 @@ def test_the_host_tier_needs_the_kernels(monkeypatch):
     with pytest.raises(NotImplementedError,
                        match=r"jaxkv_(pages_to_host|host_fence)\).*no XLA formulation"):
         cache.swap_out(jnp.asarray([True, False]))
+
+
+def test_compaction_moves_rows_in_place_through_chains_and_cycles(monkeypatch):
+    """Any mapping (survivors to the front, permutations with cycles, rows moved past the
+    batch): the fallback's rows equal reference.compact_tensor_batch's, moved in place."""
+    monkeypatch.setenv("JAXKV_KERNELS", "xla")
+    rows = 8
+    run = jax.jit(lambda layers, lengths, m: jaxkv.compact_kv_cache(layers, lengths, m),
+                  donate_argnums=0)
+    rng = np.random.default_rng()
+    layers = [random_array((rows, 2, 2, 4, 8), jnp.bfloat16), random_array((rows, 2, 1, 4, 8),
+                                                                            jnp.float32)]
+    lengths = jnp.full((rows,), 4, jnp.int32)
+    hlo = run.lower(layers, lengths, lengths).compile().as_text()
+    assert not any(copies_of(hlo, x) for x in layers)
+    for trial in range(24):
+        if trial % 3 == 0:  # survivors to the front, in order
+            keep = rng.random(rows) < 0.6
+            m = np.where(keep, np.cumsum(keep) - 1, -1)
+        elif trial % 3 == 1:  # a permutation (cycles), some rows evicted
+            m = np.where(rng.random(rows) < 0.3, -1, rng.permutation(rows))
+        else:  # distinct rows, some out of range
+            m = rng.permutation(rows + 2)[:rows] - 1
+        m = jnp.asarray(m, jnp.int32)
+        want = [reference.compact_tensor_batch(x, m) for x in layers]
+        out, _ = run([jnp.copy(x) for x in layers], lengths, m)
+        for o, w in zip(out, want):
+            assert_bytes_equal(o, w, f"mapping {np.asarray(m).tolist()}")
