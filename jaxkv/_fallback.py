@@ -276,15 +276,20 @@ def copy_prefix(results, slots, *arrays, to_cache: bool, rows: int):
         return out
     buffers = list(arrays[len(arrays) - len(results):])
     saved = iter(arrays[:len(arrays) - len(results)])
-    targets = jnp.where((slots >= 0) & (slots < rows), slots, rows)
     for j, buf in enumerate(buffers):
         for i in _kernel_layers(buf):
-            x = next(saved)
-            t = x.shape[-2] if x.ndim == 4 else x.shape[-1]
-            tail = (slice(None), slice(None), slice(0, t)) if x.ndim == 4 else (
-                slice(None), slice(0, t))
-            value = jnp.broadcast_to(x.astype(buf.dtype), (targets.shape[0], *x.shape))
-            buf = _set(buf, (*i, targets, *tail), value)
+            x = next(saved).astype(buf.dtype)
+            # one dynamic-update-slice a slot under a cond (a slot out of range: skipped): XLA
+            # updates it in place inside a scan too, where a scatter, or a select fused into the
+            # update, of a 16-bit float went through a copy of the buffer on XLA:CPU
+            value = _as_bits(x.reshape((1,) * (len(i) + 1) + x.shape))
+            bits = _as_bits(buf)
+            for slot in slots:
+                start = (*i, slot) + (0,) * x.ndim
+                bits = jax.lax.cond((slot >= 0) & (slot < rows),
+                                    lambda b, s=start: jax.lax.dynamic_update_slice(b, value, s),
+                                    lambda b: b, bits)
+            buf = _from_bits(bits, buf.dtype)
         buffers[j] = buf
     return buffers
 

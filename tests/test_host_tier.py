@@ -13,6 +13,8 @@ from jaxkv import NO_PAGE, CacheSharding, PagedKVCache, attention
 
 from helpers import assert_bytes_equal, copies_of, mesh_of, random_array
 
+pytestmark = pytest.mark.host_tier
+
 L, H, D = 2, 2, 16
 
 

@@ -11,6 +11,8 @@ from jaxkv import host_tier, reference
 
 from helpers import assert_bytes_equal, copies_of, random_array
 
+pytestmark = pytest.mark.host_tier
+
 # (device pool shape, page axis): NHD [L, P, S, H, D], HND [L, H, P, S, D], a scale pool
 # [L, P, S, H] and a run of 3 elements (1-byte dtypes: the kernel's narrowest access)
 SHAPES = [((2, 9, 4, 2, 8), 1), ((2, 2, 9, 4, 8), 2), ((3, 9, 4, 2), 1), ((2, 9, 3), 1)]

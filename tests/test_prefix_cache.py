@@ -595,6 +595,7 @@ def test_eviction_takes_any_tenants_pages_and_their_chains_with_them():
     assert page_index.cross_namespace_entries(ix) == 0
 
 
+@pytest.mark.host_tier
 def test_spilled_pages_come_back_only_for_their_namespace():
     """Tenant A's chain spilled to the host tier: tenant B's request does not find it there (no
     page comes back for it); A's brings it back, with its bytes."""

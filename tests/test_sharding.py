@@ -374,7 +374,9 @@ def test_functional_ops_equal_unsharded(sharding):
     lengths = jax.device_put(jnp.asarray(_rng.integers(0, S, B), jnp.int32), named(s.batch))
     mapping = jnp.asarray(shard_preserving_mapping(k, local))
     out, new_lengths = jaxkv.compact_kv_cache(layers, lengths, mapping, sharding=s)
-    want, want_lengths = jaxkv.compact_kv_cache([np.asarray(x) for x in layers], lengths, mapping)
+    # the oracles: the same ops on unsharded copies of every argument
+    want, want_lengths = jaxkv.compact_kv_cache([np.asarray(x) for x in layers], np.asarray(lengths),
+                                                mapping)
     assert_bytes_equal(new_lengths, want_lengths, "compact lengths")
     for x, w, l in zip(out, want, layers):
         assert x.sharding.is_equivalent_to(l.sharding, 5), (x.sharding, l.sharding)
@@ -385,14 +387,16 @@ def test_functional_ops_equal_unsharded(sharding):
     x = jax.device_put(random_array((B, 3), F32), named(s.batch))
     got = jaxkv.compact_tensor_batch(x, mapping, sharding=s)
     kept = np.asarray(mapping)[np.asarray(mapping) >= 0]
-    assert_bytes_equal(np.asarray(got)[kept], np.asarray(jaxkv.compact_tensor_batch(x, mapping))[kept])
+    assert_bytes_equal(np.asarray(got)[kept],
+                       np.asarray(jaxkv.compact_tensor_batch(np.asarray(x), mapping))[kept])
 
     saved = jaxkv.save_kv_cache(layers, 3, 4, sharding=s)
     for a, w in zip(saved, jaxkv.save_kv_cache([np.asarray(x) for x in layers], 3, 4)):
         assert_bytes_equal(a, w, "save_kv_cache")
     rows = jnp.asarray([0, B - 1], jnp.int32)
     got = jaxkv.instantiate_kv_cache(layers, saved, rows, sharding=s)
-    want = jaxkv.instantiate_kv_cache([np.asarray(x) for x in layers], saved, rows)
+    want = jaxkv.instantiate_kv_cache([np.asarray(x) for x in layers], [np.asarray(x) for x in saved],
+                                      rows)
     for a, w in zip(got, want):
         assert_bytes_equal(a, w, "instantiate_kv_cache")
 

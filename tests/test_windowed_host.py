@@ -15,6 +15,8 @@ from jaxkv import NO_PAGE, PagedKVCache, attention
 from helpers import assert_bytes_equal, copies_of, random_array
 from test_host_tier import filled, swap_in, swap_in_overlapped, swap_out, swap_out_overlapped
 
+pytestmark = pytest.mark.host_tier
+
 H, D = 2, 16
 # Prefill chunks then decode steps: the window groups release their first pages on the way.
 STEPS = [[4, 3, 4, 2], [1, 2, 1, 4], [2, 1, 4, 1], [1, 1, 1, 1]]
