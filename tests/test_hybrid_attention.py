@@ -242,6 +242,30 @@ def test_sinks_larger_than_every_score_and_scores_past_the_cap():
         close(out, want, jnp.float32)
 
 
+@pytest.mark.parametrize("dtype,group", [(jnp.bfloat16, 4), (jnp.float16, 1)])
+def test_soft_capped_prefill_over_long_prefixes(dtype, group):
+    """Soft-capped prefill, no window, over prefixes of several key tiles (the GPU's tiles
+    without masks take part of their exponentials off the multi-function unit): Gemma 2's cap of
+    50 with scores far past it (exponents below 2^-126), a small cap, and a cap so large that it
+    is as good as none; with and without sinks."""
+    page, cap = 16, 640
+    prefix = np.array([cap - 64, 300, 0], np.int32)
+    q_lengths = np.array([64, 45, 64], np.int32)
+    case = build("paged-NHD", dtype, 128, page, prefix + q_lengths, cap)
+    case.cache = dataclasses.replace(case.cache, lengths=jnp.asarray(prefix))
+    sinks = jnp.asarray(_rng.standard_normal(HKV * group), jnp.float32)
+    # Scores near +-50: the GPU's tanh (relative error 2^-11) moves a logit by up to 0.025, and
+    # a softmax that sharp moves the output by up to about 0.04.
+    for q_mul, cap_, sk, tol in [(40.0, 50.0, None, 6e-2), (1.0, 2.0, sinks, TOL[dtype]),
+                                 (3.0, 1e30, None, TOL[dtype])]:
+        q = normal((3, 64, HKV * group, 128), dtype) * q_mul
+        want = ref(q, case.k, case.v, jnp.asarray(prefix), jnp.asarray(q_lengths),
+                   soft_cap=cap_, sinks=sk)
+        out = np.asarray(_prefill(q, case.cache, jnp.asarray(q_lengths), sk, None, cap_), np.float32)
+        assert np.isfinite(out).all()
+        np.testing.assert_allclose(out, np.asarray(want), rtol=tol, atol=tol)
+
+
 def test_traced_windows_mix_window_and_global_layers_in_a_scan():
     """A scan over layers whose window is a traced value (a window layer, then a global one as
     a window past the capacity), appending each layer's token then attending, cache donated."""
