@@ -245,9 +245,8 @@ def test_sinks_larger_than_every_score_and_scores_past_the_cap():
 @pytest.mark.parametrize("dtype,group", [(jnp.bfloat16, 4), (jnp.float16, 1)])
 def test_soft_capped_prefill_over_long_prefixes(dtype, group):
     """Soft-capped prefill, no window, over prefixes of several key tiles (the GPU's tiles
-    without masks take part of their exponentials off the multi-function unit): Gemma 2's cap of
-    50 with scores far past it (exponents below 2^-126), a small cap, and a cap so large that it
-    is as good as none; with and without sinks."""
+    without masks among them): Gemma 2's cap of 50 with scores far past it (weights below
+    2^-126), a small cap with sinks, and a cap so large that it is as good as none."""
     page, cap = 16, 640
     prefix = np.array([cap - 64, 300, 0], np.int32)
     q_lengths = np.array([64, 45, 64], np.int32)
