@@ -6,6 +6,7 @@ The extension exposes ``registrations()``: ``{platform: {target: capsule}}``. A 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -66,6 +67,21 @@ KERNELS_MODES = ("auto", "xla", "require")
 platform, the XLA formulation elsewhere, with one warning), ``xla`` (the XLA formulation
 everywhere) or ``require`` (an error where the platform has no kernels)."""
 _warned: set[str] = set()
+_forced: str | None = None  # a mode set by `forced_kernels`, over JAXKV_KERNELS
+
+
+@contextlib.contextmanager
+def forced_kernels(mode: str):
+    """``JAXKV_KERNELS=mode`` for the ops traced inside (the benchmark's fallback column traces
+    the same op through its XLA formulation)."""
+    global _forced
+    if mode not in KERNELS_MODES:
+        raise ValueError(f"mode must be one of {', '.join(KERNELS_MODES)}, got {mode!r}")
+    before, _forced = _forced, mode
+    try:
+        yield
+    finally:
+        _forced = before
 
 
 def _jax_platform() -> str:
@@ -91,7 +107,7 @@ def _why_no_kernels(target: str, platform: str) -> str:
 def use_xla(target: str) -> bool:
     """Whether ``target`` runs as its XLA formulation (``_fallback``), by ``JAXKV_KERNELS`` and
     the platform; ``require`` on a platform without kernels is a RuntimeError naming why."""
-    mode = os.environ.get("JAXKV_KERNELS", "auto").lower()
+    mode = _forced or os.environ.get("JAXKV_KERNELS", "auto").lower()
     if mode not in KERNELS_MODES:
         raise ValueError(f"JAXKV_KERNELS must be one of {', '.join(KERNELS_MODES)}, got {mode!r}")
     if mode == "xla":

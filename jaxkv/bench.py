@@ -28,6 +28,7 @@ import traceback
 import jax
 
 import jaxkv
+from jaxkv import _ffi
 from jaxkv._bench import cases as C
 from jaxkv._bench import peers as P
 from jaxkv._bench import report as R
@@ -102,13 +103,21 @@ def measure(step, carry, consts, case: C.Case, reps: int):
     return carry, result, hlo
 
 
+def _through_fallback(step):
+    """``step`` with every jaxkv op in it traced as its XLA formulation (``JAXKV_KERNELS=xla``)."""
+    def run(*args):
+        with _ffi.forced_kernels("xla"):
+            return step(*args)
+    return run
+
+
 def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) -> dict:
     row = dict(op=case.op, case=case.name, series=case.series, panel=case.panel or case.op,
                sweep=case.sweep, note=case.note, per_launch=case.per_launch,
                status="ok", reason="", min_bytes=case.min_bytes, cache_bytes=case.cache_bytes,
                iters=case.iters, per_step=case.per_step,
                target=case.target.text if case.target else "", jaxkv=None, xla={},
-               xla_best=None, speedup=None, met=None, failed=[])
+               fallback=None, xla_best=None, speedup=None, met=None, failed=[])
     missing = case.missing()
     progress.step(f"{case.op} {case.name}")
     if missing:
@@ -144,6 +153,15 @@ def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) 
                     del carry, consts
                     gc.collect()
                     carry, consts, _, _ = case.build()  # it was donated to the failed call
+        progress.label(f"{case.op} {case.name}: jaxkv's XLA fallback")
+        try:  # the same op, every jaxkv call traced as its XLA formulation (jaxkv/_fallback.py)
+            carry, row["fallback"], _ = measure(_through_fallback(kernel), carry, consts, case, reps)
+        except Exception as e:  # one without a formulation (the host tier) or that does not fit
+            row["fallback"] = dict(error=first_line(e))
+            if any(x.is_deleted() for x in jax.tree_util.tree_leaves(carry)):
+                del carry, consts
+                gc.collect()
+                carry, consts, _, _ = case.build()
     except Exception as e:
         traceback.print_exc()
         row.update(status="error", reason=first_line(e))

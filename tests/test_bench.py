@@ -1,6 +1,7 @@
 """Smoke test of the benchmark harness at CPU size: a few cases end to end, JSON and markdown."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,7 @@ def test_json_has_every_number(run):
             assert not all(hasattr(jaxkv, n) for n in ("save_kv_cache", "PagedKVCache"))
             continue
         assert r["status"] == "ok", r["reason"]
+        assert r["fallback"]["time_s"] > 0, r["fallback"]  # the op through its XLA formulation
         if r["op"] == "paged_compact":
             assert r["min_bytes"] == 0 and r["jaxkv"]["touches_kv"] == []
             continue
@@ -78,7 +80,7 @@ def test_markdown_table(run):
     report, paths = run
     md = paths["markdown"].read_text()
     columns = R.columns(report)
-    assert columns == R.COLUMNS[:10] + R.PEER_COLUMNS + R.COLUMNS[10:]  # the run had --peers
+    assert columns == R.COLUMNS[:11] + R.PEER_COLUMNS + R.COLUMNS[11:]  # the run had --peers
     header = "| " + " | ".join(columns) + " |"
     assert header in md
     lines = md.splitlines()
@@ -86,6 +88,10 @@ def test_markdown_table(run):
     body = [line for line in lines[start:start + len(report["rows"])]]
     assert all(line.startswith("| ") and line.count(" | ") == len(columns) - 1 for line in body)
     assert [line.split(" | ")[1] for line in body] == [r["case"] for r in report["rows"]]
+    # every op that ran also ran through its XLA fallback, in the same loop
+    fallback = [line.split(" | ")[columns.index("fallback")] for line in body]
+    ran = [f for f, r in zip(fallback, report["rows"]) if r["status"] == "ok"]
+    assert ran and all(re.fullmatch(r"[0-9.]+ [mun]?s", f) for f in ran), fallback
     assert jax.__version__ in md
     assert ("Not an H200 run" in md) == (jax.default_backend() != "gpu")
     assert "increment_lengths" in md

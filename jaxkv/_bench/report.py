@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 COLUMNS = ["op", "case", "min bytes", "kernel", "loop", "GB/s", "% copy", "XLA", "XLA time",
-           "speed-up", "mem", "target", "met"]
+           "fallback", "speed-up", "mem", "target", "met"]
 PEER_COLUMNS = ["peer", "peer kernel", "vs peer"]  # after "speed-up", with --peers
 
 
@@ -150,7 +150,7 @@ def fmt_extra(impl: dict) -> str:
 def cells(row: dict, peers: bool = False) -> list[str]:
     if row["status"] != "ok":
         return [row["op"], row["case"], fmt_bytes(row["min_bytes"]), row["status"], "", "", "",
-                "", "", "", *(["", "", ""] if peers else []), "", row["target"], row["reason"]]
+                "", "", "", "", *(["", "", ""] if peers else []), "", row["target"], row["reason"]]
     k = row["jaxkv"]
     best = row["xla"].get(row["xla_best"]) if row["xla_best"] else None
     met = {True: "yes", False: "NO: " + "; ".join(row["failed"]), None: "n/a (cpu)"}[row["met"]]
@@ -167,10 +167,18 @@ def cells(row: dict, peers: bool = False) -> list[str]:
         fmt_time(k["time_s"]),
         f"{row['min_bytes'] / device_time(k) / 1e9:.0f}" if row["min_bytes"] else "-",
         f"{device_copy_frac(k):.0%}" if row["min_bytes"] else "-",
-        row["xla_best"] or "-", fmt_time(best["time_s"]) if best else "-",
+        row["xla_best"] or "-", fmt_time(best["time_s"]) if best else "-", fallback_cell(row),
         fmt_x(row["speedup"]), *(peer_cells(row) if peers else []), fmt_mem(k), row["target"],
         met,
     ]
+
+
+def fallback_cell(row: dict) -> str:
+    """jaxkv's op through its XLA formulation: its loop time, or why it has none."""
+    fb = row.get("fallback")
+    if not fb:
+        return "-"
+    return fmt_time(fb["time_s"]) if "time_s" in fb else "none: " + fb["error"][:60]
 
 
 def peer_cells(row: dict) -> list[str]:
@@ -245,7 +253,9 @@ def markdown(report: dict, plot_name: str | None) -> str:
            "bandwidth above; the targets are checked on these. XLA: the fastest XLA-native "
            "formulation, same loop, same donation (for paged 16-bit attention on a GPU, also "
            "the kernel jaxkv's default did not pick: cuDNN's, or jaxkv's own as \"jaxkv "
-           "kernel\"); speed-up: its loop time over jaxkv's. mem: "
+           "kernel\"); fallback: jaxkv's own op with every call traced as its XLA "
+           "formulation (jaxkv/_fallback.py, JAXKV_KERNELS=xla), same loop: what a backend "
+           "without jaxkv's kernels runs; speed-up: the XLA column's loop time over jaxkv's. mem: "
            "device memory one op allocates beyond its inputs and required outputs, as a share "
            "of the cache. met: a target relative to another row of the run (an 8-bit row "
            "against its bf16 row, a window or soft-cap row against the full row) shows the "
