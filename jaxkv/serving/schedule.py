@@ -94,6 +94,11 @@ class Chunk:
 _DEFER_SCAN = 64
 
 
+def output_tokens(requests) -> int:
+    """Tokens generated so far, over every request."""
+    return sum(len(r.output) for r in requests)
+
+
 class Schedule:
     """The host's side of a run: the queue, the rows (``loop.Slots``, or ``FreeSlots`` for a kind
     that does not compact), admission, the prefill chunks, reading results, preemption."""
@@ -366,14 +371,14 @@ class Schedule:
         if (self.m.get("drained_at") is None and not (self.future or self.waiting)
                 and 2 * len(self.live) < self.m["peak_live"]):
             self.m["drained_at"] = t
-            self.m["drained_tokens"] = sum(len(r.output) for r in self.requests)
+            self.m["drained_tokens"] = output_tokens(self.requests)
 
     def note_half(self, t: float, duration: float | None) -> None:
         """Half-way through a run of fixed length: the output rate after it is the one past the
         ramp, where every engine first prefills the prompts of its first rows."""
         if duration and self.m.get("half_at") is None and t >= duration / 2:
             self.m["half_at"] = t
-            self.m["half_tokens"] = sum(len(r.output) for r in self.requests)
+            self.m["half_tokens"] = output_tokens(self.requests)
 
     def prefill_chunk(self, admitted) -> Chunk | None:
         """The next chunk of the oldest rows still prefilling, on the fewest lanes that hold
