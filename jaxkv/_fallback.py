@@ -62,21 +62,22 @@ def _move_order(targets, n: int, rows: int):
     succ = jnp.where(moving & moving[jnp.maximum(nxt, 0)], nxt, -1)  # the move that must go first
     steps = max(1, int(np.ceil(np.log2(rows))) + 1)
 
-    def jump(cut):  # (moves to the chain's end or to ``cut``, the least row on the way)
-        p = jnp.where(succ == cut, -1, succ)
+    def jump(cut, least: bool):  # (moves to the chain's end or to ``cut``, the least row on
+        p = jnp.where(succ == cut, -1, succ)  # the way where ``least``, the last pointer)
         d, low = (p >= 0).astype(jnp.int32), jnp.where(p >= 0, jnp.minimum(idx, p), idx)
         for _ in range(steps):
             at = jnp.maximum(p, 0)
             d = d + jnp.where(p >= 0, d[at], 0)
-            low = jnp.where(p >= 0, jnp.minimum(low, low[at]), low)
+            if least:
+                low = jnp.where(p >= 0, jnp.minimum(low, low[at]), low)
             p = jnp.where(p >= 0, p[at], -1)
         return d, low, p
 
-    depth, low, p = jump(jnp.full((rows,), -2, jnp.int32))
+    depth, low, p = jump(jnp.full((rows,), -2, jnp.int32), least=True)
     cycle = moving & (p >= 0)  # never reaches a chain's end
     breaker = jnp.where(cycle, low, -1)
     # On a cycle: moves to its cut row, the cut row's own move last (its turn: the cycle's length).
-    to_cut, _, _ = jump(jnp.where(cycle, breaker[jnp.maximum(succ, 0)], -2))
+    to_cut, _, _ = jump(jnp.where(cycle, breaker[jnp.maximum(succ, 0)], -2), least=False)
     key = jnp.where(cycle, rows + 1 + breaker * (rows + 2) + to_cut, depth)
     key = jnp.where(moving, key, jnp.iinfo(jnp.int32).max)
     order = jnp.argsort(key).astype(jnp.int32)
