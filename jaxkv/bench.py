@@ -137,31 +137,30 @@ def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) 
         if case.target and case.target.no_kv_bytes:
             big = max(jax.tree_util.tree_leaves(carry), key=lambda x: x.size)
             row["jaxkv"]["touches_kv"] = T.touches(hlo, big)
-        for name, step in xla.items():
-            progress.label(f"{case.op} {case.name}: XLA {name}")
+        # XLA's formulations, then jaxkv's own op with every call traced as its XLA formulation
+        # (jaxkv/_fallback.py): the same loop, and the same handling of one that fails
+        fallback = _through_fallback(kernel)
+        for name, step in [*xla.items(), ("fallback", fallback)]:
+            progress.label(f"{case.op} {case.name}: "
+                           + ("jaxkv's XLA fallback" if step is fallback else f"XLA {name}"))
             try:
-                carry, row["xla"][name], _ = measure(step, carry, consts, case, reps)
+                carry, result, _ = measure(step, carry, consts, case, reps)
                 if on_gpu and name in (C.OWN_KERNEL, C.CUDNN):  # its device time too
                     carry, t, _, _ = T.kernel_seconds(step, carry, consts,
                                                       case.per_step // case.per_launch)
-                    row["xla"][name]["kernel_time_s"] = None if t is None else t / case.per_launch
-            except Exception as e:  # an XLA formulation that does not compile or fit
-                row["xla"][name] = dict(error=first_line(e))
+                    result["kernel_time_s"] = None if t is None else t / case.per_launch
+            except Exception as e:  # one that does not compile or fit (or has no formulation)
+                result = dict(error=first_line(e))
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     traceback.print_exc()
                 if any(x.is_deleted() for x in jax.tree_util.tree_leaves(carry)):
                     del carry, consts
                     gc.collect()
                     carry, consts, _, _ = case.build()  # it was donated to the failed call
-        progress.label(f"{case.op} {case.name}: jaxkv's XLA fallback")
-        try:  # the same op, every jaxkv call traced as its XLA formulation (jaxkv/_fallback.py)
-            carry, row["fallback"], _ = measure(_through_fallback(kernel), carry, consts, case, reps)
-        except Exception as e:  # one without a formulation (the host tier) or that does not fit
-            row["fallback"] = dict(error=first_line(e))
-            if any(x.is_deleted() for x in jax.tree_util.tree_leaves(carry)):
-                del carry, consts
-                gc.collect()
-                carry, consts, _, _ = case.build()
+            if step is fallback:
+                row["fallback"] = result
+            else:
+                row["xla"][name] = result
     except Exception as e:
         traceback.print_exc()
         row.update(status="error", reason=first_line(e))
