@@ -262,10 +262,16 @@ def main(argv=None) -> dict:
     if want_inc:
         progress.step("increment_lengths: fused add vs one launch")
         inc = C.increment_lengths_costs(cal["max_batch"], cal["loop_iters"], args.reps)
-    rows = [run_case(c, args.reps, calibration["copy_gbps"], on_gpu, progress) for c in measured]
+    # Each row's line as soon as it is measured: a run cut short (a device call's time limit)
+    # still shows what it measured; the table follows at the end.
+    rows = []
+    for c in measured:
+        rows.append(run_case(c, args.reps, calibration["copy_gbps"], on_gpu, progress))
+        print(R.row_line(rows[-1]), flush=True)
     if args.peers:
         for row, case in zip(rows, measured):
             add_peers(row, case, args.reps, calibration["copy_gbps"], on_gpu, progress)
+            print(R.row_line(row, peers=True), flush=True)
     for row, case in zip(rows, measured):  # targets relative to another row of the run
         if case.target and case.target.versus and row["status"] == "ok":
             R.evaluate(row, case.target, on_gpu, rows)

@@ -604,6 +604,11 @@ def test_a_failing_xla_formulation_is_reported_and_the_others_run():
     row = bench.run_case(case, 1, 10.0, False, T.Progress(1, enabled=False))
     assert row["status"] == "ok" and "RESOURCE_EXHAUSTED" in row["xla"]["fails"]["error"]
     assert row["xla_best"] in ("take", "scatter") and row["speedup"] > 0
+    # The row's line, printed as soon as it is measured (a run cut short keeps it).
+    line = R.row_line(row)
+    best = R.fmt_time(row["xla"][row["xla_best"]]["time_s"])
+    assert line.startswith(f"{row['op']} {row['case']}: jaxkv ") and f"XLA {best}," in line
+    assert R.row_line(dict(row, status="error", reason="boom")).endswith(": error (boom)")
 
 
 @pytest.mark.parametrize("make", [

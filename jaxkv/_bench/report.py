@@ -173,6 +173,20 @@ def cells(row: dict, peers: bool = False) -> list[str]:
     ]
 
 
+def row_line(row: dict, peers: bool = False) -> str:
+    """One measured row as a line: jaxkv's device time, XLA's best and the fallback (or the
+    peers' best, with ``peers``)."""
+    head = f"{row['op']} {row['case']}:"
+    if row["status"] != "ok":
+        return f"{head} {row['status']} ({row['reason']})"
+    if peers:
+        best, t, x = peer_cells(row)
+        return f"{head} peer {best} {t} ({x} jaxkv's time)"
+    best = row["xla"].get(row["xla_best"]) if row["xla_best"] else None
+    return (f"{head} jaxkv {fmt_time(device_time(row['jaxkv']))}, XLA "
+            f"{fmt_time(best['time_s']) if best else '-'}, fallback {fallback_cell(row)}")
+
+
 def fallback_cell(row: dict) -> str:
     """jaxkv's op through its XLA formulation: its loop time, or why it has none."""
     fb = row.get("fallback")
