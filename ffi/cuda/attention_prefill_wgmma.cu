@@ -52,9 +52,9 @@ namespace {
 // wholly before the window is loaded, and the producer treats keys before that first key as keys
 // without a page (never read). The consumers mask each row's keys before its own first key on the
 // tiles that meet the window's lower edge (keys below the last query's first key), beside the
-// causal mask. A soft cap (p.soft_cap > 0, a uniform branch on each tile) caps the raw scores,
-// after K's per-token scales, at the cap in their units (soft_cap log2 e / qs: tanh is odd, and Q
-// carries the scale's sign); sinks enter at the final normalization (sink_norm, with the row's
+// causal mask. A soft cap (p.soft_cap > 0, a uniform branch on each tile) replaces each raw score,
+// after K's per-token scales, by tanh of it over the cap, the cap moved into the exponents'
+// factor; sinks enter at the final normalization (sink_norm, with the row's
 // running maximum times qs: base 2, as its sum).
 constexpr int kWgThreads = 384;  // the producer and two consumers
 constexpr int kWgD = 128;        // head_dim
@@ -184,12 +184,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   const int b = q_tile.b, kvh = q_tile.kvh;
   const int32_t n_max = q_tile.n_max;
   // The window: the block's keys are [f_min, n_max), f_min its first query's first key; its tiles
-  // (the producer's and the consumers' alike) start at the one holding f_min, tile i's first key
-  // key0 + i kWgN. A window <= 0 shows no key.
+  // (the producer's and the consumers' alike) start there, tile i's first key key0 + i kWgN (not
+  // rounded down to a multiple of kWgN: a window's span of 1024 + 31 keys takes 9 tiles, not 9 or
+  // 10). A window <= 0 shows no key.
   const int32_t window = *p.window;
   const int32_t f_min = n_max > 0 ? p.first_key(b, q_tile.t0, window) : 0;
-  const int32_t key0 = f_min / kWgN * kWgN;
-  const int tiles = window > 0 ? q_tile.tiles(kWgN) - key0 / kWgN : 0;
+  const int32_t key0 = f_min;
+  const int tiles = window > 0 && n_max > key0 ? (n_max - key0 + kWgN - 1) / kWgN : 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   // The producer's threads copy two lanes a row of Q or a key of a K/V tile (so that a warp's
@@ -504,6 +505,24 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     named_sync(4 + wg, 128);    // the warpgroup's 64 rows
   }
 
+  // A soft cap of at most 2^12 in base 2 (cap2 = soft_cap log2 e, cap_fold): the scores are kept
+  // as tanh(s qs / cap2) and the exponents' factor becomes cap2 (tanh is odd, and Q carries the
+  // scale's sign): a multiplication a score fewer on the path the multi-function unit's tanh and
+  // exp2 already load. A larger cap (as good as none) caps each raw score at cap2 / qs, the
+  // exponents' factor kept (its tanh input would leave float's range).
+  const bool capped = p.soft_cap > 0.f, cap_fold = capped && p.soft_cap * kLog2e <= 0x1p12f;
+  float to_tanh[2] = {0.f, 0.f}, cap_raw[2] = {0.f, 0.f};  // cap_raw: capped but not cap_fold
+  if (cap_fold) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) to_tanh[hf] = qs[hf] / (p.soft_cap * kLog2e), qs[hf] = p.soft_cap * kLog2e;
+  } else if (capped) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      to_tanh[hf] = fminf(fmaxf(qs[hf] / (p.soft_cap * kLog2e), FLT_MIN), FLT_MAX);
+      cap_raw[hf] = 1.f / to_tanh[hf];  // finite
+    }
+  }
+
   constexpr int kSt = kWgN / 8, kOt = kWgD / 8;  // 8-column fragments of S and of O
   float s[kSt * 4], o[kOt * 4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   uint32_t pa[kWgN / 16][4];  // P of the tile whose P V comes next, as A fragments
@@ -542,21 +561,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         s[4 * nt] *= f.x, s[4 * nt + 1] *= f.y, s[4 * nt + 2] *= f.x, s[4 * nt + 3] *= f.y;
       }
     }
-    if (p.soft_cap > 0.f) {  // uniform: each score capped at soft_cap log2 e / qs, the cap in its raw units
-      auto rcp_approx = [](float x) {  // about 1 ulp, far below tanh.approx's error
-        float y;
-        asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-        return y;
-      };
-      const float per_cap = rcp_approx(p.soft_cap * kLog2e);
+    if (cap_fold) {  // uniform: each score becomes tanh(s qs / cap2)
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const float inv = fminf(fmaxf(qs[hf] * per_cap, FLT_MIN), FLT_MAX), c = rcp_approx(inv);  // c finite
+      for (int j = 0; j < kSt * 4; ++j) s[j] = tanh_approx(s[j] * to_tanh[j % 4 / 2]);
+    } else if (capped) {  // uniform: each raw score capped at cap_raw
 #pragma unroll
-        for (int nt = 0; nt < kSt; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) s[4 * nt + 2 * hf + e] = soft_capped<false>(s[4 * nt + 2 * hf + e], c, inv);
-      }
+      for (int j = 0; j < kSt * 4; ++j) s[j] = soft_capped<false>(s[j], cap_raw[j % 4 / 2], to_tanh[j % 4 / 2]);
     }
     // The diagonal, the window's lower edge, keys without a page (or before the block's first key).
     if (missing_at[st] == i + 1 || (i + 1) * kWgN > n_min_rel || i * kWgN < f_max_rel) {
