@@ -42,6 +42,16 @@ fi
 (cd /tmp && python3 -c "import jax, jaxkv._ffi as f; assert f.WITH_CUDA, 'built without CUDA'; \
   assert jax.default_backend() == 'gpu', jax.default_backend(); print('CUDA build ok, backend gpu')") || exit 1
 
+# FlashInfer beside the attention rows (--peers; a note where it does not import):
+# PEER_WHEELS=/path/to/shared/peer-wheels installs it, and its JIT modules for those rows build
+# in the background while the tests run (minutes of nvcc that the benchmark would wait for).
+warm_pid=
+if [ -n "${PEER_WHEELS:-}" ] && [ -z "${SKIP_BENCH:-}" ]; then
+  eval "$(bash "$PEER_WHEELS/setup_on_gpu.sh" "$PEER_WHEELS")"
+  (tool="$PWD/tools/flashinfer_warm.py"; cd /tmp && python3 "$tool" >"$OUT/flashinfer_warm.log" 2>&1) &
+  warm_pid=$!
+fi
+
 tests_rc=0
 # TESTS_BUDGET_S=N: the test files given (default: all) one pytest each, a summary line per file;
 # files not started within N seconds are listed as NOT RUN, for the next call (the whole suite
@@ -177,9 +187,7 @@ fi
 
 if [ -z "${SKIP_BENCH:-}" ] && (cd /tmp && python3 -c "import jaxkv.bench" 2>/dev/null); then
   echo "== benchmarks"
-  # FlashInfer beside the attention rows (--peers; a note where it does not import):
-  # PEER_WHEELS=/path/to/shared/peer-wheels installs it first.
-  if [ -n "${PEER_WHEELS:-}" ]; then eval "$(bash "$PEER_WHEELS/setup_on_gpu.sh" "$PEER_WHEELS")"; fi
+  if [ -n "$warm_pid" ]; then wait "$warm_pid"; cat "$OUT/flashinfer_warm.log"; fi
   explain="$PWD/benchmarks/explanations.json"  # measured reasons for rows that miss a target
   ops=(); for op in ${BENCH_OPS:-}; do ops+=(--op "$op"); done
   if [ "${BENCH_OPS:-}" != none ]; then  # BENCH_OPS=none: only the host tier's benchmark
