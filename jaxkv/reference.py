@@ -6,6 +6,8 @@ past a length) they may differ from the kernels, and tests compare only what is 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -326,6 +328,7 @@ QMAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "int8": 127.0}
 """The largest magnitude each 8-bit dtype stores (by its numpy name): a scale is ``max|x| / QMAX``."""
 
 
+@functools.partial(jax.jit, static_argnames="dtype")  # one program, not an op at a time, eagerly
 def quantize(x: jax.Array, dtype, scale=None):
     """``(q, scale)``: ``x`` (float, ``[..., D]``) in 8 bits.
 
@@ -401,6 +404,7 @@ def divide_exact(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where((a == 0) | ~jnp.isfinite(a), a / b, out)
 
 
+@functools.partial(jax.jit, static_argnames="dtype")
 def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
     """``float32(q) * scale`` (``scale`` per vector over the last axis), in ``dtype``."""
     return (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)[..., None]).astype(dtype)
