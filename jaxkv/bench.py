@@ -72,14 +72,20 @@ def parse(argv):
     return p.parse_args(argv)
 
 
+# Seconds of timed calls after which an implementation stops at two repetitions: the slow XLA
+# formulations of prefill took 45 s a row at five (H100, 2026-12-06), jaxkv's own 0.2 s.
+TIME_BUDGET_S = 2.0
+
+
 def measure(step, carry, consts, case: C.Case, reps: int):
     """(carry, result dict, compiled HLO) of one implementation: the timed loop, whose warm-up
     call is also the memory probe."""
     largest = max(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(carry))
     carry, seconds, hlo, (extra, static) = T.time_loop(
-        step, carry, consts, case.iters, reps, case.per_step, memory=True)
+        step, carry, consts, case.iters, reps, case.per_step, memory=True, budget_s=TIME_BUDGET_S)
     fixed = T.entry_work(hlo)
     if fixed >= 1 << 16:  # work outside the loop: time 4n iterations too, take the difference
+        reps = len(seconds)  # as many as the short loop's budget allowed
         carry, long, _, _ = T.time_loop(step, carry, consts, 4 * case.iters, reps, case.per_step)
         diff = [(4 * b - a) / 3 for a, b in zip(seconds, long)]  # per op, fixed cost removed
         # If noise beats the difference, the long loop's own average is the honest bound.

@@ -431,6 +431,15 @@ def test_timed_loop_runs_in_place():
     assert buffer.unsafe_buffer_pointer() == pointer and len(seconds) == 2
 
 
+def test_a_slow_implementation_stops_at_two_timed_calls_past_its_budget():
+    case = C.compact_linear(2, 8, 2, 128, 64, 3)
+    buffer, consts, kernel, _ = case.build()
+    buffer, seconds, _, _ = T.time_loop(kernel, buffer, consts, 3, 5, budget_s=0.0)
+    assert len(seconds) == 2
+    buffer, seconds, _, _ = T.time_loop(kernel, buffer, consts, 3, 5, budget_s=1e9)
+    assert len(seconds) == 5
+
+
 def test_minimum_bytes_count_only_moving_live_tokens():
     lengths, mapping, moved, _ = C.evict_half(8, 128, seed=1)
     survivors = np.flatnonzero(mapping >= 0)

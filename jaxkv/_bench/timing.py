@@ -211,12 +211,14 @@ def loop(step: Step, n: int):
 
 
 def time_loop(step: Step, carry, consts, n: int, reps: int, per_step: int = 1,
-              memory: bool = False):
+              memory: bool = False, budget_s: float | None = None):
     """(carry, per-op seconds of each repetition, compiled HLO text, memory) after a warm-up call.
 
     With ``memory`` the warm-up call doubles as the memory probe: ``(measured, static)`` extra
     bytes (see ``peak_extra``); a loop holds one application's buffers, and its carry is the op's
     cache or output, so that is what one op needs beyond its inputs and outputs.
+    ``budget_s``: stop after two repetitions once the timed calls have taken that long (a
+    formulation 50x slower than the kernel needs no five calls to show it).
     """
     compiled = loop(step, n).lower(carry, consts).compile()
     static = None
@@ -237,6 +239,8 @@ def time_loop(step: Step, carry, consts, n: int, reps: int, per_step: int = 1,
         carry = compiled(carry, consts)
         block(carry)
         seconds.append((time.perf_counter() - start) / (n * per_step))
+        if budget_s is not None and len(seconds) >= 2 and sum(seconds) * n * per_step > budget_s:
+            break
     return carry, seconds, compiled.as_text(), (measured, static)
 
 
