@@ -399,9 +399,15 @@ def divide_exact(a: jax.Array, b: jax.Array) -> jax.Array:
     up = (rest > half) | ((rest == half) & ((r != 0) | ((kept & 1) == 1)))
     kept = kept + up.astype(u32)
     bits = jnp.where(field >= 1, (jnp.maximum(field - 1, 0).astype(u32) << 23) + kept, kept)
-    bits = jnp.where(field >= 255, u32(0x7F800000), bits) | ((ua ^ ub) & u32(0x80000000))
-    out = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return jnp.where((a == 0) | ~jnp.isfinite(a), a / b, out)
+    bits = jnp.where(field >= 255, u32(0x7F800000), bits)
+    # A zero or non-finite a in bits too: no float operation at all, so that a backend that
+    # flushes subnormal operands to zero (XLA:CPU does, in some of its emitters) changes nothing.
+    # inf / b is inf, nan / b the quiet nan, 0 / b zero: each with the sign of a * b.
+    magnitude = ua & u32(0x7FFFFFFF)
+    bits = jnp.where(magnitude == 0, u32(0), bits)
+    quiet = (magnitude > 0x7F800000).astype(u32) << 22
+    bits = jnp.where(magnitude >= u32(0x7F800000), magnitude | quiet, bits)
+    return jax.lax.bitcast_convert_type(bits | ((ua ^ ub) & u32(0x80000000)), jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames="dtype")

@@ -1,11 +1,30 @@
 """Strict test configuration, shared by the CPU (CI) and CUDA (H200) runs of the same suite."""
 
+import importlib.metadata
 import os
+import re
 import shutil
 import tempfile
 
+
+def _jaxlib_version() -> tuple:
+    try:
+        text = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+
+
 # Several emulated CPU devices for sharding tests; harmless on GPU.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+_FLAGS = {"--xla_force_host_platform_device_count": "8"}
+if _jaxlib_version() < (0, 11, 1):
+    # Most of a CPU run is XLA compiling small programs: XLA:CPU's older LLVM IR emitters compile
+    # them in 0.6x the time of its fusion emitters (the same HLO; docs/perf-notes.md). jaxlib
+    # 0.11.1 removed them (an unknown flag aborts), and compiles about as fast as these.
+    _FLAGS["--xla_cpu_use_fusion_emitters"] = "false"
+_given = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join(
+    [_given] + [f"{k}={v}" for k, v in _FLAGS.items() if k not in _given]).strip()
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Several workers on one GPU: each takes memory as it needs it, not 75% up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
