@@ -15,8 +15,10 @@ def _jaxlib_version() -> tuple:
     return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
 
 
-# Several emulated CPU devices for sharding tests; harmless on GPU.
-_FLAGS = {"--xla_force_host_platform_device_count": "8"}
+# Several emulated CPU devices for sharding tests; harmless on GPU. XLA:CPU compiles each
+# program's code in one piece: split over threads, it competes with the other xdist worker for
+# the 2 cores of CI's machine (12% more time).
+_FLAGS = {"--xla_force_host_platform_device_count": "8", "--xla_cpu_parallel_codegen_split_count": "1"}
 if _jaxlib_version() < (0, 11, 1):
     # Most of a CPU run is XLA compiling small programs: XLA:CPU's older LLVM IR emitters compile
     # them in 0.6x the time of its fusion emitters (the same HLO; docs/perf-notes.md). jaxlib
