@@ -89,9 +89,13 @@ def _mark_sweeps_long(items):
 
 def pytest_collection_modifyitems(config, items):
     # README's test command runs the contract; the long runs (marker long: fuzzing, property
-    # sweeps, transformers parity, serving soaks, the other combinations of parametrized sweeps)
-    # are the second command, `pytest -m long`. Any -m expression selects for itself ("long or
+    # sweeps, transformers parity, serving soaks, the other combinations of parametrized sweeps,
+    # on CPU the tests sized for a CUDA kernel's paths) are the second command, `pytest -m long`. Any -m expression selects for itself ("long or
     # not long": everything), and so do tests named on the command line (files or ids).
+    if jax.default_backend() != "gpu":  # the CPU kernels take no other path at these sizes
+        for item in items:
+            if "gpu_sized" in item.keywords:
+                item.add_marker(pytest.mark.long)
     _mark_sweeps_long(items)
     if not config.option.markexpr and not config.option.file_or_dir:
         long = [item for item in items if "long" in item.keywords]

@@ -201,6 +201,7 @@ def test_long_rows_split_over_blocks(kind):
     assert_close(out, ref_decode(q, k, v, cache.lengths), "bf16")
 
 
+@pytest.mark.gpu_sized
 @pytest.mark.parametrize("name", ["bf16", "f16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -250,6 +251,7 @@ def test_prefill_chunk_spans_several_query_and_key_tiles(layout):
     assert_close(out, want, "bf16")
 
 
+@pytest.mark.gpu_sized
 @pytest.mark.parametrize("group,dtype,kind", [(1, jnp.bfloat16, "NHD"), (8, jnp.float16, "HND"),
                                               (4, jnp.bfloat16, "linear")])
 def test_prefill_over_long_prefixes(group, dtype, kind):

@@ -479,8 +479,18 @@ def _live(tree, consts):
     return out
 
 
-@pytest.mark.parametrize("case", [c for c in C.cases("cpu") if c.op != "paged_compact"],
-                         ids=lambda c: f"{c.op}-{c.name}")
+def _first_of_each_op(cases) -> list:
+    """The cases as parameters, each op's first in README's tests and the rest long."""
+    params, seen = [], set()
+    for c in cases:
+        params.append(pytest.param(c, id=f"{c.op}-{c.name}",
+                                   marks=[pytest.mark.long] * (c.op in seen)))
+        seen.add(c.op)
+    return params
+
+
+@pytest.mark.parametrize("case", _first_of_each_op(
+    c for c in C.cases("cpu") if c.op != "paged_compact"))
 def test_xla_formulations_compute_the_same(case):
     """A baseline that did less work than the op would make the speed-up a lie: every XLA
     formulation must produce the op's specified bytes, from the same inputs. So must every

@@ -179,6 +179,7 @@ def test_validation_messages():
         jaxkv.paged_gather(kp, kp, table, lengths, 0, 0)
 
 
+@pytest.mark.gpu_sized
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("size,d,dtype", [(16, 64, jnp.float32), (128, 7, jnp.bfloat16)])
 def test_long_prefill_spans_many_chunks(layout, size, d, dtype):

@@ -148,6 +148,7 @@ def test_append_quantizes_bit_for_bit(kind, dtype, scaling):
         assert_bytes_equal(out.k_scales, c.k_scales, "per-tensor scales unchanged")
 
 
+@pytest.mark.gpu_sized
 @pytest.mark.parametrize("kind", ["linear", "paged-NHD"])
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
 @pytest.mark.parametrize("in_dtype,scaling", [(jnp.bfloat16, "per_token_head"),
@@ -818,6 +819,7 @@ LONG_SHAPES = [(128, 4, jnp.bfloat16, 16), (64, 1, jnp.float16, 16), (128, 20, j
                (64, 8, jnp.bfloat16, 32)]
 
 
+@pytest.mark.gpu_sized
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
 @pytest.mark.parametrize("scaling", ["per_token_head", "per_tensor"])
@@ -908,6 +910,7 @@ def test_prefill_keeps_every_bit_of_q(kind, dtype, q_dtype, low_bit):
                                atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.gpu_sized
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
 @pytest.mark.parametrize("head_dim,group,q_dtype,scaling", [
     (64, 3, jnp.bfloat16, "per_token_head"),  # a group that does not divide the row tile

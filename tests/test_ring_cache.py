@@ -291,6 +291,7 @@ def test_scan_over_layers_and_steps_with_traced_windows():
                                   hist.kv[1][:, :, :, :hist.lengths.max()])
 
 
+@pytest.mark.gpu_sized
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_attention_over_a_ring_at_head_dim_128(dtype):
     """The shapes of the GPU's tensor-core kernels (head_dim 128: split-KV decode, the prefill
