@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import multiprocess_loop
 from helpers import assert_bytes_equal
@@ -21,6 +22,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.long  # two processes of their own, each importing jax and compiling: 6 s
 def test_two_processes_equal_one(tmp_path):
     import jax
 

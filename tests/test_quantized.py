@@ -944,6 +944,7 @@ def test_prefill_over_many_key_tiles(dtype, head_dim, group, q_dtype, scaling):
                                    np.asarray(want[row, :live], np.float32), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu_sized
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=EIGHT_BIT_IDS)
 @pytest.mark.parametrize("octaves", [12, 24])
 def test_prefill_with_v_scales_growing_along_the_row(dtype, octaves):

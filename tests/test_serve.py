@@ -271,6 +271,7 @@ def test_poisson_arrivals_wait_for_their_time():
     assert m["wall"] >= stream[-1].arrival
 
 
+@pytest.mark.gpu_sized
 def test_every_engine_lowers_at_the_8b_preset():
     """The GPU run's shapes (32 layers, head_dim 128, bf16, a 16 GiB budget), traced and lowered
     without weights or memory: shape errors show here, not on the device."""
