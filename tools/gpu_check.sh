@@ -15,12 +15,20 @@
 #   JAXKV_CUDA=ON JAXKV_CUDA_ARCHITECTURES=90a PYENV_VERSION=3.12.1 python3.12 -m pip wheel \
 #     --no-deps -w build/gpu-wheel .     # then: carry build/gpu-wheel, WHEEL=build/gpu-wheel/*.whl
 #   bash tools/gpu_check.sh [pytest args...]
+# NO_NVCC=1 takes every CUDA folder off PATH first (a user's machine without the toolkit: the
+# wheel of tools/build_wheel.sh must run there) and skips the steps that compile (the scale check,
+# FlashInfer's JIT).
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxkv-gpu}
 mkdir -p "$OUT"
 : >"$OUT/summary.log"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+if [ -n "${NO_NVCC:-}" ]; then
+  PATH=$(echo "$PATH" | tr : '\n' | grep -v -i cuda | paste -sd: -)
+  export PATH PEER_WHEELS=
+  echo "NO_NVCC: nvcc on PATH: $(command -v nvcc || echo none)" | tee -a "$OUT/summary.log"
+fi
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
@@ -86,9 +94,11 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     grep -E "^(FAILED|ERROR) |^=* ?[0-9]+ (passed|failed)" "$OUT/tests.log" >>"$OUT/summary.log"
   fi
   # The quantizing kernels' scale quotient against the division, for every float (seconds).
-  command -v nvcc >/dev/null || export PATH="$PATH:/usr/local/cuda/bin"
+  [ -n "${NO_NVCC:-}" ] || command -v nvcc >/dev/null || export PATH="$PATH:/usr/local/cuda/bin"
   cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
-  if nvcc -O3 -std=c++17 -arch="sm_$cap" -Iffi/cuda tools/scale_quotient_check.cu \
+  if [ -n "${NO_NVCC:-}" ]; then
+    echo "scale_quotient: not built (NO_NVCC)" >"$OUT/scale_quotient.log"
+  elif nvcc -O3 -std=c++17 -arch="sm_$cap" -Iffi/cuda tools/scale_quotient_check.cu \
       -o /tmp/scale_quotient_check >"$OUT/scale_quotient.log" 2>&1; then
     /tmp/scale_quotient_check >>"$OUT/scale_quotient.log" 2>&1 || tests_rc=1
   else
