@@ -18,7 +18,8 @@ def _jaxlib_version() -> tuple:
 # Several emulated CPU devices for sharding tests; harmless on GPU. XLA:CPU compiles each
 # program's code in one piece: split over threads, it competes with the other xdist worker for
 # the 2 cores of CI's machine (12% more time).
-_FLAGS = {"--xla_force_host_platform_device_count": "8", "--xla_cpu_parallel_codegen_split_count": "1"}
+_FLAGS = {"--xla_force_host_platform_device_count": "8",
+          "--xla_cpu_parallel_codegen_split_count": "1"}
 if _jaxlib_version() < (0, 11, 1):
     # Most of a CPU run is XLA compiling small programs: XLA:CPU's older LLVM IR emitters compile
     # them in 0.6x the time of its fusion emitters (the same HLO; docs/perf-notes.md). jaxlib
@@ -90,8 +91,9 @@ def _mark_sweeps_long(items):
 def pytest_collection_modifyitems(config, items):
     # README's test command runs the contract; the long runs (marker long: fuzzing, property
     # sweeps, transformers parity, serving soaks, the other combinations of parametrized sweeps,
-    # on CPU the tests sized for a CUDA kernel's paths) are the second command, `pytest -m long`. Any -m expression selects for itself ("long or
-    # not long": everything), and so do tests named on the command line (files or ids).
+    # on CPU the tests sized for a CUDA kernel's paths) are the second command, `pytest -m long`.
+    # Any -m expression selects for itself ("long or not long": everything), and so do tests
+    # named on the command line (files or ids).
     if jax.default_backend() != "gpu":  # the CPU kernels take no other path at these sizes
         for item in items:
             if "gpu_sized" in item.keywords:

@@ -15,9 +15,9 @@
 #   JAXKV_CUDA=ON JAXKV_CUDA_ARCHITECTURES=90a PYENV_VERSION=3.12.1 python3.12 -m pip wheel \
 #     --no-deps -w build/gpu-wheel .     # then: carry build/gpu-wheel, WHEEL=build/gpu-wheel/*.whl
 #   bash tools/gpu_check.sh [pytest args...]
-# NO_NVCC=1 takes every CUDA folder off PATH first (a user's machine without the toolkit: the
-# wheel of tools/build_wheel.sh must run there) and skips the steps that compile (the scale check,
-# FlashInfer's JIT).
+# NO_NVCC=1 takes every CUDA folder off PATH first, so that the tests run as on a user's machine
+# without the toolkit (where the wheel of tools/build_wheel.sh must run), and leaves FlashInfer
+# (whose JIT needs nvcc) out; the steps after the tests that compile put nvcc back on PATH.
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxkv-gpu}
 mkdir -p "$OUT"
@@ -94,11 +94,9 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     grep -E "^(FAILED|ERROR) |^=* ?[0-9]+ (passed|failed)" "$OUT/tests.log" >>"$OUT/summary.log"
   fi
   # The quantizing kernels' scale quotient against the division, for every float (seconds).
-  [ -n "${NO_NVCC:-}" ] || command -v nvcc >/dev/null || export PATH="$PATH:/usr/local/cuda/bin"
+  command -v nvcc >/dev/null || export PATH="$PATH:/usr/local/cuda/bin"
   cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
-  if [ -n "${NO_NVCC:-}" ]; then
-    echo "scale_quotient: not built (NO_NVCC)" >"$OUT/scale_quotient.log"
-  elif nvcc -O3 -std=c++17 -arch="sm_$cap" -Iffi/cuda tools/scale_quotient_check.cu \
+  if nvcc -O3 -std=c++17 -arch="sm_$cap" -Iffi/cuda tools/scale_quotient_check.cu \
       -o /tmp/scale_quotient_check >"$OUT/scale_quotient.log" 2>&1; then
     /tmp/scale_quotient_check >>"$OUT/scale_quotient.log" 2>&1 || tests_rc=1
   else
