@@ -65,6 +65,12 @@ def pytest_configure(config):
             and "JAXKV_TEST_COMPILE_CACHE" not in os.environ):
         config._jaxkv_cache = tempfile.mkdtemp(prefix="jaxkv-test-xla-")
         os.environ["JAXKV_TEST_COMPILE_CACHE"] = config._jaxkv_cache  # the workers inherit it
+    if os.environ.get("JAXKV_TEST_COMPILE_CACHE"):
+        # JAX writes an entry in place, unlocked: a worker may read one another is still writing.
+        # It then warns and compiles for itself (a truncated entry never decompresses), which is
+        # right; only the warning is no error here.
+        config.addinivalue_line(
+            "filterwarnings", "ignore:Error reading persistent compilation cache entry:UserWarning")
     # The GPU script sets this so that a run that silently fell back to CPU cannot pass.
     if os.environ.get("JAXKV_REQUIRE_GPU") and jax.default_backend() != "gpu":
         raise pytest.UsageError(f"JAXKV_REQUIRE_GPU is set but the backend is {jax.default_backend()}")
