@@ -252,14 +252,15 @@ def test_prefill_chunk_spans_several_query_and_key_tiles(layout):
 
 
 @pytest.mark.gpu_sized
-@pytest.mark.parametrize("group,dtype,kind", [(1, jnp.bfloat16, "NHD"), (8, jnp.float16, "HND"),
-                                              (4, jnp.bfloat16, "linear")])
-def test_prefill_over_long_prefixes(group, dtype, kind):
-    """Hundreds of new tokens on prefixes of up to 900 keys, head_dim 128: on Hopper the wgmma
-    prefill (rows of 128 / group tokens, key tiles of 128 through two stages) walks many key tiles
-    past page and tile boundaries, the causal diagonal at every offset within a tile; one row's
-    chunk is cut short by its count, one has no tokens; pages in random order."""
-    head_dim, t, page, pages = 128, 300, 16, 76
+@pytest.mark.parametrize("group,dtype,kind,head_dim", [
+    (1, jnp.bfloat16, "NHD", 128), (8, jnp.float16, "HND", 128), (4, jnp.bfloat16, "linear", 128),
+    (2, jnp.bfloat16, "NHD", 256), (16, jnp.float16, "linear", 256)])
+def test_prefill_over_long_prefixes(group, dtype, kind, head_dim):
+    """Hundreds of new tokens on prefixes of up to 900 keys: on Hopper the wgmma prefill (rows of
+    128 / group tokens; key tiles of 128, of 64 at head_dim 256) walks many key tiles past page
+    and tile boundaries, the causal diagonal at every offset within a tile; one row's chunk is
+    cut short by its count, one has no tokens; pages in random order."""
+    t, page, pages = 300, 16, 76
     cap = page * pages
     prefix = np.array([cap - t, 0, 517], np.int32)
     q_lengths = np.array([t, 211, 0], np.int32)

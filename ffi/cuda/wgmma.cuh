@@ -90,50 +90,68 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// m64nNk16, f32 accumulators += T x T (T bf16 or f16), a warpgroup's 64 rows: d (N / 2 floats a
-// thread, the mma.sync m16n8 layout per warp and 8 columns) += A B; A from shared memory (mma_ss,
-// K-major) or registers (mma_rs: the m16n8k16 A fragment of the warp's 16 rows), B from shared
-// memory, K-major (kTransB 0) or MN-major (1). scale_d 0: d = A B.
+// m64nNk16 (N 64, 128 or 256), f32 accumulators += T x T (T bf16 or f16), a warpgroup's 64 rows:
+// d (N / 2 floats a thread, the mma.sync m16n8 layout per warp and 8 columns) += A B; A from
+// shared memory (mma_ss, K-major) or registers (mma_rs: the m16n8k16 A fragment of the warp's 16
+// rows), B from shared memory, K-major (kTransB 0) or MN-major (1). scale_d 0: d = A B.
 template <class T, int N> struct Wgmma {};
 
-// The 64 accumulators of m64n128: their operands %0-%63 in the instruction, and as outputs.
-#define JAXKV_WGMMA_D_REGS                                                                                               \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                              \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                                     \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                                     \
+// The N / 2 accumulators: their operands %0 to %(N / 2 - 1) in the instruction, and as outputs.
+#define JAXKV_WGMMA_D_REGS_32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+#define JAXKV_WGMMA_D_REGS_64 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-#define JAXKV_WGMMA_D_OUT                                                                                                \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                        \
-  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),                  \
-  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),                \
-  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),                \
-  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),                \
-  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),                \
-  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),                \
-  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define JAXKV_WGMMA_D_REGS_128 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+#define JAXKV_D8(i)                                                                                     \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+#define JAXKV_WGMMA_D_OUT_32 JAXKV_D8(0), JAXKV_D8(8), JAXKV_D8(16), JAXKV_D8(24)
+#define JAXKV_WGMMA_D_OUT_64 JAXKV_WGMMA_D_OUT_32, JAXKV_D8(32), JAXKV_D8(40), JAXKV_D8(48), JAXKV_D8(56)
+#define JAXKV_WGMMA_D_OUT_128 \
+  JAXKV_WGMMA_D_OUT_64, JAXKV_D8(64), JAXKV_D8(72), JAXKV_D8(80), JAXKV_D8(88), JAXKV_D8(96), JAXKV_D8(104), \
+      JAXKV_D8(112), JAXKV_D8(120)
 
-// Both operand forms for one 16-bit type T, DT its PTX name.
-#define JAXKV_WGMMA_M64N128K16(T, DT)                                                                                    \
-template <int kTransB>                                                                                                   \
-__device__ __forceinline__ void mma_ss(Wgmma<T, 128>, float (&d)[64], uint64_t a, uint64_t b, int scale_d) {             \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                              \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." DT "." DT " " JAXKV_WGMMA_D_REGS                           \
-               "%64, %65, p, 1, 1, 0, %67;\n}\n"                                                                         \
-               : JAXKV_WGMMA_D_OUT                                                                                       \
-               : "l"(a), "l"(b), "r"(scale_d), "n"(kTransB));                                                            \
-}                                                                                                                        \
-template <int kTransB>                                                                                                   \
-__device__ __forceinline__ void mma_rs(Wgmma<T, 128>, float (&d)[64], const uint32_t (&a)[4], uint64_t b, int scale_d) { \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                              \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." DT "." DT " " JAXKV_WGMMA_D_REGS                           \
-               "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"                                                           \
-               : JAXKV_WGMMA_D_OUT                                                                                       \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(kTransB));                        \
+// Both operand forms for one 16-bit type T (DT its PTX name) and N (ACC = N / 2 accumulators);
+// I0 to I6: the operands after the accumulators, "%ACC" to "%(ACC + 6)".
+#define JAXKV_WGMMA_M64NK16(T, DT, N, ACC, I0, I1, I2, I3, I4, I5, I6)                                  \
+template <int kTransB>                                                                                 \
+__device__ __forceinline__ void mma_ss(Wgmma<T, N>, float (&d)[ACC], uint64_t a, uint64_t b, int scale_d) { \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " I2 ", 0;\n"                                        \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." DT "." DT " " JAXKV_WGMMA_D_REGS_##ACC   \
+               I0 ", " I1 ", p, 1, 1, 0, " I3 ";\n}\n"                                                   \
+               : JAXKV_WGMMA_D_OUT_##ACC                                                               \
+               : "l"(a), "l"(b), "r"(scale_d), "n"(kTransB));                                          \
+}                                                                                                      \
+template <int kTransB>                                                                                 \
+__device__ __forceinline__ void mma_rs(Wgmma<T, N>, float (&d)[ACC], const uint32_t (&a)[4], uint64_t b, \
+                                       int scale_d) {                                                  \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " I5 ", 0;\n"                                        \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." DT "." DT " " JAXKV_WGMMA_D_REGS_##ACC   \
+               "{" I0 ", " I1 ", " I2 ", " I3 "}, " I4 ", p, 1, 1, " I6 ";\n}\n"                           \
+               : JAXKV_WGMMA_D_OUT_##ACC                                                               \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(kTransB));      \
 }
+#define JAXKV_WGMMA_TYPE(T, DT)                                                                        \
+  JAXKV_WGMMA_M64NK16(T, DT, 64, 32, "%32", "%33", "%34", "%35", "%36", "%37", "%38")                  \
+  JAXKV_WGMMA_M64NK16(T, DT, 128, 64, "%64", "%65", "%66", "%67", "%68", "%69", "%70")                 \
+  JAXKV_WGMMA_M64NK16(T, DT, 256, 128, "%128", "%129", "%130", "%131", "%132", "%133", "%134")
 
-JAXKV_WGMMA_M64N128K16(__nv_bfloat16, "bf16")
-JAXKV_WGMMA_M64N128K16(__half, "f16")
-#undef JAXKV_WGMMA_M64N128K16
+JAXKV_WGMMA_TYPE(__nv_bfloat16, "bf16")
+JAXKV_WGMMA_TYPE(__half, "f16")
+#undef JAXKV_WGMMA_TYPE
+#undef JAXKV_WGMMA_M64NK16
 
 // m64n128k32, f32 accumulators += A B with A e4m3 and B e4m3 (kE5M2 false) or e5m2, both from
 // shared memory and K-major (the only major 8-bit operands have: a row of 32 values is 32 bytes,
@@ -142,14 +160,19 @@ template <bool kE5M2>
 __device__ __forceinline__ void mma_ss_f8(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
 #define JAXKV_WGMMA_F8(BT)                                                                                               \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                              \
-               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3." BT " " JAXKV_WGMMA_D_REGS "%64, %65, p, 1, 1;\n}\n"   \
-               : JAXKV_WGMMA_D_OUT                                                                                       \
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3." BT " " JAXKV_WGMMA_D_REGS_64 "%64, %65, p, 1, 1;\n}\n" \
+               : JAXKV_WGMMA_D_OUT_64                                                                                       \
                : "l"(a), "l"(b), "r"(scale_d))
   if constexpr (kE5M2) JAXKV_WGMMA_F8("e5m2");
   else JAXKV_WGMMA_F8("e4m3");
 #undef JAXKV_WGMMA_F8
 }
-#undef JAXKV_WGMMA_D_OUT
-#undef JAXKV_WGMMA_D_REGS
+#undef JAXKV_WGMMA_D_OUT_128
+#undef JAXKV_WGMMA_D_OUT_64
+#undef JAXKV_WGMMA_D_OUT_32
+#undef JAXKV_D8
+#undef JAXKV_WGMMA_D_REGS_128
+#undef JAXKV_WGMMA_D_REGS_64
+#undef JAXKV_WGMMA_D_REGS_32
 
 }  // namespace jaxkv
