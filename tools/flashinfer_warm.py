@@ -1,12 +1,15 @@
 """Builds FlashInfer's JIT modules that the benchmark's `--peers` attention rows load (bf16,
-head_dim 128, paged NHD: batch decode and fa2 batch prefill, each plain, with a window and with a
-soft cap), one process a module, so that the benchmark only loads them. Each module is nvcc's work
+paged NHD: at head_dim 128 batch decode and fa2 batch prefill, each plain, with a window and with
+a soft cap; plain fa2 prefill at head_dim 256; where the wheel has FA3's sources
+(tools/flashinfer_fa3_wheel.py), fa3 prefill plain at both head dims), one process a module, so
+that the benchmark only loads them. Each module is nvcc's work
 of 30-90 s on the GPU machine; built one after another inside the benchmark they took most of a
 device call. tools/gpu_check.sh runs this beside the tests when PEER_WHEELS is given.
 
     python3 tools/flashinfer_warm.py        # after: eval "$(bash setup_on_gpu.sh PEER_WHEELS)"
 """
 
+import importlib.resources
 import multiprocessing
 import sys
 import time
@@ -14,13 +17,14 @@ import time
 VARIANTS = {"plain": {}, "window": {"window_left": 1023}, "soft cap": {"logits_soft_cap": 50.0}}
 
 
-def build(op: str, variant: str) -> str:
-    """Plans and runs ``op`` ("decode" or "prefill") once on a one-row cache of 4 pages."""
+def build(op: str, variant: str, d: int = 128, backend: str = "fa2") -> str:
+    """Plans and runs ``op`` ("decode" or "prefill", on FlashInfer's prefill ``backend``) once on
+    a one-row cache of 4 pages at head_dim ``d``."""
     import flashinfer
     import torch
 
     t0 = time.time()
-    hq, h, d, page = 32, 8, 128, 16  # the benchmark's GPU attention shapes
+    hq, h, page = (32, 8, 16) if d == 128 else (16, 8, 16)  # the benchmark's GPU attention shapes
     cuda = dict(dtype=torch.int32, device="cuda")
     ws = torch.zeros(64 << 20, dtype=torch.uint8, device="cuda")
     pool = torch.zeros(4, page, h, d, dtype=torch.bfloat16, device="cuda")
@@ -32,16 +36,20 @@ def build(op: str, variant: str) -> str:
         w.plan(indptr, indices, last, hq, h, d, page, **kw)
         w.run(torch.zeros(1, hq, d, dtype=torch.bfloat16, device="cuda"), (pool, pool))
     else:
-        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
         w.plan(torch.tensor([0, page], **cuda), indptr, indices, last, hq, h, d, page,
                causal=True, **kw)
         w.run(torch.zeros(page, hq, d, dtype=torch.bfloat16, device="cuda"), (pool, pool))
     torch.cuda.synchronize()
-    return f"{op}, {variant}: {time.time() - t0:.0f} s"
+    return f"{op} ({backend}), {variant}, head_dim {d}: {time.time() - t0:.0f} s"
 
 
 def main() -> int:
-    jobs = [(op, v) for op in ("decode", "prefill") for v in VARIANTS]
+    jobs = [(op, v, 128) for op in ("decode", "prefill") for v in VARIANTS]
+    jobs.append(("prefill", "plain", 256))
+    fa3 = importlib.resources.files("flashinfer").joinpath("data/csrc/batch_prefill_sm90.cu")
+    if fa3.is_file():  # a wheel with FA3's sources
+        jobs += [("prefill", "plain", d, "fa3") for d in (128, 256)]
     with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
         results = [pool.apply_async(build, job) for job in jobs]
         failed = 0

@@ -53,6 +53,8 @@ fi
 # FlashInfer beside the attention rows (--peers; a note where it does not import):
 # PEER_WHEELS=/path/to/shared/peer-wheels installs it, and its JIT modules for those rows build
 # in the background while the tests run (minutes of nvcc that the benchmark would wait for).
+# FlashInfer's FA3 prefill beside them too: PEER_WHEELS=build/peer-wheels-fa3, the folder
+# tools/flashinfer_fa3_wheel.py makes (carried to the machine; 28 MB).
 warm_pid=
 if [ -n "${PEER_WHEELS:-}" ] && [ -z "${SKIP_BENCH:-}" ]; then
   eval "$(bash "$PEER_WHEELS/setup_on_gpu.sh" "$PEER_WHEELS")"

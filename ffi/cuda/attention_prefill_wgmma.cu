@@ -18,9 +18,10 @@ namespace {
 // looks up the pages and streams K/V tiles of 128 keys by cp.async through three shared-memory
 // stages (at head_dim 256 tiles of 64 keys through two), each with two mbarriers: `full` (the
 // tile landed: each producer thread's cp.async arrival, and a plain arrival after its key's flag)
-// and `empty` (both consumers are done with it; its refill waits). The two consumers (64 rows each) never meet at a block barrier, so they
-// run out of phase: they take turns at the tensor cores (two named barriers), and one's softmax
-// (its exponentials are a quarter of the tensor cores' time) overlaps the other's MMAs. A turn
+// and `empty` (both consumers are done with it; its refill waits). The two consumers (64 rows
+// each) never meet at a block barrier, so they run out of phase: they take turns at the tensor
+// cores (two named barriers), and one's softmax (its exponentials are a quarter of the tensor
+// cores' time) overlaps the other's MMAs. A turn
 // issues O += P V of tile i (P from registers, V read MN-major) and S = Q K^T of tile i + 1
 // (m64nNk16, Q and K from shared memory); then the online softmax of tile i + 1 on the
 // accumulators. Masks (causal, keys without a page) only on the tiles that need them; token tiles

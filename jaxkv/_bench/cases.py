@@ -1287,6 +1287,7 @@ def gpu_cases() -> list[Case]:
         *[c for dt in (None, jnp.float8_e4m3fn)
           for c in hybrid_decode(64, 4096, 32, 8, 128, 16, 1024, 20, dtype=dt)],
         attention_prefill_paged(8, 2048, 2048, 32, 8, 128, 16, 3),
+        attention_prefill_paged(8, 2048, 2048, 16, 8, 256, 16, 3),  # Gemma 3's heads
         attention_prefill_paged(8, 2048, 2048, 32, 8, 128, 16, 3, t_prefill_8bit(
             attention_prefill_paged(8, 2048, 2048, 32, 8, 128, 16, 3)), dtype=jnp.float8_e4m3fn),
         *[c for dt in (None, jnp.float8_e4m3fn)

@@ -13,6 +13,9 @@ of each token, made once from the case's padded inputs, as a serving loop hands 
 
 from __future__ import annotations
 
+import functools
+import importlib.resources
+
 import numpy as np
 
 import jaxkv
@@ -32,10 +35,15 @@ def specs(case) -> list:
         return [Spec("FlashInfer append_paged_kv_cache (a row = one page of S tokens)",
                      "flashinfer", linear_append)]
     if case.peer == "attention":
-        name = ("FlashInfer BatchDecodeWithPagedKVCacheWrapper" if case.op == "attention_decode"
-                else "FlashInfer BatchPrefillWithPagedKVCacheWrapper (fa2)")
         variant = ", ".join(f"{k}={v:g}" for k, v in _hybrid(case).items())
-        return [Spec(f"{name}, {variant}" if variant else name, "flashinfer", attention)]
+        if case.op == "attention_decode":
+            names = {None: "FlashInfer BatchDecodeWithPagedKVCacheWrapper"}
+        else:  # both prefill backends: FA2's, and FA3's on Hopper (a wheel with its sources)
+            names = {backend: f"FlashInfer BatchPrefillWithPagedKVCacheWrapper ({backend})"
+                     for backend in ("fa2", "fa3")}
+        return [Spec(f"{name}, {variant}" if variant else name, "flashinfer",
+                     functools.partial(attention, backend=backend))
+                for backend, name in names.items()]
     return []
 
 
@@ -146,13 +154,21 @@ def _pool_view(pool):
         return view(jax.lax.bitcast_convert_type(pool, jnp.uint8)).view(torch.float8_e4m3fn)
 
 
-def attention(case, carry, consts):
+def _has_fa3_sources() -> bool:
+    """Whether the installed FlashInfer carries its sm90 batch prefill sources (the trimmed wheel
+    of ../shared/peer-wheels does not; tools/flashinfer_fa3_wheel.py makes one that does)."""
+    source = importlib.resources.files("flashinfer").joinpath("data/csrc/batch_prefill_sm90.cu")
+    return source.is_file()
+
+
+def attention(case, carry, consts, backend=None):
     """The wrapper planned once on the case's page table (layer 0, as jaxkv's step i = 0 reads),
-    then ``run`` per call; its output is compared with jaxkv's within ``TOLERANCE``. An fp8 pool
-    (scaled per tensor: FlashInfer takes one K and one V scale) is read as FlashInfer's fp8
-    cache, with layer 0's scales. A window or soft cap goes to ``plan`` (``_hybrid``); the page
-    list stays every page of the row, as a serving loop that keeps the pages passes it (jaxkv's
-    kernel gets the same page table): the window is applied by ``window_left`` alone."""
+    then ``run`` per call (a prefill on FlashInfer's ``backend``, "fa2" or "fa3"); its output is
+    compared with jaxkv's within ``TOLERANCE``. An fp8 pool (scaled per tensor: FlashInfer takes
+    one K and one V scale) is read as FlashInfer's fp8 cache, with layer 0's scales. A window or
+    soft cap goes to ``plan`` (``_hybrid``); the page list stays every page of the row, as a
+    serving loop that keeps the pages passes it (jaxkv's kernel gets the same page table): the
+    window is applied by ``window_left`` alone."""
     import flashinfer
     import torch
 
@@ -181,8 +197,11 @@ def attention(case, carry, consts):
         B, T = q.shape[0], q.shape[1]
         qo_indptr = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device="cuda")
         tq = view(q).reshape(B * T, Hq, D)
-        # "fa2": the "auto" default picks FA3 on Hopper, whose sources the trimmed wheel lacks.
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, layout, backend="fa2")
+        # Named: the "auto" default picks FA3 on Hopper, whose sources the trimmed wheel lacks.
+        if backend == "fa3" and not _has_fa3_sources():
+            raise ValueError("FlashInfer peer: the installed wheel has no fa3 sources "
+                             "(tools/flashinfer_fa3_wheel.py makes one)")
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, layout, backend=backend)
         wrapper.plan(qo_indptr, *_csr(table, lengths + T, page, "cuda"), Hq, H, D, page,
                      causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
                      **hybrid)
