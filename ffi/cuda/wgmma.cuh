@@ -97,55 +97,55 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
 template <class T, int N> struct Wgmma {};
 
 // The N / 2 accumulators: their operands %0 to %(N / 2 - 1) in the instruction, and as outputs.
-#define JAXKV_WGMMA_D_REGS_32 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+#define JAXKV_WGMMA_D_REGS_32                                                                                          \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                            \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-#define JAXKV_WGMMA_D_REGS_64 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+#define JAXKV_WGMMA_D_REGS_64                                                                                          \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                            \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                                   \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                                   \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-#define JAXKV_WGMMA_D_REGS_128 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
-  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
-  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+#define JAXKV_WGMMA_D_REGS_128                                                                                         \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                            \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                                   \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                                   \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                                   \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                                   \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                                   \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                       \
   "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-#define JAXKV_D8(i)                                                                                     \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+#define JAXKV_D8(i)                                                                                                    \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),          \
       "+f"(d[i + 7])
 #define JAXKV_WGMMA_D_OUT_32 JAXKV_D8(0), JAXKV_D8(8), JAXKV_D8(16), JAXKV_D8(24)
 #define JAXKV_WGMMA_D_OUT_64 JAXKV_WGMMA_D_OUT_32, JAXKV_D8(32), JAXKV_D8(40), JAXKV_D8(48), JAXKV_D8(56)
-#define JAXKV_WGMMA_D_OUT_128 \
-  JAXKV_WGMMA_D_OUT_64, JAXKV_D8(64), JAXKV_D8(72), JAXKV_D8(80), JAXKV_D8(88), JAXKV_D8(96), JAXKV_D8(104), \
+#define JAXKV_WGMMA_D_OUT_128                                                                                          \
+  JAXKV_WGMMA_D_OUT_64, JAXKV_D8(64), JAXKV_D8(72), JAXKV_D8(80), JAXKV_D8(88), JAXKV_D8(96), JAXKV_D8(104),           \
       JAXKV_D8(112), JAXKV_D8(120)
 
 // Both operand forms for one 16-bit type T (DT its PTX name) and N (ACC = N / 2 accumulators);
 // I0 to I6: the operands after the accumulators, "%ACC" to "%(ACC + 6)".
-#define JAXKV_WGMMA_M64NK16(T, DT, N, ACC, I0, I1, I2, I3, I4, I5, I6)                                  \
-template <int kTransB>                                                                                 \
-__device__ __forceinline__ void mma_ss(Wgmma<T, N>, float (&d)[ACC], uint64_t a, uint64_t b, int scale_d) { \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " I2 ", 0;\n"                                        \
-               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." DT "." DT " " JAXKV_WGMMA_D_REGS_##ACC   \
-               I0 ", " I1 ", p, 1, 1, 0, " I3 ";\n}\n"                                                   \
-               : JAXKV_WGMMA_D_OUT_##ACC                                                               \
-               : "l"(a), "l"(b), "r"(scale_d), "n"(kTransB));                                          \
-}                                                                                                      \
-template <int kTransB>                                                                                 \
-__device__ __forceinline__ void mma_rs(Wgmma<T, N>, float (&d)[ACC], const uint32_t (&a)[4], uint64_t b, \
-                                       int scale_d) {                                                  \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " I5 ", 0;\n"                                        \
-               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." DT "." DT " " JAXKV_WGMMA_D_REGS_##ACC   \
-               "{" I0 ", " I1 ", " I2 ", " I3 "}, " I4 ", p, 1, 1, " I6 ";\n}\n"                           \
-               : JAXKV_WGMMA_D_OUT_##ACC                                                               \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(kTransB));      \
+#define JAXKV_WGMMA_M64NK16(T, DT, N, ACC, I0, I1, I2, I3, I4, I5, I6)                                                 \
+template <int kTransB>                                                                                                 \
+__device__ __forceinline__ void mma_ss(Wgmma<T, N>, float (&d)[ACC], uint64_t a, uint64_t b, int scale_d) {            \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " I2 ", 0;\n"                                                         \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." DT "." DT " " JAXKV_WGMMA_D_REGS_##ACC                \
+               I0 ", " I1 ", p, 1, 1, 0, " I3 ";\n}\n"                                                                 \
+               : JAXKV_WGMMA_D_OUT_##ACC                                                                               \
+               : "l"(a), "l"(b), "r"(scale_d), "n"(kTransB));                                                          \
+}                                                                                                                      \
+template <int kTransB>                                                                                                 \
+__device__ __forceinline__ void mma_rs(Wgmma<T, N>, float (&d)[ACC], const uint32_t (&a)[4], uint64_t b,               \
+                                       int scale_d) {                                                                  \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " I5 ", 0;\n"                                                         \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." DT "." DT " " JAXKV_WGMMA_D_REGS_##ACC                \
+               "{" I0 ", " I1 ", " I2 ", " I3 "}, " I4 ", p, 1, 1, " I6 ";\n}\n"                                       \
+               : JAXKV_WGMMA_D_OUT_##ACC                                                                               \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(kTransB));                      \
 }
-#define JAXKV_WGMMA_TYPE(T, DT)                                                                        \
-  JAXKV_WGMMA_M64NK16(T, DT, 64, 32, "%32", "%33", "%34", "%35", "%36", "%37", "%38")                  \
-  JAXKV_WGMMA_M64NK16(T, DT, 128, 64, "%64", "%65", "%66", "%67", "%68", "%69", "%70")                 \
+#define JAXKV_WGMMA_TYPE(T, DT)                                                                                        \
+  JAXKV_WGMMA_M64NK16(T, DT, 64, 32, "%32", "%33", "%34", "%35", "%36", "%37", "%38")                                  \
+  JAXKV_WGMMA_M64NK16(T, DT, 128, 64, "%64", "%65", "%66", "%67", "%68", "%69", "%70")                                 \
   JAXKV_WGMMA_M64NK16(T, DT, 256, 128, "%128", "%129", "%130", "%131", "%132", "%133", "%134")
 
 JAXKV_WGMMA_TYPE(__nv_bfloat16, "bf16")
@@ -158,10 +158,11 @@ JAXKV_WGMMA_TYPE(__half, "f16")
 // as one of 16 16-bit values, so the descriptors are desc_k_major's). scale_d 0: d = A B.
 template <bool kE5M2>
 __device__ __forceinline__ void mma_ss_f8(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
-#define JAXKV_WGMMA_F8(BT)                                                                                               \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                              \
-               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3." BT " " JAXKV_WGMMA_D_REGS_64 "%64, %65, p, 1, 1;\n}\n" \
-               : JAXKV_WGMMA_D_OUT_64                                                                                       \
+#define JAXKV_WGMMA_F8(BT)                                                                                             \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                            \
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3." BT " " JAXKV_WGMMA_D_REGS_64                        \
+               "%64, %65, p, 1, 1;\n}\n"                                                                               \
+               : JAXKV_WGMMA_D_OUT_64                                                                                  \
                : "l"(a), "l"(b), "r"(scale_d))
   if constexpr (kE5M2) JAXKV_WGMMA_F8("e5m2");
   else JAXKV_WGMMA_F8("e4m3");
