@@ -1,12 +1,14 @@
-// The wgmma building blocks of ffi/cuda/wgmma.cuh against a host reference, on one warpgroup:
-//   S = Q K^T  : m64n128k16, A (Q) and B (K) from shared memory, both K-major, 128-byte swizzle
-//   O = P V    : m64n128k16, A (P) from registers, B (V) MN-major (transposed)
+// The wgmma building blocks of ffi/cuda/wgmma.cuh against a host reference, on one warpgroup,
+// for the prefill's two shapes: N keys a tile, head_dim D = (128, 128) and (64, 256):
+//   S = Q K^T  : m64nNk16, A (Q) and B (K) from shared memory, both K-major, 128-byte swizzle
+//   O = P V    : m64nDk16, A (P) from registers, B (V) MN-major (transposed)
 //   O2 = bf16(S) V : the S accumulators turned into A fragments, as the prefill kernel does
 // Both leading / stride offset assignments of the MN-major descriptor run; only the header's
 // (leading = the 64-column block stride) must match. Built and run on a Hopper GPU:
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/cuda tools/probes/wgmma_probe.cu \
 //     -o /tmp/wgmma_probe && /tmp/wgmma_probe
-// (H100, 2026-11-26: relative errors below 1e-7 with the header's descriptors, 0.88 swapped.)
+// (H100, 2026-11-26, (128, 128): relative errors below 1e-7 with the header's descriptors, 0.88
+// swapped. (64, 256), added 2026-12-07 for the head_dim 256 kernel: not yet run.)
 #include <cuda_bf16.h>
 #include <cstdint>
 #include <cstdio>
@@ -18,7 +20,7 @@
 
 using namespace jaxkv;
 
-constexpr int M = 64, N = 128, D = 128;
+constexpr int M = 64;
 
 __host__ __device__ unsigned swz(int r, int c, int rows) {  // SwizzledTile<rows>::chunk, in bytes
   return (c / 64) * rows * 128 + r * 128 + ((((c % 64) / 8) ^ (r % 8)) << 4) + (c % 8) * 2;
@@ -28,6 +30,7 @@ __device__ uint32_t pack(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+template <int N, int D>
 __global__ void __launch_bounds__(128) probe(const __nv_bfloat16* q, const __nv_bfloat16* k,
                                              const __nv_bfloat16* v, const __nv_bfloat16* pm,
                                              float* s_out, float* o_out, float* o2_out, int swap_lbo) {
@@ -47,12 +50,12 @@ __global__ void __launch_bounds__(128) probe(const __nv_bfloat16* q, const __nv_
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int row0 = warp * 16 + g;
 
-  float s[64];
-  for (int i = 0; i < 64; ++i) s[i] = 0.f;
+  float s[N / 2];
+  for (int i = 0; i < N / 2; ++i) s[i] = 0.f;
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    mma_ss<0>(Wgmma<__nv_bfloat16, 128>{}, s, desc_k_major<M>(aq, 0, kk), desc_k_major<N>(ak, 0, kk), kk > 0);
+    mma_ss<0>(Wgmma<__nv_bfloat16, N>{}, s, desc_k_major<M>(aq, 0, kk), desc_k_major<N>(ak, 0, kk), kk > 0);
   }
   wgmma_commit();
   wgmma_wait<0>();
@@ -63,10 +66,10 @@ __global__ void __launch_bounds__(128) probe(const __nv_bfloat16* q, const __nv_
     s_out[(row0 + 8) * N + 8 * i + 2 * c + 1] = s[4 * i + 3];
   }
   // V as B, MN-major: k-step kk covers keys 16kk..16kk+15 (two 8-row groups, 1024 bytes apart),
-  // N = 128 columns in two 64-column blocks (N * 128 bytes apart).
+  // D columns in blocks of 64 (N * 128 bytes apart).
   const unsigned lbo = swap_lbo ? 1024 : N * 128, sbo = swap_lbo ? N * 128 : 1024;
-  float o[64], o2[64];
-  for (int i = 0; i < 64; ++i) o[i] = o2[i] = 0.f;
+  float o[D / 2], o2[D / 2];
+  for (int i = 0; i < D / 2; ++i) o[i] = o2[i] = 0.f;
   uint32_t pa[N / 16][4], sa[N / 16][4];
   auto P = [&](int r, int col) { return __bfloat162float(pm[r * N + col]); };
   for (int j = 0; j < N / 16; ++j) {
@@ -83,8 +86,8 @@ __global__ void __launch_bounds__(128) probe(const __nv_bfloat16* q, const __nv_
 #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk) {
     const uint64_t db = swap_lbo ? wgmma_desc(av + kk * 16 * 128, lbo, sbo) : desc_mn_major<N>(av, kk);
-    mma_rs<1>(Wgmma<__nv_bfloat16, 128>{}, o, pa[kk], db, kk > 0);
-    mma_rs<1>(Wgmma<__nv_bfloat16, 128>{}, o2, sa[kk], db, kk > 0);
+    mma_rs<1>(Wgmma<__nv_bfloat16, D>{}, o, pa[kk], db, kk > 0);
+    mma_rs<1>(Wgmma<__nv_bfloat16, D>{}, o2, sa[kk], db, kk > 0);
   }
   wgmma_commit();
   wgmma_wait<0>();
@@ -99,7 +102,9 @@ __global__ void __launch_bounds__(128) probe(const __nv_bfloat16* q, const __nv_
 
 static float bf(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
-int main() {
+// The probe at (N, D): the number of failures (S, or O and O2 with the header's descriptors).
+template <int N, int D>
+int run() {
   std::mt19937 gen(1);
   std::normal_distribution<float> nd;
   std::vector<__nv_bfloat16> q(M * D), k(N * D), v(N * D), p(M * N);
@@ -116,13 +121,13 @@ int main() {
   cudaMemcpy(dv, v.data(), N * D * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(dp, p.data(), M * N * 2, cudaMemcpyHostToDevice);
   const int smem = (M * D + 2 * N * D) * 2 + 1024;
-  cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaFuncSetAttribute(probe<N, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   int failures = 0;
   for (int swap = 0; swap < 2; ++swap) {
     cudaMemset(ds, 0xff, M * N * 4); cudaMemset(dout, 0xff, M * D * 4); cudaMemset(dout2, 0xff, M * D * 4);
-    probe<<<1, 128, smem>>>(dq, dk, dv, dp, ds, dout, dout2, swap);
+    probe<N, D><<<1, 128, smem>>>(dq, dk, dv, dp, ds, dout, dout2, swap);
     cudaError_t e = cudaDeviceSynchronize();
-    if (e != cudaSuccess) { printf("swap %d: %s\n", swap, cudaGetErrorString(e)); return 2; }
+    if (e != cudaSuccess) { printf("swap %d: %s\n", swap, cudaGetErrorString(e)); return 1000; }
     std::vector<float> s(M * N), o(M * D), o2(M * D);
     cudaMemcpy(s.data(), ds, M * N * 4, cudaMemcpyDeviceToHost);
     cudaMemcpy(o.data(), dout, M * D * 4, cudaMemcpyDeviceToHost);
@@ -146,12 +151,18 @@ int main() {
         eo2 = fmax(eo2, fabs(o2[i * D + d] - r2) / (a2 + 1e-30));
       }
     const bool ok_s = es < 1e-5, ok_o = eo < 1e-5, ok_o2 = eo2 < 1e-5;
-    printf("MN-major LBO=%s: S=QK^T rel err %.2e %s; O=PV %.2e %s; O2=bf16(S)V %.2e %s\n",
-           swap ? "1024 (SBO=block)" : "block (SBO=1024)", es, ok_s ? "OK" : "BAD", eo, ok_o ? "OK" : "BAD",
+    printf("N %d, D %d, MN-major LBO=%s: S=QK^T rel err %.2e %s; O=PV %.2e %s; O2=bf16(S)V %.2e %s\n",
+           N, D, swap ? "1024 (SBO=block)" : "block (SBO=1024)", es, ok_s ? "OK" : "BAD", eo, ok_o ? "OK" : "BAD",
            eo2, ok_o2 ? "OK" : "BAD");
     failures += !ok_s;
     if (swap == 0 && !(ok_o && ok_o2)) failures += 100;
   }
+  cudaFree(dq); cudaFree(dk); cudaFree(dv); cudaFree(dp); cudaFree(ds); cudaFree(dout); cudaFree(dout2);
+  return failures;
+}
+
+int main() {
+  const int failures = run<128, 128>() + run<64, 256>();
   printf("probe: %s\n", failures == 0 ? "PASS (the header's descriptors)" : "FAIL");
   return failures == 0 ? 0 : 1;
 }
