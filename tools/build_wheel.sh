@@ -2,7 +2,7 @@
 # The wheel with the CUDA kernels, for the Python that runs this script:
 #   bash tools/build_wheel.sh [DIST]        (default DIST: dist/)
 # Needs nvcc (CUDA 12.x or 13) and a C++ compiler; no GPU. Builds in pip's isolated environment
-# against jaxlib 0.10.0's XLA FFI headers (pyproject.toml: the extension loads under every newer
+# against jaxlib 0.10.0's XLA FFI headers (ffi/third_party: the extension loads under every newer
 # jax), every kernel for sm_80 and sm_90a plus compute_90 PTX (JAXKV_CUDA_ARCHITECTURES overrides),
 # the CUDA runtime linked statically: where it is installed it needs an NVIDIA driver, not a
 # toolkit. auditwheel then tags it manylinux (the oldest tag this machine's glibc and libstdc++

@@ -5,7 +5,7 @@
 # so that a kernel change can be read at the instruction level before it costs device time.
 # cuobjdump is not in this machine's CUDA toolkit; the first call fetches NVIDIA's
 # nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels from the package index into
-# build/cuobjdump (ignored by git). Run it with the Python that has jax (its FFI headers).
+# build/cuobjdump (ignored by git).
 #   bash tools/sass.sh ffi/cuda/quantize.cu 'quantize_kernel_fixedILNS_6FormatE1ELS2_3ELi128'
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ if [ ! -x "$tool" ]; then
   for w in build/cuobjdump/*.whl; do python3 -m zipfile -e "$w" build/cuobjdump; done
   chmod +x build/cuobjdump/nvidia/cu13/bin/*
 fi
-inc=$(python3 -c "import jax.ffi as f; print(f.include_dir())")
+inc=ffi/third_party  # the XLA FFI headers the build compiles against
 obj=build/sass.o
 # The build's flags (CMakeLists.txt); a compile error stops here with its messages.
 if ! nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DJAXKV_WITH_CUDA=1 -DJAXKV_SM90A=1 \

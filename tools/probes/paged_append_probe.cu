@@ -1,7 +1,7 @@
 // Paged append under different block geometries (H200 probe, not part of the build): the cases of
 // (decode: one token per row; prefill: 5000 ragged tokens), each geometry launched a few
 // times. Time each launch with ncu, not with this program's clock:
-//   inc=$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())")
+//   inc=ffi/third_party
 //   nvcc -std=c++17 -O3 -arch=sm_90 -I ffi/include -I $inc tools/probes/paged_append_probe.cu -o /tmp/probe
 //   ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum /tmp/probe
 // The program prints, per launch in order, the case and geometry, so ncu's rows can be matched.
