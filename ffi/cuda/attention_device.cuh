@@ -316,7 +316,8 @@ void allow_shared_memory(Kernel kernel, size_t bytes) {
 ffi::Error launch_split_kv(cudaStream_t stream, const AttentionProblem& p, int splits, float* work);
 // The tensor-core prefill (attention_prefill.cu) where it applies; false: it does not.
 bool launch_prefill_tc(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status);
-// Its wgmma form (attention_prefill_wgmma.cu): Hopper, bf16 / f16 over its dtype, head_dim 128.
+// Its wgmma form (attention_prefill_wgmma.cu): Hopper, a bf16 / f16 q over its dtype or an 8-bit
+// cache at head_dim 128, over its dtype at head_dim 256 (with JAXKV_WGMMA_256 set, for now).
 bool launch_prefill_wgmma(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status);
 
 }  // namespace jaxkv

@@ -1,6 +1,7 @@
 // CUDA prefill attention on tensor cores (mma.sync): a bf16 / f16 q over a cache of its dtype or
-// an 8-bit one, where the wgmma kernel of attention_prefill_wgmma.cu (Hopper, 16-bit caches,
-// head_dim 128) does not take it; the split-KV kernels of attention_decode.cu take the rest.
+// an 8-bit one, where the wgmma kernel of attention_prefill_wgmma.cu (Hopper; head_dim 128, or
+// 256 over a 16-bit cache) does not take it; the split-KV kernels of attention_decode.cu take the
+// rest.
 #include <cfloat>
 #include <climits>
 

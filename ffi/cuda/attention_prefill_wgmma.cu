@@ -78,7 +78,8 @@ struct WgLayout {
   // Stages: one tile read, two in flight (an int8 cache: one; its bytes are in flight in the byte
   // stages, and a consumer waits for tile i + 1 only once it has issued P V of tile i). An fp8
   // cache's K stages hold its bytes (read as they are by the e4m3 MMA), and only V has byte stages.
-  // At head_dim 256 two stages (192 KiB with Q): a third would not fit.
+  // At head_dim 256 two stages (192 KiB with Q; a third would not fit), waited for as an int8
+  // cache's.
   static constexpr int kStages = kD == 256 || (k8 && !f8k) ? 2 : 3;
   static constexpr unsigned kQ = kWgRows * kD * 2;  // f16, or an fp8 cache's two e4m3 tiles
   static constexpr unsigned kKTile = kN * kD * (f8k ? 1 : 2), kVTile = kN * kD * 2;
@@ -179,7 +180,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   // loop, 56 and 208 in the consumers').
   constexpr int kProducerRegs = k8 ? 72 : kD == 256 ? 48 : 56;
   constexpr int kConsumerRegs = k8 ? 216 : 224;
-  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "the register file");
+  // setmaxnreg moves registers within the block's launch allotment (168 a thread at 384 threads).
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kWgThreads * 168, "the registers");
   constexpr int kChunks = kD / 8;  // 16-byte chunks of a row
   extern __shared__ __align__(128) unsigned char smem[];
   const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -213,10 +215,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   // The producer's threads copy two lanes a row of Q or a key of a K/V tile (so that a warp's
-  // 16-byte copies fill whole 32-byte sectors), every other chunk each, in two passes of 64 rows:
+  // 16-byte copies fill whole 32-byte sectors), every other chunk each, in passes of 64 rows (Q
+  // two, a K/V tile kPasses):
   // chunk c_copy + 2 y of row r in block y / 4, at the row's offset of chunk c_copy XOR
   // (2 y % 8) * 16 (SwizzledTile::chunk with the constant part taken out of the loop).
-  const int c_copy = threadIdx.x % 2, r_half = (threadIdx.x % 128) / 2;  // rows r_half, r_half + 64
+  const int c_copy = threadIdx.x % 2, r_half = (threadIdx.x % 128) / 2;  // rows r_half + 64 pass
   auto row_off = [&](int r) { return r * 128u + ((c_copy ^ (r & 7)) << 4); };
   auto chunk_at = [&](unsigned tile, unsigned block, unsigned off, int y) {
     return tile + (y / 4) * block + (off ^ ((2 * y % 8) << 4));
@@ -655,6 +658,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   // The MMAs are issued unconditionally (the compiler serializes wgmma issued under a branch): a
   // block without keys has left before, and the last turn's S reads a stale stage, unused.
   const int mine = 1 + wg, theirs = 2 - wg;
+  // With two stages (an 8-bit cache's, head_dim 256) tile i + 1's stage is refilled only once
+  // both consumers are done with tile i - 1: a consumer issues P V(i), then waits for tile i + 1.
+  constexpr bool kLateWait = k8 || L::kStages == 2;
   if (wg == 1) named_arrive(1, kConsumers);
   wait_full(0);
   named_sync(mine, kConsumers);
@@ -667,13 +673,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   for (int i = 0; i < tiles; ++i) {
     const int st = i % L::kStages;
     const bool next = i + 1 < tiles;
-    if (!k8 && next) wait_full(i + 1);
+    if (!kLateWait && next) wait_full(i + 1);
     named_sync(mine, kConsumers);
     wgmma_fence();
     const unsigned v_tile = L::kv(base, st, 1);
 #pragma unroll
     for (int kk = 0; kk < kN / 16; ++kk) mma_rs<1>(o_op, o, pa[kk], desc_mn_major<kN>(v_tile, kk), 1);
-    if constexpr (k8) {  // two stages: tile i + 1 is converted while P V(i) runs
+    if constexpr (kLateWait) {  // tile i + 1 lands (or is converted) while P V(i) runs
       wgmma_commit();
       if (next) wait_full(i + 1);
       wgmma_fence();

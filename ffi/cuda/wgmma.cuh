@@ -1,10 +1,10 @@
 // Hopper's warpgroup MMA (wgmma, sm_90a only: compiled where __CUDA_ARCH_FEAT_SM90_ALL is defined)
 // for the tensor-core prefill of attention_prefill_wgmma.cu: tiles of 16-bit values in shared
-// memory in the 128-byte swizzle the instruction reads, their matrix descriptors, m64n128k16
-// with A from shared memory or from registers, and the barriers of a pipeline (mbarriers, named
-// barriers). Checked on an H100 against a host
-// reference by tools/probes/wgmma_probe.cu (both operand majors, A from registers, the accumulators
-// turned into A fragments).
+// memory in the 128-byte swizzle the instruction reads, their matrix descriptors, m64nNk16 (N 64,
+// 128, 256) with A from shared memory or from registers, and the barriers of a pipeline
+// (mbarriers, named barriers). Checked on an H100 against a host reference by
+// tools/probes/wgmma_probe.cu at N 128 (both operand majors, A from registers, the accumulators
+// turned into A fragments); N 64 and 256 (head_dim 256) not yet.
 #pragma once
 
 #include <cuda_bf16.h>
