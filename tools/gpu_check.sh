@@ -15,6 +15,9 @@
 #   JAXKV_CUDA=ON JAXKV_CUDA_ARCHITECTURES=90a PYENV_VERSION=3.12.1 python3.12 -m pip wheel \
 #     --no-deps -w build/gpu-wheel .     # then: carry build/gpu-wheel, WHEEL=build/gpu-wheel/*.whl
 #   bash tools/gpu_check.sh [pytest args...]
+# WGMMA_PROBE=1 first builds and runs tools/probes/wgmma_probe.cu (the prefill's MMA shapes alone;
+# $OUT/wgmma_probe.log). JAXKV_WGMMA_256=1 (passed on to everything) takes the wgmma prefill at
+# head_dim 256, not yet the default.
 # NO_NVCC=1 takes every CUDA folder off PATH first, so that the tests run as on a user's machine
 # without the toolkit (where the wheel of tools/build_wheel.sh must run), and leaves FlashInfer
 # (whose JIT needs nvcc) out; the steps after the tests that compile put nvcc back on PATH.
@@ -60,6 +63,12 @@ if [ -n "${PEER_WHEELS:-}" ] && [ -z "${SKIP_BENCH:-}" ]; then
   eval "$(bash "$PEER_WHEELS/setup_on_gpu.sh" "$PEER_WHEELS")"
   (tool="$PWD/tools/flashinfer_warm.py"; cd /tmp && python3 "$tool" >"$OUT/flashinfer_warm.log" 2>&1) &
   warm_pid=$!
+fi
+
+if [ -n "${WGMMA_PROBE:-}" ]; then
+  { nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/cuda tools/probes/wgmma_probe.cu \
+      -o /tmp/wgmma_probe && /tmp/wgmma_probe; } >"$OUT/wgmma_probe.log" 2>&1
+  echo "wgmma probe (exit $?): $(tail -1 "$OUT/wgmma_probe.log")" | tee -a "$OUT/summary.log"
 fi
 
 tests_rc=0
