@@ -694,10 +694,13 @@ def fill_tokens(cache, tokens, n):
 
 def kv_of_at(tokens, pos):
     """K and V ``[L, B, H, T, D]``, a function of each token id and its position, so that any
-    page can be checked against the tokens it claims to hold."""
-    base = (jnp.asarray(tokens, jnp.float32) * 0.37 + pos * 0.011)[None, :, None, :, None]
-    grid = jnp.arange(L * H * D, dtype=jnp.float32).reshape(L, 1, H, 1, D) * 0.001
-    return jnp.sin(base + grid), jnp.cos(base + grid)
+    page can be checked against the tokens it claims to hold. Integers below 2^24 times a power
+    of two: exact however XLA computes them (a sine differs by an ulp between a sharded and an
+    unsharded program under XLA:CPU's older emitters)."""
+    base = (jnp.asarray(tokens, jnp.float32) * 64 + pos)[None, :, None, :, None] * (L * H * D)
+    grid = jnp.arange(L * H * D, dtype=jnp.float32).reshape(L, 1, H, 1, D)
+    k = (base + grid) * 2.0**-16
+    return k, -k - 2.0**-17
 
 
 def assert_rows_hold_their_tokens(cache, tokens, what=""):
