@@ -9,7 +9,6 @@ device call. tools/gpu_check.sh runs this beside the tests when PEER_WHEELS is g
     python3 tools/flashinfer_warm.py        # after: eval "$(bash setup_on_gpu.sh PEER_WHEELS)"
 """
 
-import importlib.resources
 import multiprocessing
 import sys
 import time
@@ -24,7 +23,7 @@ def build(op: str, variant: str, d: int = 128, backend: str = "fa2") -> str:
     import torch
 
     t0 = time.time()
-    hq, h, page = (32, 8, 16) if d == 128 else (16, 8, 16)  # the benchmark's GPU attention shapes
+    hq, h, page = 32 if d == 128 else 16, 8, 16  # the benchmark's GPU attention shapes
     cuda = dict(dtype=torch.int32, device="cuda")
     ws = torch.zeros(64 << 20, dtype=torch.uint8, device="cuda")
     pool = torch.zeros(4, page, h, d, dtype=torch.bfloat16, device="cuda")
@@ -47,8 +46,9 @@ def build(op: str, variant: str, d: int = 128, backend: str = "fa2") -> str:
 def main() -> int:
     jobs = [(op, v, 128) for op in ("decode", "prefill") for v in VARIANTS]
     jobs.append(("prefill", "plain", 256))
-    fa3 = importlib.resources.files("flashinfer").joinpath("data/csrc/batch_prefill_sm90.cu")
-    if fa3.is_file():  # a wheel with FA3's sources
+    from jaxkv._bench.peers_flashinfer import has_fa3_sources
+
+    if has_fa3_sources():
         jobs += [("prefill", "plain", d, "fa3") for d in (128, 256)]
     with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
         results = [pool.apply_async(build, job) for job in jobs]

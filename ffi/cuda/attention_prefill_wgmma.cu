@@ -748,8 +748,8 @@ bool launch_prefill_wgmma(cudaStream_t stream, const AttentionProblem& p, ffi::E
   // head_dim 256 (a 16-bit cache) is not yet run on a GPU: taken only where JAXKV_WGMMA_256 is
   // set, until tools/gpu_check.sh has checked it (the mma.sync kernel serves it meanwhile).
   static const bool d256 = std::getenv("JAXKV_WGMMA_256") != nullptr;
-  if ((p.head_dim != 128 && !(p.head_dim == 256 && d256 && p.kv_type == p.q_type)) || p.group > kWgRows ||
-      p.batch > 65535 || p.kv.heads > 65535 || !wgmma_device())
+  const bool head_dim_ok = p.head_dim == 128 || (p.head_dim == 256 && d256 && p.kv_type == p.q_type);
+  if (!head_dim_ok || p.group > kWgRows || p.batch > 65535 || p.kv.heads > 65535 || !wgmma_device())
     return false;
   bool launched = false;
   with_attention_types(p.q_type, p.kv_type, [&](auto q, auto kv) {

@@ -154,7 +154,7 @@ def _pool_view(pool):
         return view(jax.lax.bitcast_convert_type(pool, jnp.uint8)).view(torch.float8_e4m3fn)
 
 
-def _has_fa3_sources() -> bool:
+def has_fa3_sources() -> bool:
     """Whether the installed FlashInfer carries its sm90 batch prefill sources (the trimmed wheel
     of ../shared/peer-wheels does not; tools/flashinfer_fa3_wheel.py makes one that does)."""
     source = importlib.resources.files("flashinfer").joinpath("data/csrc/batch_prefill_sm90.cu")
@@ -198,7 +198,7 @@ def attention(case, carry, consts, backend=None):
         qo_indptr = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device="cuda")
         tq = view(q).reshape(B * T, Hq, D)
         # Named: the "auto" default picks FA3 on Hopper, whose sources the trimmed wheel lacks.
-        if backend == "fa3" and not _has_fa3_sources():
+        if backend == "fa3" and not has_fa3_sources():
             raise ValueError("FlashInfer peer: the installed wheel has no fa3 sources "
                              "(tools/flashinfer_fa3_wheel.py makes one)")
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, layout, backend=backend)
