@@ -149,7 +149,10 @@ def test_windowed_decode_matches_reference_at_window_edges(kind, dtype, head_dim
 @pytest.mark.parametrize("kind,dtype,head_dim,group,page", [
     ("paged-NHD", jnp.bfloat16, 128, 4, 16), ("paged-HND", jnp.float16, 64, 8, 16),
     ("linear", jnp.bfloat16, 256, 2, 16), ("manager", jnp.float32, 64, 1, 8),
-    ("paged-NHD", jnp.float16, 128, 1, 16)])
+    ("paged-NHD", jnp.float16, 128, 1, 16),
+    # head_dim 256 on paged caches: Hopper's wgmma kernel at Gemma 3's head size
+    pytest.param("paged-NHD", jnp.bfloat16, 256, 2, 16, marks=pytest.mark.gpu_sized),
+    pytest.param("paged-HND", jnp.float16, 256, 8, 16, marks=pytest.mark.gpu_sized)])
 def test_windowed_prefill_matches_reference(kind, dtype, head_dim, group, page):
     """A chunk over several query and key tiles of the GPU's prefill, on cached prefixes, the
     window's lower edge moving through the tiles; one row without new tokens, one cut short."""
@@ -242,22 +245,24 @@ def test_sinks_larger_than_every_score_and_scores_past_the_cap():
         close(out, want, jnp.float32)
 
 
-@pytest.mark.parametrize("dtype,group", [(jnp.bfloat16, 4), (jnp.float16, 1)])
-def test_soft_capped_prefill_over_long_prefixes(dtype, group):
+@pytest.mark.parametrize("dtype,group,head_dim", [
+    (jnp.bfloat16, 4, 128), (jnp.float16, 1, 128),
+    pytest.param(jnp.bfloat16, 2, 256, marks=pytest.mark.gpu_sized)])
+def test_soft_capped_prefill_over_long_prefixes(dtype, group, head_dim):
     """Soft-capped prefill, no window, over prefixes of several key tiles (the GPU's tiles
     without masks among them): Gemma 2's cap of 50 with scores far past it (weights below
     2^-126), a small cap with sinks, and a cap so large that it is as good as none."""
     page, cap = 16, 640
     prefix = np.array([cap - 64, 300, 0], np.int32)
     q_lengths = np.array([64, 45, 64], np.int32)
-    case = build("paged-NHD", dtype, 128, page, prefix + q_lengths, cap)
+    case = build("paged-NHD", dtype, head_dim, page, prefix + q_lengths, cap)
     case.cache = dataclasses.replace(case.cache, lengths=jnp.asarray(prefix))
     sinks = jnp.asarray(_rng.standard_normal(HKV * group), jnp.float32)
     # Scores near +-50: the GPU's tanh (relative error 2^-11) moves a logit by up to 0.025, and
     # a softmax that sharp moves the output by up to about 0.04.
     for q_mul, cap_, sk, tol in [(40.0, 50.0, None, 6e-2), (1.0, 2.0, sinks, TOL[dtype]),
                                  (3.0, 1e30, None, TOL[dtype])]:
-        q = normal((3, 64, HKV * group, 128), dtype) * q_mul
+        q = normal((3, 64, HKV * group, head_dim), dtype) * q_mul
         want = ref(q, case.k, case.v, jnp.asarray(prefix), jnp.asarray(q_lengths),
                    soft_cap=cap_, sinks=sk)
         out = np.asarray(_prefill(q, case.cache, jnp.asarray(q_lengths), sk, None, cap_), np.float32)

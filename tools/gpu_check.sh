@@ -18,20 +18,27 @@
 # WGMMA_PROBE=1 first builds and runs tools/probes/wgmma_probe.cu (the prefill's MMA shapes alone;
 # $OUT/wgmma_probe.log). JAXKV_WGMMA_256=1 (passed on to everything) takes the wgmma prefill at
 # head_dim 256, not yet the default.
-# NO_NVCC=1 takes every CUDA folder off PATH first, so that the tests run as on a user's machine
-# without the toolkit (where the wheel of tools/build_wheel.sh must run), and leaves FlashInfer
-# (whose JIT needs nvcc) out; the steps after the tests that compile put nvcc back on PATH.
+# TIME_LIMIT_S=N: the tests, the benchmark and the serve runs are interrupted (SIGINT) once N
+# seconds have passed since the start, so that a device call that would outrun its limit still
+# packs and brings back what was measured.
+# NO_NVCC=1 takes every CUDA folder off PATH for the import check and the tests, so that they run
+# as on a user's machine without the toolkit (where the wheel of tools/build_wheel.sh must run);
+# FlashInfer's JIT, the probe and every step after the tests keep nvcc.
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxkv-gpu}
 mkdir -p "$OUT"
 : >"$OUT/summary.log"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+user_path=$PATH  # the import check's and the tests' PATH (as_user, in their subshells)
 if [ -n "${NO_NVCC:-}" ]; then
-  PATH=$(echo "$PATH" | tr : '\n' | grep -v -i cuda | paste -sd: -)
-  export PATH PEER_WHEELS=
-  echo "NO_NVCC: nvcc on PATH: $(command -v nvcc || echo none)" | tee -a "$OUT/summary.log"
+  user_path=$(echo "$PATH" | tr : '\n' | grep -v -i cuda | paste -sd: -)
+  echo "NO_NVCC: nvcc on the tests' PATH: $(PATH=$user_path command -v nvcc || echo none)" \
+    | tee -a "$OUT/summary.log"
 fi
+deadline=$(($(date +%s) + ${TIME_LIMIT_S:-1000000}))
+limited() { local left=$((deadline - $(date +%s))); timeout -s INT -k 15 $((left > 1 ? left : 1)) "$@"; }
+as_user() { export PATH=$user_path; [ -z "${NO_NVCC:-}" ] || unset CUDA_HOME; }
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
@@ -50,7 +57,7 @@ elif [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: a second call on a warm mac
   JAXKV_CUDA=ON JAXKV_CUDA_ARCHITECTURES=90a python3 -m pip install --no-build-isolation --no-deps \
     --no-index . >>"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 fi
-(cd /tmp && python3 -c "import jax, jaxkv._ffi as f; assert f.WITH_CUDA, 'built without CUDA'; \
+(as_user; cd /tmp && python3 -c "import jax, jaxkv._ffi as f; assert f.WITH_CUDA, 'built without CUDA'; \
   assert jax.default_backend() == 'gpu', jax.default_backend(); print('CUDA build ok, backend gpu')") || exit 1
 
 # FlashInfer beside the attention rows (--peers; a note where it does not import):
@@ -61,7 +68,7 @@ fi
 warm_pid=
 if [ -n "${PEER_WHEELS:-}" ] && [ -z "${SKIP_BENCH:-}" ]; then
   eval "$(bash "$PEER_WHEELS/setup_on_gpu.sh" "$PEER_WHEELS")"
-  (tool="$PWD/tools/flashinfer_warm.py"; cd /tmp && python3 "$tool" >"$OUT/flashinfer_warm.log" 2>&1) &
+  (tool="$PWD/tools/flashinfer_warm.py"; cd /tmp && limited python3 "$tool" >"$OUT/flashinfer_warm.log" 2>&1) &
   warm_pid=$!
 fi
 
@@ -82,7 +89,7 @@ test_files() {
   for f in "${files[@]}"; do
     if [ $(($(date +%s) - start)) -gt "$TESTS_BUDGET_S" ]; then rest+=("$f"); continue; fi
     t0=$(date +%s)
-    (cd tests && JAXKV_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider "$f" 2>&1) >"$OUT/file.log"
+    (as_user; cd tests && JAXKV_REQUIRE_GPU=1 limited python3 -m pytest -q -rs -p no:cacheprovider "$f" 2>&1) >"$OUT/file.log"
     rc=$?
     cat "$OUT/file.log" >>"$OUT/tests.log"
     line=$(grep -E "^=* ?[0-9]+ (passed|failed|skipped|error)" "$OUT/file.log" | tail -1)
@@ -100,7 +107,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   else
     # From tests/ so that `import jaxkv` is the installed package, not the source folder.
     # every test, the long runs too (a -m in the arguments comes later and wins)
-    (cd tests && JAXKV_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider -m "long or not long" "$@" 2>&1) | tee "$OUT/tests.log"
+    (as_user; cd tests && JAXKV_REQUIRE_GPU=1 limited python3 -m pytest -q -rs -p no:cacheprovider -m "long or not long" "$@" 2>&1) | tee "$OUT/tests.log"
     tests_rc=${PIPESTATUS[0]}
     grep -E "^(FAILED|ERROR) |^=* ?[0-9]+ (passed|failed)" "$OUT/tests.log" >>"$OUT/summary.log"
   fi
@@ -210,7 +217,7 @@ if [ -z "${SKIP_BENCH:-}" ] && (cd /tmp && python3 -c "import jaxkv.bench" 2>/de
   explain="$PWD/benchmarks/explanations.json"  # measured reasons for rows that miss a target
   ops=(); for op in ${BENCH_OPS:-}; do ops+=(--op "$op"); done
   if [ "${BENCH_OPS:-}" != none ]; then  # BENCH_OPS=none: only the host tier's benchmark
-    (cd /tmp && python3 -m jaxkv.bench "${ops[@]}" --json "$OUT/bench.json" \
+    (cd /tmp && limited python3 -m jaxkv.bench "${ops[@]}" --json "$OUT/bench.json" \
       --markdown "$OUT/bench.md" --explain "$explain" --peers ${BENCH_ARGS:-} 2>&1) \
       | tee "$OUT/bench.log"
   fi
@@ -255,9 +262,9 @@ if [ -z "${SKIP_SERVE:-}" ]; then
     # every layer's tokens kept (SERVE_HYBRID_ARGS: more options, e.g. the 8-bit engines).
     for preset in ${SERVE_HYBRID:-}; do
       echo "== serve: $preset, KV per sequence and the engines with and without window pages"
-      (tool="$PWD/tools/hybrid_pages.py"; cd /tmp && python3 "$tool" --preset "$preset" \
+      (tool="$PWD/tools/hybrid_pages.py"; cd /tmp && limited python3 "$tool" --preset "$preset" \
         --json "$OUT/pages-$preset.json" 2>&1)
-      (cd /tmp && python3 -m jaxkv serve --preset "$preset" ${SERVE_HYBRID_ARGS:-} \
+      (cd /tmp && limited python3 -m jaxkv serve --preset "$preset" ${SERVE_HYBRID_ARGS:-} \
         --json "$OUT/serving-$preset.json" 2>&1)
     done
   } | tee "$OUT/serve.log"
