@@ -221,9 +221,12 @@ if [ -z "${SKIP_BENCH:-}" ] && (cd /tmp && python3 -c "import jaxkv.bench" 2>/de
       --markdown "$OUT/bench.md" --explain "$explain" --peers ${BENCH_ARGS:-} 2>&1) \
       | tee "$OUT/bench.log"
   fi
-  # The host tier: swap_out / swap_in of 2 GiB against the pinned copy bandwidth of the same run.
-  (cd /tmp && python3 -m jaxkv.bench --swap --json "$OUT/bench_swap.json" 2>&1) \
-    | tee "$OUT/bench_swap.log"
+  # The host tier: swap_out / swap_in of 2 GiB against the pinned copy bandwidth of the same run
+  # (not where BENCH_OPS names other ops).
+  if [ -z "${BENCH_OPS:-}" ] || [ "$BENCH_OPS" = none ]; then
+    (cd /tmp && limited python3 -m jaxkv.bench --swap --json "$OUT/bench_swap.json" 2>&1) \
+      | tee "$OUT/bench_swap.log"
+  fi
   ngpu=$(nvidia-smi -L | wc -l)
   if [ "$ngpu" -ge 2 ]; then  # sharded ops: per-device bandwidth on every GPU against one
     (cd /tmp && python3 -m jaxkv.bench --devices "$ngpu" --json "$OUT/bench_devices.json" 2>&1) \
