@@ -1,10 +1,11 @@
 """Builds FlashInfer's JIT modules that the benchmark's `--peers` attention rows load (bf16,
 paged NHD: at head_dim 128 batch decode and fa2 batch prefill, each plain, with a window and with
 a soft cap; plain fa2 prefill at head_dim 256; where the wheel has FA3's sources
-(tools/flashinfer_fa3_wheel.py), fa3 prefill plain at both head dims), one process a module, so
-that the benchmark only loads them. Each module is nvcc's work
-of 30-90 s on the GPU machine; built one after another inside the benchmark they took most of a
-device call. tools/gpu_check.sh runs this beside the tests when PEER_WHEELS is given.
+(tools/flashinfer_fa3_wheel.py), fa3 prefill the same way), one process a module, so that the
+benchmark only loads them. Each module is nvcc's work of 80-110 s on the GPU machine (fa3's
+about 210 s, all nine at once on an H100's 16 cores, 2026-12-07); built one after another inside
+the benchmark they took most of a device call. tools/gpu_check.sh runs this beside the tests when
+PEER_WHEELS is given.
 
     python3 tools/flashinfer_warm.py        # after: eval "$(bash setup_on_gpu.sh PEER_WHEELS)"
 """
@@ -49,7 +50,8 @@ def main() -> int:
     from jaxkv._bench.peers_flashinfer import has_fa3_sources
 
     if has_fa3_sources():
-        jobs += [("prefill", "plain", d, "fa3") for d in (128, 256)]
+        jobs += [("prefill", v, 128, "fa3") for v in VARIANTS]  # the window and cap rows' peers too
+        jobs.append(("prefill", "plain", 256, "fa3"))
     with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
         results = [pool.apply_async(build, job) for job in jobs]
         failed = 0

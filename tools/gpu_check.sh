@@ -16,8 +16,7 @@
 #     --no-deps -w build/gpu-wheel .     # then: carry build/gpu-wheel, WHEEL=build/gpu-wheel/*.whl
 #   bash tools/gpu_check.sh [pytest args...]
 # WGMMA_PROBE=1 first builds and runs tools/probes/wgmma_probe.cu (the prefill's MMA shapes alone;
-# $OUT/wgmma_probe.log). JAXKV_WGMMA_256=1 (passed on to everything) takes the wgmma prefill at
-# head_dim 256, not yet the default.
+# $OUT/wgmma_probe.log).
 # TIME_LIMIT_S=N: the tests, the benchmark and the serve runs are interrupted (SIGINT) once N
 # seconds have passed since the start, so that a device call that would outrun its limit still
 # packs and brings back what was measured.

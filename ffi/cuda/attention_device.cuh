@@ -317,7 +317,7 @@ ffi::Error launch_split_kv(cudaStream_t stream, const AttentionProblem& p, int s
 // The tensor-core prefill (attention_prefill.cu) where it applies; false: it does not.
 bool launch_prefill_tc(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status);
 // Its wgmma form (attention_prefill_wgmma.cu): Hopper, a bf16 / f16 q over its dtype or an 8-bit
-// cache at head_dim 128, over its dtype at head_dim 256 (with JAXKV_WGMMA_256 set, for now).
+// cache at head_dim 128, over its dtype at head_dim 256.
 bool launch_prefill_wgmma(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status);
 
 }  // namespace jaxkv

@@ -745,10 +745,8 @@ bool wgmma_device() {
 }  // namespace
 
 bool launch_prefill_wgmma(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status) {
-  // head_dim 256 (a 16-bit cache) is not yet run on a GPU: taken only where JAXKV_WGMMA_256 is
-  // set, until tools/gpu_check.sh has checked it (the mma.sync kernel serves it meanwhile).
-  static const bool d256 = std::getenv("JAXKV_WGMMA_256") != nullptr;
-  const bool head_dim_ok = p.head_dim == 128 || (p.head_dim == 256 && d256 && p.kv_type == p.q_type);
+  // head_dim 256 over an 8-bit cache is not built here: the mma.sync kernel serves it.
+  const bool head_dim_ok = p.head_dim == 128 || (p.head_dim == 256 && p.kv_type == p.q_type);
   if (!head_dim_ok || p.group > kWgRows || p.batch > 65535 || p.kv.heads > 65535 || !wgmma_device())
     return false;
   bool launched = false;
