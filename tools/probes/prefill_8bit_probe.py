@@ -1,5 +1,6 @@
 """8-bit prefill attention (batch 8, 2048 new tokens on 2048 cached, 32 q / 8 KV heads, D128, page
-16; fp8 e4m3 and int8 scaled per token and head) beside the bf16 one, on the same values.
+16; fp8 e4m3 and int8 scaled per token and head) beside the bf16 one, on the same values
+(`--head-dim 256`: 16 q / 8 KV heads of 256, the shape of issue 68's Gemma 3 row).
 
     python3 tools/probes/prefill_8bit_probe.py --time   # kernel times of 10 calls in one jit, and each
                                                   # 8-bit output's distance from the bf16 one's
@@ -27,9 +28,12 @@ parser.add_argument("--time", action="store_true", help="kernel times (else: one
 parser.add_argument("--runs", type=int, default=1)
 parser.add_argument("--e5m2", action="store_true", help="fp8 e5m2 too (converted by a byte permute)")
 parser.add_argument("--per-tensor", action="store_true", help="fp8 e4m3 scaled per tensor too")
+parser.add_argument("--head-dim", type=int, choices=(128, 256), default=128,
+                    help="256: Gemma 3's heads (16 q / 8 KV), the 8-bit caches on mma.sync there")
 args = parser.parse_args()
 
-B, prefix, T_NEW, Hq, H, D, page = 8, 2048, 2048, 32, 8, 128, 16
+B, prefix, T_NEW, H, page = 8, 2048, 2048, 8, 16
+D, Hq = args.head_dim, 32 if args.head_dim == 128 else 16
 pages = -(-(prefix + T_NEW) // page)
 q = C.rand((B, T_NEW, Hq, D), C.BF16, 132)
 new = C.i32(np.full(B, T_NEW))
