@@ -3,8 +3,8 @@
 // memory in the 128-byte swizzle the instruction reads, their matrix descriptors, m64nNk16 (N 64,
 // 128, 256) with A from shared memory or from registers, and the barriers of a pipeline
 // (mbarriers, named barriers). Checked on an H100 against a host reference by
-// tools/probes/wgmma_probe.cu at N 128 (both operand majors, A from registers, the accumulators
-// turned into A fragments); N 64 and 256 (head_dim 256) not yet.
+// tools/probes/wgmma_probe.cu at N 64, 128 and 256 (both operand majors, A from registers, the
+// accumulators turned into A fragments).
 #pragma once
 
 #include <cuda_bf16.h>
