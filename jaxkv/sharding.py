@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from . import _checks
 from . import _validate as validate
 from ._checks import check
+from ._eager import compiled_when_eager
 from ._shard_map import explicit, mark_varying, placed_as, shard_map
 from .layout import COUNT, REPLICATED, ROWS
 
@@ -410,6 +411,8 @@ def per_shard(op: str | None = None, *, out=None, rule=None, defaults=None, **ro
         shown = sig.replace(return_annotation=sig.empty, parameters=[
             p.replace(annotation=p.empty) for p in sig.parameters.values()])
 
+        compiled = compiled_when_eager(fn)
+
         @functools.wraps(fn)
         def run(*args, **kwargs):
             try:
@@ -418,7 +421,7 @@ def per_shard(op: str | None = None, *, out=None, rule=None, defaults=None, **ro
                 raise TypeError(f"{name}{shown}: {e}") from None
             s = _sharding_in(bound.arguments)
             if s is None:
-                return fn(*args, **kwargs)
+                return compiled(*args, **kwargs)
             bound.apply_defaults()
             return _sharded_call(fn, name, s, dict(bound.arguments), roles, out, rule,
                                  defaults or {})
