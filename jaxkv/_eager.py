@@ -1,7 +1,7 @@
 """An op called outside any trace runs as one compiled program, as jnp's functions do.
 
 Eagerly, each jnp operation inside an op would compile on its own for every new shape and run
-as its own dispatch: a cache's ``reserve`` is some fifty of them. Compiled whole, an eager call
+as its own dispatch: a cache's ``reserve`` was 65 of them. Compiled whole, an eager call
 costs one compilation per shape and one dispatch. Within a trace (the caller's jit, scan,
 checkify, a shard's body) the op runs as it is, inlined into the caller's program.
 """

@@ -391,7 +391,8 @@ def same_shard(a: str, b: str, share: Callable[[dict], int], what: str):
 # The decorator.
 def per_shard(op: str | None = None, *, out=None, rule=None, defaults=None, **roles):
     """Runs the decorated method (or op) once per device when its cache is sharded (or when it is
-    given ``sharding=``); otherwise calls it as it is.
+    given ``sharding=``); otherwise calls it as it is (outside any trace, compiled whole:
+    ``_eager``).
 
     ``roles``: argument name -> ``Role`` (or a function of the arguments returning one); a cache
     or saved prompt states its own, another array argument is replicated, anything else is
