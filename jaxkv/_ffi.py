@@ -104,16 +104,20 @@ def _why_no_kernels(target: str, platform: str) -> str:
     return (f"jaxkv ({target}): jaxkv has no kernels for {platform} (CUDA and CPU only).")
 
 
+def _mode() -> str:
+    return (_forced or os.environ.get("JAXKV_KERNELS", "auto")).lower()
+
+
 def kernel_selection() -> tuple:
     """What ``use_xla`` decides by, hashable: a program traced under another selection is not
     reused (``_eager``)."""
-    return (_forced or os.environ.get("JAXKV_KERNELS", "auto"), _jax_platform(), WITH_CUDA)
+    return (_mode(), _jax_platform(), WITH_CUDA)
 
 
 def use_xla(target: str) -> bool:
     """Whether ``target`` runs as its XLA formulation (``_fallback``), by ``JAXKV_KERNELS`` and
     the platform; ``require`` on a platform without kernels is a RuntimeError naming why."""
-    mode = _forced or os.environ.get("JAXKV_KERNELS", "auto").lower()
+    mode = _mode()
     if mode not in KERNELS_MODES:
         raise ValueError(f"JAXKV_KERNELS must be one of {', '.join(KERNELS_MODES)}, got {mode!r}")
     if mode == "xla":
