@@ -64,7 +64,9 @@ def save_tiny(path, family):
     config_name, model_name, extra = FAMILIES[family]
     if not hasattr(transformers, model_name):
         pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
-    cfg = getattr(transformers, config_name)(**{**SMALL, **extra})
+    # Eager attention: transformers' reference semantics. Its sdpa path, the default for Gemma 2
+    # in transformers 5.17, drops the attention soft cap (measured: logits 0.13 apart).
+    cfg = getattr(transformers, config_name)(**{**SMALL, **extra}, attn_implementation="eager")
     torch.manual_seed(int(np.random.default_rng().integers(2**31)))
     model = getattr(transformers, model_name)(cfg).eval()
     with torch.no_grad():  # norms away from their init, so a wrong norm layout shows
