@@ -6,7 +6,8 @@
 # jax), every kernel for sm_80 and sm_90a plus compute_90 PTX (JAXKV_CUDA_ARCHITECTURES overrides),
 # the CUDA runtime linked statically: where it is installed it needs an NVIDIA driver, not a
 # toolkit. auditwheel then tags it manylinux (the oldest tag this machine's glibc and libstdc++
-# allow: manylinux_2_34 on Debian 12) and prints what it found.
+# allow: manylinux_2_34 on Debian 12) and prints what it found. Beside the wheel, WHEEL.sources:
+# the hash of its kernels' sources (tools/kernel_sources.sh), which tools/gpu_check.sh checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dist=${1:-dist}
@@ -26,4 +27,5 @@ PATH="$work/tools/bin:$PATH" "$work/tools/bin/auditwheel" repair --plat "$plat" 
   "$work"/raw/jaxkv-*.whl
 wheel=$(ls -t "$dist"/jaxkv-*"$plat"*.whl | head -1)
 "$work/tools/bin/auditwheel" show "$wheel"
+bash tools/kernel_sources.sh >"$wheel.sources"
 echo "build_wheel: $wheel"

@@ -11,9 +11,11 @@
 # exit codes), so that the tail of a long call shows what decides it ($OUT/summary.log).
 # WHEEL=path installs a wheel built on the CPU machine instead of
 # building here (device time: the CUDA build takes minutes there, 1.5 here), then copies the
-# tree's Python over it, so that only a change under ffi/ needs a new wheel:
-#   JAXKV_CUDA=ON JAXKV_CUDA_ARCHITECTURES=90a PYENV_VERSION=3.12.1 python3.12 -m pip wheel \
-#     --no-deps -w build/gpu-wheel .     # then: carry build/gpu-wheel, WHEEL=build/gpu-wheel/*.whl
+# tree's Python over it, so that only a change under ffi/ needs a new wheel. The run stops unless
+# the hash beside the wheel (WHEEL.sources) is the tree's (tools/kernel_sources.sh): kernels built
+# from other sources are not the tree's.
+#   PYENV_VERSION=3.12.1 PYTHON=python3.12 bash tools/build_wheel.sh build/gpu-wheel
+#                                        # then: carry build/gpu-wheel, WHEEL=build/gpu-wheel/*.whl
 #   bash tools/gpu_check.sh [pytest args...]
 # WGMMA_PROBE=1 first builds and runs tools/probes/wgmma_probe.cu (the prefill's MMA shapes alone;
 # $OUT/wgmma_probe.log).
@@ -45,6 +47,12 @@ as_user() { export PATH=$user_path; [ -z "${NO_NVCC:-}" ] || unset CUDA_HOME; }
 
 if [ -n "${WHEEL:-}" ]; then  # a wheel built beforehand (below), its Python replaced by the tree's
   wheel=$(compgen -G "$WHEEL" | head -1)  # a pattern is fine: build/gpu-wheel/*.whl
+  built=$(cat "$wheel.sources" 2>/dev/null || echo "none (no $wheel.sources)")
+  if [ "$built" != "$(bash tools/kernel_sources.sh)" ]; then
+    echo "gpu_check: $wheel was built from other kernel sources than the tree's (its hash: $built);" \
+      "rebuild it with tools/build_wheel.sh" | tee -a "$OUT/summary.log"
+    exit 1
+  fi
   echo "== install $wheel" | tee "$OUT/build.log"
   python3 -m pip install --no-deps --no-index --force-reinstall "$wheel" >>"$OUT/build.log" 2>&1 \
     || { tail -50 "$OUT/build.log"; exit 1; }
