@@ -25,7 +25,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 WINDOW, PROMPT, NEW, CHUNK = 8, 40, 12, 8
-# float32 logits against transformers' on CPU: within 3e-6 (measured, every family).
+# float32 logits against transformers': measured within 2e-6 on CPU and 3e-6 on an H100; the margin
+# is for other GPUs and versions, and a final soft cap 0.1% off is already 2.2e-3 away.
 TOL = 1e-3
 # Weights of std 0.1: at 0.3 attention is so sharp that rounding the weights to bfloat16 alone
 # moves a step's logits to a cosine of 0.92 (gpt-oss), and fp8's rounding to 0.88 (Mistral).
@@ -99,18 +100,16 @@ def generate(model, prompt, new=NEW):
 
 def assert_greedy_equal(cfg, params, kind, prompts, want, want_logits, record_property):
     """jaxkv's run fed transformers' tokens (teacher forcing): every step's logits within TOL of
-    transformers', and every greedy pick ``generate``'s own, or a token whose transformers logit
-    is within 2 TOL of the best (a near tie, which a GPU's float32 rounding may decide the other
-    way). With no near tie this is the free-running comparison: the same tokens, step by step."""
+    transformers'. Each greedy pick is then ``generate``'s own, or a token transformers puts
+    within 2 TOL of its best (a near tie, which float32 rounding on a GPU may decide the other
+    way), and such picks must be rare. With no near tie this is the free-running comparison:
+    the same tokens, step by step."""
     got, logits = cached_greedy(cfg, params, kind, prompts, force=want)
     diff = float(np.abs(logits - want_logits).max())
     record_property("max_logit_diff", diff)
     assert diff < TOL, f"logits differ from transformers' by {diff:.2e}"
-    picked = np.take_along_axis(want_logits, np.asarray(got)[..., None], -1)[..., 0]
-    best = want_logits.max(-1)
     differ = np.asarray(got) != np.asarray(want)
     record_property("picks_differing_at_near_ties", int(differ.sum()))
-    assert np.all(picked >= best - 2 * TOL), (got, want)
     assert differ.mean() < 0.1, f"{differ.sum()} of {differ.size} picks differ at near ties"
 
 
@@ -273,7 +272,8 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path, reco
                                              num_hidden_layers=1, num_attention_heads=2,
                                              image_size=32, patch_size=8)
     full = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=4)).eval()
+        text_config=text, vision_config=vision, mm_tokens_per_image=4,
+        attn_implementation="eager")).eval()
     full.save_pretrained(tmp_path)
     cfg, params = hf_loader.load(tmp_path)
     assert cfg.family == "gemma3" and cfg.qk_norm and cfg.windows.count(WINDOW) == 3

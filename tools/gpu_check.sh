@@ -47,6 +47,7 @@ as_user() { export PATH=$user_path; [ -z "${NO_NVCC:-}" ] || unset CUDA_HOME; }
 
 if [ -n "${WHEEL:-}" ]; then  # a wheel built beforehand (below), its Python replaced by the tree's
   wheel=$(compgen -G "$WHEEL" | head -1)  # a pattern is fine: build/gpu-wheel/*.whl
+  [ -n "$wheel" ] || { echo "gpu_check: no wheel matches $WHEEL" | tee -a "$OUT/summary.log"; exit 1; }
   built=$(cat "$wheel.sources" 2>/dev/null || echo "none (no $wheel.sources)")
   if [ "$built" != "$(bash tools/kernel_sources.sh)" ]; then
     echo "gpu_check: $wheel was built from other kernel sources than the tree's (its hash: $built);" \
