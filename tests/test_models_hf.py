@@ -89,10 +89,10 @@ def checkpoint(request, tmp_path_factory):
     return family, cfg, params, prompts, list(want), np.stack(want_logits)
 
 
-def generate(model, prompt, new=NEW):
-    """transformers' greedy ``generate``: its tokens and the logits of each pick [new, vocab]."""
+def generate(model, prompt):
+    """transformers' greedy ``generate``: its tokens and the logits of each pick [NEW, vocab]."""
     with torch.no_grad():
-        out = model.generate(torch.tensor(prompt[None].astype(np.int64)), max_new_tokens=new,
+        out = model.generate(torch.tensor(prompt[None].astype(np.int64)), max_new_tokens=NEW,
                              do_sample=False, output_logits=True, return_dict_in_generate=True)
     return (out.sequences[0, len(prompt):].tolist(),
             torch.stack(out.logits, 1)[0].float().numpy())

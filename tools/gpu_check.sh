@@ -12,8 +12,7 @@
 # WHEEL=path installs a wheel built on the CPU machine instead of
 # building here (device time: the CUDA build takes minutes there, 1.5 here), then copies the
 # tree's Python over it, so that only a change under ffi/ needs a new wheel. The run stops unless
-# the hash beside the wheel (WHEEL.sources) is the tree's (tools/kernel_sources.sh): kernels built
-# from other sources are not the tree's.
+# the hash beside the wheel (WHEEL.sources) is the tree's (tools/kernel_sources.sh).
 #   PYENV_VERSION=3.12.1 PYTHON=python3.12 bash tools/build_wheel.sh build/gpu-wheel
 #                                        # then: carry build/gpu-wheel, WHEEL=build/gpu-wheel/*.whl
 #   bash tools/gpu_check.sh [pytest args...]
