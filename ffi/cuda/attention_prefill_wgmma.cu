@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdlib>
+#include <string_view>
 
 #include "attention_device.cuh"
 #include "wgmma.cuh"
@@ -14,18 +15,21 @@ namespace {
 
 // FlashAttention-3's forward, without its copy engine (TMA): block (token tile, KV head, row b)
 // of 128 query rows (128 / group new tokens x the group's q heads), three warpgroups. The
-// producer (warps 0-3, most of its registers given to the others by setmaxnreg; two lanes a key)
-// looks up the pages and streams K/V tiles of 128 keys by cp.async through three shared-memory
-// stages (at head_dim 256 tiles of 64 keys through two), each with two mbarriers: `full` (the
-// tile landed: each producer thread's cp.async arrival, and a plain arrival after its key's flag)
-// and `empty` (both consumers are done with it; its refill waits). The two consumers (64 rows
-// each) never meet at a block barrier, so they run out of phase: they take turns at the tensor
-// cores (two named barriers), and one's softmax (its exponentials are a quarter of the tensor
-// cores' time) overlaps the other's MMAs. A turn
-// issues O += P V of tile i (P from registers, V read MN-major) and S = Q K^T of tile i + 1
-// (m64nNk16, Q and K from shared memory); then the online softmax of tile i + 1 on the
-// accumulators. Masks (causal, keys without a page) only on the tiles that need them; token tiles
-// run longest first. The page lookups and masks are the mma.sync kernel's.
+// producer (warps 0-3, most of its registers given to the others by setmaxnreg; 16 lanes a key of
+// a 16-bit cache, two of an 8-bit one) looks up the pages and streams K/V tiles of 128 keys by
+// cp.async through three shared-memory stages (at head_dim 256 tiles of 64 keys through two),
+// each with two mbarriers: `full` (the tile landed: each producer thread's cp.async arrival, and a
+// plain arrival after its key's flag) and `empty` (both consumers are done with it; its refill
+// waits). The two consumers (64 rows each) never meet at a block barrier, so they run out of
+// phase: they take turns at the tensor cores (two named barriers), and one's softmax (its
+// exponentials are a quarter of the tensor cores' time) overlaps the other's MMAs. A turn issues
+// O += P V of tile i (P from registers, V read MN-major) and S = Q K^T of tile i + 1 (m64nNk16, Q
+// and K from shared memory); then the online softmax of tile i + 1 on the accumulators. A
+// soft-capped prefill over a 16-bit cache at head_dim 128 (three stages) issues S(i + 1) first and
+// runs its softmax while P V(i) is still on the tensor cores (FlashAttention-3's overlap inside a
+// warpgroup; launch_wgmma says where it pays). Masks (causal, keys without a page) only on the
+// tiles that need them; token tiles run longest first. The page lookups and masks are the
+// mma.sync kernel's.
 //
 // An 8-bit cache's producer copies the bytes of tile i + 1 (cp.async, into one of two byte stages)
 // while it converts tile i from the other into the 16-bit stages, and a consumer waits for tile
@@ -161,7 +165,7 @@ constexpr bool kFp8K = std::is_same_v<T, __nv_bfloat16> && (std::is_same_v<KT, E
 // cache's scales per token (else one per tensor, in p.k_scale and p.v_scale), fixed at compile
 // time so that neither path carries the other's branches. kD: head_dim, 128 or 256 (a 16-bit
 // cache only).
-template <class T, class KT = T, bool kTokenScales = false, int kD = 128>
+template <class T, class KT = T, bool kTokenScales = false, int kD = 128, bool kOverlap = false>
 __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const AttentionProblem p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool k8 = !std::is_same_v<KT, T>;
@@ -178,8 +182,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   // alone takes 128) 48 and 224 leave no spill in the producer or the consumers' loop (ptxas,
   // CUDA 13.0: a few words at the consumers' start and end; 40 and 232 spill in the producer's
   // loop, 56 and 208 in the consumers').
-  constexpr int kProducerRegs = k8 ? 72 : kD == 256 ? 48 : 56;
-  constexpr int kConsumerRegs = k8 ? 216 : 224;
+  constexpr int kProducerRegs = k8 ? 72 : kD == 256 ? 48 : kOverlap ? 40 : 56;
+  constexpr int kConsumerRegs = k8 ? 216 : kOverlap ? 232 : 224;
   // setmaxnreg moves registers within the block's launch allotment (168 a thread at 384 threads).
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kWgThreads * 168, "the registers");
   constexpr int kChunks = kD / 8;  // 16-byte chunks of a row
@@ -257,115 +261,152 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     const int layer = q_tile.layer_ok ? *p.layer : 0;
     const int64_t head_base = layer * kv.layer_stride + kvh * kv.head_stride;
     const int32_t* table = kv.page_table ? kv.page_table + int64_t{b} * kv.max_pages : nullptr;
-    const int64_t scale_base = layer * p.scales.layer_stride + kvh * p.scales.head_stride;
     // Whether key pos is one of the block's, [f_min, n_max) (one unsigned compare): a key before
     // the window is not read, as one past the last query's end (its page may be another row's).
     auto in_keys = [&](int32_t pos) {
       return static_cast<uint32_t>(pos - f_min) < static_cast<uint32_t>(n_max - f_min);
     };
-    auto fetch = [&](int i, int pass) -> int32_t {  // the table entry of a key of tile i
-      const int32_t pos = key0 + i * kN + r_half + 64 * pass;
-      if (!in_keys(pos)) return -1;
-      return table ? table[kv.column(pos)] : b;
-    };
-    // Whether a page holds key `pass` of tile i (table entry `entry`), and its offsets in the pools
-    // and in the scales.
-    struct Key {
-      bool live;
-      int64_t off, scale_off;
-    };
-    auto key_at = [&](int i, int pass, int32_t entry) -> Key {
-      const int32_t pos = key0 + i * kN + r_half + 64 * pass;
-      const bool live = in_keys(pos) && kv.holds(entry);
-      const int64_t slot = live ? kv.slot(pos) : 0;
-      return {live, live ? head_base + entry * kv.page_stride + slot * kv.token_stride : 0,
-              live ? scale_base + entry * p.scales.page_stride + slot * p.scales.token_stride : 0};
-    };
-    // An 8-bit cache's producer runs two tiles ahead in the table and one in the data: tile i + 1's
-    // bytes are copied (cp.async) into a byte stage and its scales loaded into registers while
-    // tile i is converted from the other (an fp8 cache: V's bytes; K's of tile i are copied into
-    // the stage as they are once it is free, as a 16-bit cache's). Each thread converts the words
-    // it copied: its 16-byte words (pass, kind, y) of a stage, lane-interleaved (conflict-free),
-    // need no barrier.
-    auto load_scales = [&](int i, const int32_t* entries, float* k_scale, float* v_scale) {
+    if constexpr (!k8) {
+      // A 16-bit cache: 16 lanes a key, a 16-byte chunk each (two at head_dim 256), so that one copy
+      // instruction of a warp reads two keys' rows whole (four full 128-byte lines at head_dim 128)
+      // where two lanes a key read 32 bytes of 16 lines (docs/perf-notes.md item 76). Warp w copies
+      // keys [w kWarpKeys, (w + 1) kWarpKeys) of a tile; its lane l < kWarpKeys looks up key
+      // w kWarpKeys + l a tile ahead and computes its offset, which the copying lanes take by
+      // shuffle (-1: no page holds the key, or it is not one of the block's).
+      constexpr int kKeyLanes = 16, kWarpKeys = kN / 4, kLaneChunks = kChunks / kKeyLanes;
+      const int lane_c = lane % kKeyLanes, half = lane / kKeyLanes, own = warp * kWarpKeys + lane;
+      auto lookup = [&](int i) -> int32_t {  // the entry of key `own` of tile i (-1: not the block's)
+        const int32_t pos = key0 + i * kN + own;
+        return lane < kWarpKeys && in_keys(pos) ? (table ? table[kv.column(pos)] : b) : -1;
+      };
+      int32_t entry = tiles > 0 ? lookup(0) : -1;
+      for (int i = 0; i < tiles; ++i) {
+        const int st = i % L::kStages;
+        const int32_t ahead = lookup(i + 1);  // in flight while tile i is copied
+        const int32_t pos = key0 + i * kN + own;
+        const bool live = kv.holds(entry);
+        const int64_t off = live ? head_base + entry * kv.page_stride + kv.slot(pos) * kv.token_stride : -1;
+        if (i >= L::kStages) mbar_wait(L::empty(base, st), (i / L::kStages - 1) & 1);
 #pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        const Key key = key_at(i, pass, entries[pass]);
-        k_scale[pass] = key.live ? *reinterpret_cast<const float*>(p.scales.k + key.scale_off) : 0.f;
-        v_scale[pass] = key.live ? *reinterpret_cast<const float*>(p.scales.v + key.scale_off) : 0.f;
-      }
-    };
-    // The kinds with bytes to convert: K and V, an fp8 cache's V only.
-    constexpr int kFirstKind = f8k ? 1 : 0, kByteKinds = 2 - kFirstKind;
-    auto word_at = [&](int i, int pass, int kind, int y) {
-      return L::bytes(base, i % 2) +
-             ((((pass * kByteKinds + kind - kFirstKind) * (kChunks / 4) + y) * 128) + threadIdx.x % 128) * 16u;
-    };
-    auto copy_bytes = [&](int i, const int32_t* entries) {  // tile i's, one commit group
+        for (int j = 0; j < kWarpKeys / 2; ++j) {
+          const int src = 2 * j + half;  // the lane that owns the key
+          const int64_t key_off = __shfl_sync(0xffffffffu, off, src);
+          const bool held = key_off >= 0;
+          const int r = warp * kWarpKeys + src;
 #pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        const Key key = key_at(i, pass, entries[pass]);
+          for (int kind = 0; kind < 2; ++kind)
 #pragma unroll
-        for (int kind = kFirstKind; kind < 2; ++kind)
-#pragma unroll
-          for (int y = 0; y < kChunks / 4; ++y)
-            copy16(word_at(i, pass, kind, y), (kind == 0 ? kv.k : kv.v) + key.off + (key.live ? (c_copy + 2 * y) * 16 : 0), key.live);
-      }
-      copy_commit();
-    };
-    int32_t page[kPasses], ahead[kPasses];  // tile i's entries; an 8-bit cache: tile i + 1's
-    float k_scale[kPasses] = {}, v_scale[kPasses] = {};  // tile i's keys' scales (scaled per token)
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) page[pass] = tiles > 0 ? fetch(0, pass) : -1, ahead[pass] = -1;
-    if constexpr (k8) {
-#pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) ahead[pass] = fetch(1, pass);
-      if constexpr (token_scales) load_scales(0, page, k_scale, v_scale);
-      if (tiles > 0) copy_bytes(0, page);
-    }
-    // An 8-bit cache scaled per token: the reciprocal of vref (exact).
-    const float inv = token_scales ? v_reference(p, b, kvh).inverse : 1.f;
-    for (int i = 0; i < tiles; ++i) {
-      const int st = i % L::kStages;
-      int32_t next[kPasses];  // in flight
-#pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) next[pass] = fetch(i + (k8 ? 2 : 1), pass);
-      float k_scale_next[kPasses] = {}, v_scale_next[kPasses] = {};
-      if constexpr (k8) {
-        copy_bytes(i + 1, ahead);  // past the last tile: no key, zeros (a commit group all the same)
-        if constexpr (token_scales) load_scales(i + 1, ahead, k_scale_next, v_scale_next);
-      }
-      if (i >= L::kStages) mbar_wait(L::empty(base, st), (i / L::kStages - 1) & 1);
-      if (token_scales && c_copy == 0) {  // the tile's K scales (and int8: its V scales over vref)
-#pragma unroll
-        for (int pass = 0; pass < kPasses; ++pass) {
-          k_scales[st * kN + r_half + 64 * pass] = k_scale[pass];
-          if (!f8k)  // each key's V scale over vref, rounded to f16 (as it was on V itself)
-            v_factors[st * kN + r_half + 64 * pass] = __float2half_rn(v_scale[pass] * inv);
+            for (int c = 0; c < kLaneChunks; ++c) {
+              const int chunk = lane_c + kKeyLanes * c;
+              copy16(KVTile::chunk(L::kv(base, st, kind), r, chunk),
+                     (kind == 0 ? kv.k : kv.v) + (held ? key_off + chunk * 16 : 0), held);
+            }
         }
+        if (lane < kWarpKeys) {
+          ok_flags[st * kN + own] = live;
+          if (in_keys(pos) && !live) atomicMax(missing_at + st, i + 1);
+        }
+        mbar_arrive_copies(L::full(base, st));
+        mbar_arrive(L::full(base, st));
+        entry = ahead;
       }
-      if constexpr (f8k) {  // K's bytes into its stage as they are, in the MMA's swizzle
+    } else {
+      // An 8-bit cache: two lanes a key (r_half), every other 16-byte word each. Its producer runs
+      // two tiles ahead in the table and one in the data: tile i + 1's bytes are copied (cp.async)
+      // into a byte stage and its scales loaded into registers while tile i is converted from the
+      // other (an fp8 cache: V's bytes; K's of tile i are copied into the stage as they are once it
+      // is free). Each thread converts the words it copied: its 16-byte words (pass, kind, y) of a
+      // stage, lane-interleaved (conflict-free), need no barrier.
+      const int64_t scale_base = layer * p.scales.layer_stride + kvh * p.scales.head_stride;
+      auto fetch = [&](int i, int pass) -> int32_t {  // the table entry of a key of tile i
+        const int32_t pos = key0 + i * kN + r_half + 64 * pass;
+        if (!in_keys(pos)) return -1;
+        return table ? table[kv.column(pos)] : b;
+      };
+      // Whether a page holds key `pass` of tile i (table entry `entry`), and its offsets in the
+      // pools and in the scales.
+      struct Key {
+        bool live;
+        int64_t off, scale_off;
+      };
+      auto key_at = [&](int i, int pass, int32_t entry) -> Key {
+        const int32_t pos = key0 + i * kN + r_half + 64 * pass;
+        const bool live = in_keys(pos) && kv.holds(entry);
+        const int64_t slot = live ? kv.slot(pos) : 0;
+        return {live, live ? head_base + entry * kv.page_stride + slot * kv.token_stride : 0,
+                live ? scale_base + entry * p.scales.page_stride + slot * p.scales.token_stride : 0};
+      };
+      auto load_scales = [&](int i, const int32_t* entries, float* k_scale, float* v_scale) {
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
-          const Key key = key_at(i, pass, page[pass]);
+          const Key key = key_at(i, pass, entries[pass]);
+          k_scale[pass] = key.live ? *reinterpret_cast<const float*>(p.scales.k + key.scale_off) : 0.f;
+          v_scale[pass] = key.live ? *reinterpret_cast<const float*>(p.scales.v + key.scale_off) : 0.f;
+        }
+      };
+      // The kinds with bytes to convert: K and V, an fp8 cache's V only.
+      constexpr int kFirstKind = f8k ? 1 : 0, kByteKinds = 2 - kFirstKind;
+      auto word_at = [&](int i, int pass, int kind, int y) {
+        return L::bytes(base, i % 2) +
+               ((((pass * kByteKinds + kind - kFirstKind) * (kChunks / 4) + y) * 128) + threadIdx.x % 128) * 16u;
+      };
+      auto copy_bytes = [&](int i, const int32_t* entries) {  // tile i's, one commit group
 #pragma unroll
-          for (int y = 0; y < kChunks / 4; ++y)
-            copy16(KVTile::chunk(L::kv(base, st, 0), r_half + 64 * pass, c_copy + 2 * y),
-                   kv.k + key.off + (key.live ? (c_copy + 2 * y) * 16 : 0), key.live);
+        for (int pass = 0; pass < kPasses; ++pass) {
+          const Key key = key_at(i, pass, entries[pass]);
+#pragma unroll
+          for (int kind = kFirstKind; kind < 2; ++kind)
+#pragma unroll
+            for (int y = 0; y < kChunks / 4; ++y)
+              copy16(word_at(i, pass, kind, y), (kind == 0 ? kv.k : kv.v) + key.off + (key.live ? (c_copy + 2 * y) * 16 : 0),
+                     key.live);
         }
         copy_commit();
-        mbar_arrive_copies(L::full(base, st));  // once they (and tile i + 1's V bytes) landed
-      }
-      // This thread's bytes of tile i (tile i + 1's in flight, and an fp8 cache's K of tile i).
-      if constexpr (k8) copy_wait<f8k ? 2 : 1>();
+      };
+      int32_t page[kPasses], ahead[kPasses];  // tile i's entries, tile i + 1's
+      float k_scale[kPasses] = {}, v_scale[kPasses] = {};  // tile i's keys' scales (scaled per token)
 #pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        const int r = r_half + 64 * pass;
-        const int32_t pos = key0 + i * kN + r;
-        const Key key = key_at(i, pass, page[pass]);
-        const bool live = key.live;
-        const int64_t off = key.off;
-        if constexpr (k8) {
+      for (int pass = 0; pass < kPasses; ++pass) page[pass] = tiles > 0 ? fetch(0, pass) : -1, ahead[pass] = fetch(1, pass);
+      if constexpr (token_scales) load_scales(0, page, k_scale, v_scale);
+      if (tiles > 0) copy_bytes(0, page);
+      // Scaled per token: the reciprocal of vref (exact).
+      const float inv = token_scales ? v_reference(p, b, kvh).inverse : 1.f;
+      for (int i = 0; i < tiles; ++i) {
+        const int st = i % L::kStages;
+        int32_t next[kPasses];  // in flight
+#pragma unroll
+        for (int pass = 0; pass < kPasses; ++pass) next[pass] = fetch(i + 2, pass);
+        float k_scale_next[kPasses] = {}, v_scale_next[kPasses] = {};
+        copy_bytes(i + 1, ahead);  // past the last tile: no key, zeros (a commit group all the same)
+        if constexpr (token_scales) load_scales(i + 1, ahead, k_scale_next, v_scale_next);
+        if (i >= L::kStages) mbar_wait(L::empty(base, st), (i / L::kStages - 1) & 1);
+        if (token_scales && c_copy == 0) {  // the tile's K scales (and int8: its V scales over vref)
+#pragma unroll
+          for (int pass = 0; pass < kPasses; ++pass) {
+            k_scales[st * kN + r_half + 64 * pass] = k_scale[pass];
+            if (!f8k)  // each key's V scale over vref, rounded to f16 (as it was on V itself)
+              v_factors[st * kN + r_half + 64 * pass] = __float2half_rn(v_scale[pass] * inv);
+          }
+        }
+        if constexpr (f8k) {  // K's bytes into its stage as they are, in the MMA's swizzle
+#pragma unroll
+          for (int pass = 0; pass < kPasses; ++pass) {
+            const Key key = key_at(i, pass, page[pass]);
+#pragma unroll
+            for (int y = 0; y < kChunks / 4; ++y)
+              copy16(KVTile::chunk(L::kv(base, st, 0), r_half + 64 * pass, c_copy + 2 * y),
+                     kv.k + key.off + (key.live ? (c_copy + 2 * y) * 16 : 0), key.live);
+          }
+          copy_commit();
+          mbar_arrive_copies(L::full(base, st));  // once they (and tile i + 1's V bytes) landed
+        }
+        // This thread's bytes of tile i (tile i + 1's in flight, and an fp8 cache's K of tile i).
+        copy_wait<f8k ? 2 : 1>();
+#pragma unroll
+        for (int pass = 0; pass < kPasses; ++pass) {
+          const int r = r_half + 64 * pass;
+          const int32_t pos = key0 + i * kN + r;
+          const bool live = key_at(i, pass, page[pass]).live;
 #pragma unroll
           for (int kind = kFirstKind; kind < 2; ++kind)
 #pragma unroll
@@ -388,34 +429,17 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
               store16(KVTile::chunk(L::kv(base, st, kind), r, c), h[0], h[1], h[2], h[3]);
               store16(KVTile::chunk(L::kv(base, st, kind), r, c + 1), h[4], h[5], h[6], h[7]);
             }
-        } else {
-#pragma unroll
-          for (int kind = 0; kind < 2; ++kind) {
-            const char* src = (kind == 0 ? kv.k : kv.v) + off;
-            const unsigned tile = L::kv(base, st, kind);
-#pragma unroll
-            for (int y = 0; y < kChunks / 2; ++y)
-              copy16(chunk_at(tile, KVTile::kBlock, row_off(r), y), src + (live ? (c_copy + 2 * y) * 16 : 0), live);
+          if (c_copy == 0) {
+            ok_flags[st * kN + r] = live;
+            if (in_keys(pos) && !live) atomicMax(missing_at + st, i + 1);
           }
         }
-        if (c_copy == 0) {
-          ok_flags[st * kN + r] = live;
-          if (in_keys(pos) && !live) atomicMax(missing_at + st, i + 1);
-        }
-      }
-      if constexpr (k8) {
         fence_async_shared();  // its stores, before the tensor cores read them
-      } else {
-        mbar_arrive_copies(L::full(base, st));
-      }
-      mbar_arrive(L::full(base, st));
+        mbar_arrive(L::full(base, st));
 #pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        if constexpr (k8) {
+        for (int pass = 0; pass < kPasses; ++pass) {
           page[pass] = ahead[pass], ahead[pass] = next[pass];
           k_scale[pass] = k_scale_next[pass], v_scale[pass] = v_scale_next[pass];
-        } else {
-          page[pass] = next[pass];
         }
       }
     }
@@ -580,8 +604,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         mma_ss<0>(s_op, s, desc_k_major<kWgRows>(base, wg * 64, kk), desc_k_major<kN>(k_tile, 0, kk), kk > 0);
     }
   };
-  // The online softmax of tile i on s (4 lanes share a row): P into pa, O rescaled.
-  auto softmax = [&](int i) {
+  // The online softmax of tile i on s (4 lanes share a row): P into `out`, and each row's factor
+  // for O (alpha; rescale(alpha) applies it, once no P V that adds to O is in flight).
+  // keep false (a turn past the last tile, in the overlap's unbranched path): m and l unchanged.
+  auto softmax = [&](int i, uint32_t (&out)[kN / 16][4], float (&alpha)[2], bool keep) {
     const int st = i % L::kStages;
     if constexpr (token_scales) {  // an 8-bit cache's K scales on their scores
       const float* ks = k_scales + st * kN;
@@ -625,7 +651,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     for (int x = 1; x <= 2; x *= 2)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], x));
-    float alpha[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const float top = mx[hf];
@@ -640,12 +665,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         float2 f = {1.f, 1.f};  // an 8-bit cache scaled per token: its keys' V scales over vref, on P
         if constexpr (!f8k && token_scales)
           f = __half22float2(*reinterpret_cast<const __half2*>(v_factors + st * kN + nt * 8 + 2 * (lane % 4)));
-        pa[nt / 2][(nt % 2) * 2 + hf] = pack2<MT>(p0 * f.x, p1 * f.y);
+        out[nt / 2][(nt % 2) * 2 + hf] = pack2<MT>(p0 * f.x, p1 * f.y);
       }
       tree<kSt / 2>(sums, [](float a, float c) { return a + c; });
-      m[hf] = top;
-      l[hf] = l[hf] * alpha[hf] + sums[0];  // this lane's columns; the row's sum at the end
+      m[hf] = keep ? top : m[hf];  // a select, not a branch
+      l[hf] = keep ? l[hf] * alpha[hf] + sums[0] : l[hf];  // this lane's columns; the row's sum at the end
     }
+  };
+  auto rescale = [&](const float (&alpha)[2]) {
 #pragma unroll
     for (int dt = 0; dt < kOt; ++dt)
 #pragma unroll
@@ -662,6 +689,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   // both consumers are done with tile i - 1: a consumer issues P V(i), then waits for tile i + 1.
   constexpr bool kLateWait = k8 || L::kStages == 2;
   if (wg == 1) named_arrive(1, kConsumers);
+  float alpha[2];
   wait_full(0);
   named_sync(mine, kConsumers);
   wgmma_fence();
@@ -669,27 +697,63 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   wgmma_commit();
   named_arrive(theirs, kConsumers);
   wgmma_wait<0>();
-  softmax(0);
-  for (int i = 0; i < tiles; ++i) {
-    const int st = i % L::kStages;
-    const bool next = i + 1 < tiles;
-    if (!kLateWait && next) wait_full(i + 1);
-    named_sync(mine, kConsumers);
-    wgmma_fence();
-    const unsigned v_tile = L::kv(base, st, 1);
-#pragma unroll
-    for (int kk = 0; kk < kN / 16; ++kk) mma_rs<1>(o_op, o, pa[kk], desc_mn_major<kN>(v_tile, kk), 1);
-    if constexpr (kLateWait) {  // tile i + 1 lands (or is converted) while P V(i) runs
-      wgmma_commit();
+  softmax(0, pa, alpha, true);
+  if constexpr (kOverlap) {
+    // FlashAttention-3's overlap inside a warpgroup: a turn issues S(i + 1) before P V(i), waits
+    // for S alone and runs tile i + 1's softmax while P V(i) is on the tensor cores; O is rescaled
+    // once P V(i) is done. Two P buffers: P V(i) reads one while the softmax writes the other.
+    static_assert(!kLateWait, "three stages: tile i + 1 waited for before the turn");
+    uint32_t pb[kN / 16][4];
+    auto turn = [&](int i, uint32_t (&p_now)[kN / 16][4], uint32_t (&p_next)[kN / 16][4]) {
+      const int st = i % L::kStages;
+      const bool next = i + 1 < tiles;
       if (next) wait_full(i + 1);
+      named_sync(mine, kConsumers);
       wgmma_fence();
+      issue_s(i + 1);
+      wgmma_commit();
+      const unsigned v_tile = L::kv(base, st, 1);
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) mma_rs<1>(o_op, o, p_now[kk], desc_mn_major<kN>(v_tile, kk), 1);
+      wgmma_commit();
+      if (wg == 0 || next) named_arrive(theirs, kConsumers);
+      wgmma_wait<1>();  // S(i + 1)
+      // Unbranched (past the last tile too, on a stale stage, keeping m and l): registers written
+      // under a branch while P V is in flight make ptxas serialize the wgmma (C7520).
+      softmax(i + 1, p_next, alpha, next);
+      wgmma_wait<0>();  // P V(i)
+      mbar_arrive(L::empty(base, st));  // this thread is done with tile i
+      if (next) rescale(alpha);
+    };
+    for (int i = 0; i < tiles; i += 2) {
+      turn(i, pa, pb);
+      if (i + 1 < tiles) turn(i + 1, pb, pa);
     }
-    issue_s(i + 1);
-    wgmma_commit();
-    if (wg == 0 || next) named_arrive(theirs, kConsumers);
-    wgmma_wait<0>();
-    mbar_arrive(L::empty(base, st));  // this thread is done with tile i
-    if (next) softmax(i + 1);
+  } else {
+    for (int i = 0; i < tiles; ++i) {
+      const int st = i % L::kStages;
+      const bool next = i + 1 < tiles;
+      if (!kLateWait && next) wait_full(i + 1);
+      named_sync(mine, kConsumers);
+      wgmma_fence();
+      const unsigned v_tile = L::kv(base, st, 1);
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) mma_rs<1>(o_op, o, pa[kk], desc_mn_major<kN>(v_tile, kk), 1);
+      if constexpr (kLateWait) {  // tile i + 1 lands (or is converted) while P V(i) runs
+        wgmma_commit();
+        if (next) wait_full(i + 1);
+        wgmma_fence();
+      }
+      issue_s(i + 1);
+      wgmma_commit();
+      if (wg == 0 || next) named_arrive(theirs, kConsumers);
+      wgmma_wait<0>();
+      mbar_arrive(L::empty(base, st));  // this thread is done with tile i
+      if (next) {
+        softmax(i + 1, pa, alpha, true);
+        rescale(alpha);
+      }
+    }
   }
   const float m2[2] = {m[0] * qs[0], m[1] * qs[1]};  // the weights are 2^(s qs - m qs)
   write_out(o, l, m2);
@@ -711,6 +775,17 @@ ffi::Error launch_wgmma(cudaStream_t stream, const AttentionProblem& p) {
       const dim3 grid(static_cast<unsigned>(std::max(1, (p.kv.capacity + 255) / 256)), p.kv.heads, p.batch);
       v_max_kernel<<<grid, 256, 0, stream>>>(p);
       launch(prefill_wgmma_kernel<T, KT, true>);
+      return cuda_status("attention.prefill");
+    }
+  }
+  if constexpr (std::is_same_v<KT, T> && kD == 128) {
+    // The overlap inside a warpgroup (three stages: a 16-bit cache at head_dim 128) pays where the
+    // softmax is long, a soft cap's tanh: on an H100, 1.79 against 1.84 ms soft-capped, 1.61 against
+    // 1.55 ms without (docs/perf-notes.md item 76). JAXKV_PREFILL_OVERLAP=0 / 1: never / always.
+    static const char* const forced = std::getenv("JAXKV_PREFILL_OVERLAP");
+    const bool overlap = forced != nullptr ? std::string_view(forced) != "0" : p.soft_cap > 0.f;
+    if (overlap) {
+      launch(prefill_wgmma_kernel<T, KT, false, kD, true>);
       return cuda_status("attention.prefill");
     }
   }
