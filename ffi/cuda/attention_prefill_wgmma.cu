@@ -19,7 +19,7 @@ namespace {
 // a 16-bit cache, two of an 8-bit one) looks up the pages and streams K/V tiles of 128 keys by
 // cp.async through three shared-memory stages (at head_dim 256 tiles of 64 keys through two),
 // each with two mbarriers: `full` (the tile landed: each producer thread's cp.async arrival, and a
-// plain arrival after its key's flag) and `empty` (both consumers are done with it; its refill
+// plain arrival after the flags of the keys it looked up) and `empty` (both consumers are done with it; its refill
 // waits). The two consumers (64 rows each) never meet at a block barrier, so they run out of
 // phase: they take turns at the tensor cores (two named barriers), and one's softmax (its
 // exponentials are a quarter of the tensor cores' time) overlaps the other's MMAs. A turn issues
@@ -181,7 +181,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   // producer holds a key's K and V bytes while it converts them. At head_dim 256 (a consumer's O
   // alone takes 128) 48 and 224 leave no spill in the producer or the consumers' loop (ptxas,
   // CUDA 13.0: a few words at the consumers' start and end; 40 and 232 spill in the producer's
-  // loop, 56 and 208 in the consumers').
+  // loop, 56 and 208 in the consumers'). The overlap's second P buffer takes 232 at head_dim 128,
+  // where the producer (16 lanes a key) runs in 40 without a spill (SASS: no local memory).
   constexpr int kProducerRegs = k8 ? 72 : kD == 256 ? 48 : kOverlap ? 40 : 56;
   constexpr int kConsumerRegs = k8 ? 216 : kOverlap ? 232 : 224;
   // setmaxnreg moves registers within the block's launch allotment (168 a thread at 384 threads).
@@ -218,9 +219,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   const int tiles = window > 0 && n_max > key0 ? (n_max - key0 + kN - 1) / kN : 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  // The producer's threads copy two lanes a row of Q or a key of a K/V tile (so that a warp's
-  // 16-byte copies fill whole 32-byte sectors), every other chunk each, in passes of 64 rows (Q
-  // two, a K/V tile kPasses):
+  // The producer's threads copy two lanes a row of Q or a key of an 8-bit cache's K/V tile (so that
+  // a warp's 16-byte copies fill whole 32-byte sectors), every other chunk each, in passes of 64
+  // rows (Q two, a K/V tile kPasses):
   // chunk c_copy + 2 y of row r in block y / 4, at the row's offset of chunk c_copy XOR
   // (2 y % 8) * 16 (SwizzledTile::chunk with the constant part taken out of the loop).
   const int c_copy = threadIdx.x % 2, r_half = (threadIdx.x % 128) / 2;  // rows r_half + 64 pass
@@ -781,7 +782,8 @@ ffi::Error launch_wgmma(cudaStream_t stream, const AttentionProblem& p) {
   if constexpr (std::is_same_v<KT, T> && kD == 128) {
     // The overlap inside a warpgroup (three stages: a 16-bit cache at head_dim 128) pays where the
     // softmax is long, a soft cap's tanh: on an H100, 1.79 against 1.84 ms soft-capped, 1.61 against
-    // 1.55 ms without (docs/perf-notes.md item 76). JAXKV_PREFILL_OVERLAP=0 / 1: never / always.
+    // 1.55 ms without (docs/perf-notes.md item 76). JAXKV_PREFILL_OVERLAP (read once): 0 never,
+    // any other value always.
     static const char* const forced = std::getenv("JAXKV_PREFILL_OVERLAP");
     const bool overlap = forced != nullptr ? std::string_view(forced) != "0" : p.soft_cap > 0.f;
     if (overlap) {
