@@ -9,10 +9,11 @@
 
 For each case: the bytes the op must move at least, the device time per op (the op repeated inside
 one jitted loop, donated carry, median of several calls), the achieved bandwidth and its ratio to
-the copy bandwidth measured in the same run, the XLA formulations of the same op under the same
-loop and donation, the extra device memory of one op, and the issue's target. See
-docs/perf-notes.md for the method. ``--peers`` adds FlashInfer and PyTorch-native formulations
-of the same work on the same inputs (jaxkv/_bench/peers.py), cross-checked before they are timed.
+the copy bandwidth measured in the same run (on compute-bound prefill rows also TFLOP/s), the XLA
+formulations of the same op under the same loop and donation, the extra device memory of one op,
+and the issue's target. See docs/perf-notes.md for the method. ``--peers`` adds FlashInfer and
+PyTorch-native formulations of the same work on the same inputs (jaxkv/_bench/peers.py),
+cross-checked before they are timed.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) 
     row = dict(op=case.op, case=case.name, series=case.series, panel=case.panel or case.op,
                sweep=case.sweep, note=case.note, per_launch=case.per_launch,
                status="ok", reason="", min_bytes=case.min_bytes, cache_bytes=case.cache_bytes,
-               iters=case.iters, per_step=case.per_step,
+               flops=case.flops, iters=case.iters, per_step=case.per_step,
                target=case.target.text if case.target else "", jaxkv=None, xla={},
                fallback=None, xla_best=None, speedup=None, met=None, failed=[])
     missing = case.missing()
@@ -179,6 +180,8 @@ def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) 
     if k.get("kernel_time_s"):
         k["kernel_gbps"] = case.min_bytes / k["kernel_time_s"] / 1e9
         k["kernel_copy_frac"] = k["kernel_gbps"] / copy_gbps
+    if case.flops:  # compute-bound: the rate that matters
+        k["tflops"] = R.tflops(row, k)
     timed = {n: x for n, x in row["xla"].items() if "time_s" in x and not x["hoisted"]}
     for x in timed.values():
         x["copy_frac"] = x["gbps"] / copy_gbps
@@ -251,7 +254,8 @@ def main(argv=None) -> dict:
     if args.list:
         for c in chosen:
             target = c.target.text if c.target else "plot point"
-            print(f"{c.op:22s} {c.name:45s} {R.fmt_bytes(c.min_bytes):>9s}  {target}")
+            flops = f", {c.flops / 1e12:.3g} TFLOP" if c.flops else ""
+            print(f"{c.op:22s} {c.name:45s} {R.fmt_bytes(c.min_bytes):>9s}{flops}  {target}")
         return {}
     cal = CALIBRATION[size]
     want_inc = not args.op or "increment_lengths" in args.op

@@ -412,6 +412,63 @@ def test_targets_fail_when_missed():
     assert row["met"] is True and row["failed"] == []
 
 
+def _pairs(prefix, new, window=None) -> int:
+    """Visible (query, key) pairs, counted one by one: a query at position p sees the keys at
+    positions (p - window, p] that exist (0 .. p)."""
+    n = 0
+    for start, count in zip(prefix, new):
+        for p in range(start, start + count):
+            keys = np.arange(p + 1)
+            n += int(np.sum(keys > p - window)) if window else len(keys)
+    return n
+
+
+def test_prefill_flops_count_the_causal_work():
+    """Issue 68's FLOPs: 4 * D per visible (query, key) pair and query head; 8 rows of 2048 new
+    tokens on 2048 cached are 0.825 TFLOP at 32 heads of D128 and at 16 of D256, and the cases
+    carry it. A window and ragged rows against a count pair by pair."""
+    full = C.attention_flops(np.full(8, 2048), np.full(8, 2048), 32, 128)
+    assert full == 8 * 32 * 4 * 128 * (2048 * 2048 + 2048 * 2049 // 2)
+    assert full == pytest.approx(0.825e12, rel=1e-3)
+    assert C.attention_flops(np.full(8, 2048), np.full(8, 2048), 16, 256) == full
+    rows = {c.name: c for c in C.cases("gpu") if c.op == "attention_prefill"}
+    d128 = rows["paged NHD B8 2048 new on 2048 32/8 heads D128 page 16"]
+    assert d128.flops == full and d128.target.min_tflops == 600
+    rng = np.random.default_rng(0)
+    prefix, new = rng.integers(0, 40, 6), rng.integers(0, 30, 6)
+    for window in (None, 1, 7, 25, 100):
+        want = 4 * 16 * 3 * _pairs(prefix, new, window)
+        assert C.attention_flops(prefix, new, 3, 16, window) == want, window
+    # The window rows count the keys of the window only: (1024 / 3072) of the full row's.
+    assert rows[d128.name + " window 1024"].flops == 8 * 32 * 4 * 128 * 2048 * 1024
+    step = next(c for c in rows.values() if "serving step" in c.name)
+    lengths, counts = C.serving_step(64, 5000, 512, 4096, 150)
+    assert counts.sum() == 5000 and counts.max() <= 512 and np.sum(counts == 1) >= 16
+    assert step.flops == 4 * 128 * 32 * _pairs(lengths, counts)
+    assert step.target.min_tflops == 500 and np.array_equal(step.params["new"], counts)
+
+
+def test_a_prefill_under_its_tflops_fails_on_gpu():
+    """min_tflops on the row's FLOPs over its device time: 0.825 TFLOP in 1.65 ms is 500
+    TFLOP/s, under 600 (and shown in the table); evaluated on the GPU only."""
+    k = dict(time_s=1.9e-3, kernel_time_s=1.65e-3, copy_frac=0.1, launches=1,
+             mem_overhead_frac=0.0, mem_measured=True, mem_extra_bytes=0)
+    row = dict(op="attention_prefill", case="c", status="ok", min_bytes=403e6, flops=0.825e12,
+               jaxkv=k, xla={}, xla_best=None, speedup=None, sweep=False, target="t")
+    target = C.Target("t", min_tflops=600)
+    R.evaluate(row, target, on_gpu=True)
+    assert row["met"] is False and row["failed"] == ["500 TFLOP/s < 600 TFLOP/s"]
+    assert "(500 TFLOP/s)" in R.cells(row)[5] and "(500 TFLOP/s)" in R.row_line(row)
+    R.evaluate(row, target, on_gpu=False)  # the numbers are the H200's
+    assert row["met"] is None
+    row["jaxkv"] = dict(k, kernel_time_s=1.3e-3)
+    R.evaluate(row, target, on_gpu=True)
+    assert row["met"] is True
+    row["flops"] = 0  # a row that counts no FLOPs cannot meet a FLOP rate
+    R.evaluate(row, target, on_gpu=True)
+    assert row["failed"] == ["n/a < 600 TFLOP/s"] and "TFLOP" not in R.cells(row)[5]
+
+
 def test_hlo_copy_counting():
     x = jnp.ones((512, 1024), jnp.float32)  # 2 MiB
     hlo = jax.jit(jnp.copy).lower(x).compile().as_text()

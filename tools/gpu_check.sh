@@ -3,7 +3,8 @@
 # whole test suite on the GPU, then the benchmarks, then the demo for each cache kind against its
 # XLA baseline. Logs go to $OUT (default /tmp/jaxkv-gpu), packed at the end into logs.tgz (the
 # main ones also beside it). SKIP_TESTS=1 / SKIP_BENCH=1 / SKIP_DEMO=1
-# / SKIP_SANITIZE=1 / SKIP_SOAK=1 / SKIP_BUILD=1 / SKIP_SERVE=1 (SKIP_SERVE_8B=1) skip parts; BENCH_OPS="op ..." limits the benchmark to those ops,
+# / SKIP_SANITIZE=1 / SKIP_SOAK=1 / SKIP_BUILD=1 / SKIP_SERVE=1 (SKIP_SERVE_8B=1) skip parts
+# (PREFILL_BLOCKS=0 the prefill tests' second run on a few persistent blocks); BENCH_OPS="op ..." limits the benchmark to those ops,
 # BENCH_ARGS more arguments of the benchmark (e.g. "--match window"),
 # MEMCHECK / RACECHECK="test files" replace the sanitizers' default test lists, RACECHECK_SELECT
 # racecheck's -k expression, TESTS_BUDGET_S=N the tests file by file within N seconds (below).
@@ -117,6 +118,17 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     (as_user; cd tests && JAXKV_REQUIRE_GPU=1 limited python3 -m pytest -q -rs -p no:cacheprovider -m "long or not long" "$@" 2>&1) | tee "$OUT/tests.log"
     tests_rc=${PIPESTATUS[0]}
     grep -E "^(FAILED|ERROR) |^=* ?[0-9]+ (passed|failed)" "$OUT/tests.log" >>"$OUT/summary.log"
+  fi
+  # The wgmma prefill's persistent blocks each take several items only where the items outnumber
+  # the multiprocessors, which the tests' small problems do not: their prefill tests again on
+  # PREFILL_BLOCKS blocks (default 3; 0: not run).
+  if [ "${PREFILL_BLOCKS:-3}" != 0 ]; then
+    (as_user; cd tests && JAXKV_PREFILL_BLOCKS=${PREFILL_BLOCKS:-3} JAXKV_REQUIRE_GPU=1 limited python3 -m pytest \
+      -q -rs -p no:cacheprovider -n 8 -k prefill test_attention.py test_hybrid_attention.py \
+      test_quantized.py test_windowed_prefix.py test_ring_cache.py 2>&1) >"$OUT/tests_blocks.log" || tests_rc=1
+    echo "prefill tests on ${PREFILL_BLOCKS:-3} blocks: $(grep -E "^=* ?[0-9]+ (passed|failed)" "$OUT/tests_blocks.log" | tail -1)" \
+      | tee -a "$OUT/summary.log"
+    grep -E "^(FAILED|ERROR) " "$OUT/tests_blocks.log" >>"$OUT/summary.log"
   fi
   # The quantizing kernels' scale quotient against the division, for every float (seconds).
   command -v nvcc >/dev/null || export PATH="$PATH:/usr/local/cuda/bin"

@@ -257,14 +257,18 @@ struct PrefillTile {
   int group, per_tile, live_rows, b, kvh, t0;
   bool layer_ok;
   int32_t n_max, n_min;
-  __device__ PrefillTile(const AttentionProblem& p, int rows)
-      : group(p.group), per_tile(rows / p.group), live_rows(per_tile * p.group), b(blockIdx.z),
-        kvh(blockIdx.y), t0((gridDim.x - 1 - blockIdx.x) * per_tile), layer_ok(p.layer_ok()) {
+  // Token tile `tile` (tokens tile * rows / group on) of KV head `head` of row `row`.
+  __device__ PrefillTile(const AttentionProblem& p, int rows, int tile, int head, int row)
+      : group(p.group), per_tile(rows / p.group), live_rows(per_tile * p.group), b(row), kvh(head),
+        t0(tile * per_tile), layer_ok(p.layer_ok()) {
     const int t_last = min(t0 + per_tile, min(p.tokens, p.counts[b])) - 1;
     const bool any = layer_ok && t_last >= t0;
     n_max = any ? p.keys(b, t_last) : 0;
     n_min = any ? p.keys(b, t0) : 0;
   }
+  // A block's tile of grid(p, rows): the last token tile first (the longest, causal).
+  __device__ PrefillTile(const AttentionProblem& p, int rows)
+      : PrefillTile(p, rows, gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z) {}
   // Row r's token and q head; live: a query of the call (not past the tile's rows or T).
   struct Row {
     int t, head;

@@ -168,7 +168,8 @@ def attention(case, carry, consts, backend=None):
     one K and one V scale) is read as FlashInfer's fp8 cache, with layer 0's scales. A window or
     soft cap goes to ``plan`` (``_hybrid``); the page list stays every page of the row, as a
     serving loop that keeps the pages passes it (jaxkv's kernel gets the same page table): the
-    window is applied by ``window_left`` alone."""
+    window is applied by ``window_left`` alone. A ragged prefill (``params["new"]``: each row's
+    new tokens, q padded to the longest) goes as FlashInfer's packed queries and ``qo_indptr``."""
     import flashinfer
     import torch
 
@@ -188,6 +189,7 @@ def attention(case, carry, consts, backend=None):
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     table = np.asarray(cache.page_table)
     lengths = np.asarray(cache.lengths)
+    new = case.params.get("new")  # a ragged prefill's new tokens per row (else T each)
     if case.op == "attention_decode":
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, layout)
         wrapper.plan(*_csr(table, lengths, page, "cuda"), Hq, H, D, page,
@@ -195,14 +197,20 @@ def attention(case, carry, consts, backend=None):
         tq = view(q)
     else:
         B, T = q.shape[0], q.shape[1]
-        qo_indptr = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device="cuda")
-        tq = view(q).reshape(B * T, Hq, D)
+        counts = np.full(B, T) if new is None else np.asarray(new)
+        qo_indptr = _i32(np.concatenate([[0], np.cumsum(counts)]), "cuda")
+        if new is None:
+            tq = view(q).reshape(B * T, Hq, D)
+        else:  # packed once, outside the timing, as a serving loop hands ragged queries over
+            rows, ts, _ = ragged(np.zeros(B, np.int64), counts, T)
+            rows, ts = (torch.from_numpy(x).to("cuda") for x in (rows, ts))
+            tq = view(q)[rows, ts]
         # Named: the "auto" default picks FA3 on Hopper, whose sources the trimmed wheel lacks.
         if backend == "fa3" and not has_fa3_sources():
             raise ValueError("FlashInfer peer: the installed wheel has no fa3 sources "
                              "(tools/flashinfer_fa3_wheel.py makes one)")
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, layout, backend=backend)
-        wrapper.plan(qo_indptr, *_csr(table, lengths + T, page, "cuda"), Hq, H, D, page,
+        wrapper.plan(qo_indptr, *_csr(table, lengths + counts, page, "cuda"), Hq, H, D, page,
                      causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
                      **hybrid)
     out = {}
@@ -211,6 +219,13 @@ def attention(case, carry, consts, backend=None):
         out["o"] = wrapper.run(tq, pools, **scales)
 
     shape = tuple(q.shape)
-    return Peer(call=call, outputs=lambda: [out["o"].reshape(shape)], graph=False,
-                tolerance=TOLERANCE)
+
+    def outputs():  # jaxkv's layout: [B, T, Hq, D], zeros past a row's new tokens
+        if new is None:
+            return [out["o"].reshape(shape)]
+        padded = torch.zeros(shape, dtype=out["o"].dtype, device=out["o"].device)
+        padded[rows, ts] = out["o"]
+        return [padded]
+
+    return Peer(call=call, outputs=outputs, graph=False, tolerance=TOLERANCE)
 

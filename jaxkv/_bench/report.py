@@ -27,6 +27,12 @@ def device_copy_frac(k: dict) -> float:
     return k.get("kernel_copy_frac") or k["copy_frac"]
 
 
+def tflops(row: dict, impl: dict) -> float | None:
+    """The row's FLOPs per op over ``impl``'s device time (jaxkv's or a peer's), in TFLOP/s;
+    None where the row counts none (only compute-bound rows do: prefill)."""
+    return row["flops"] / device_time(impl) / 1e12 if row.get("flops") else None
+
+
 def evaluate(row: dict, target, on_gpu: bool, rows=()) -> None:
     """Sets row["met"] (None off GPU: the targets are the H200's) and row["failed"]; ``rows``:
     the run's other rows, for a target relative to one of them."""
@@ -41,6 +47,9 @@ def evaluate(row: dict, target, on_gpu: bool, rows=()) -> None:
         failed.append(f"speed-up {fmt_x(speedup)} <= 1x")
     if target.max_us is not None and device_time(k) * 1e6 > target.max_us:
         failed.append(f"{device_time(k) * 1e6:.1f} us > {target.max_us:g} us")
+    rate = tflops(row, k)
+    if target.min_tflops is not None and (rate is None or rate < target.min_tflops):
+        failed.append(f"{fmt_tflops(rate)} < {target.min_tflops:g} TFLOP/s")
     if target.one_launch and k["launches"] != 1:
         failed.append(f"{k['launches']:.3g} launches")
     if target.no_kv_bytes and k.get("touches_kv"):
@@ -90,6 +99,8 @@ def compare_peers(row: dict, copy_gbps: float) -> None:
     for peer in timed.values():
         peer["copy_frac"] = peer["gbps"] / copy_gbps if peer.get("gbps") else None
         peer["vs_jaxkv"] = peer_time(peer) / device_time(row["jaxkv"])
+        if row.get("flops"):
+            peer["tflops"] = tflops(row, peer)
     row["peer_best"] = min(timed, key=lambda n: peer_time(timed[n])) if timed else None
 
 
@@ -118,6 +129,17 @@ def fmt_time(s) -> str:
     if s is None:
         return "n/a"
     return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
+def fmt_tflops(x) -> str:
+    return "n/a" if x is None else f"{x:.3g} TFLOP/s"
+
+
+def with_tflops(text: str, row: dict, impl: dict) -> str:
+    """``text`` (a time or a bandwidth) and the TFLOP/s of the same device time, on a row that
+    counts FLOPs."""
+    rate = tflops(row, impl)
+    return text if rate is None else f"{text} ({fmt_tflops(rate)})"
 
 
 def fmt_x(x) -> str:
@@ -165,7 +187,8 @@ def cells(row: dict, peers: bool = False) -> list[str]:
     return [
         row["op"], row["case"], fmt_bytes(row["min_bytes"]), fmt_time(k.get("kernel_time_s")),
         fmt_time(k["time_s"]),
-        f"{row['min_bytes'] / device_time(k) / 1e9:.0f}" if row["min_bytes"] else "-",
+        with_tflops(f"{row['min_bytes'] / device_time(k) / 1e9:.0f}" if row["min_bytes"] else "-",
+                    row, k),
         f"{device_copy_frac(k):.0%}" if row["min_bytes"] else "-",
         row["xla_best"] or "-", fmt_time(best["time_s"]) if best else "-", fallback_cell(row),
         fmt_x(row["speedup"]), *(peer_cells(row) if peers else []), fmt_mem(k), row["target"],
@@ -181,9 +204,12 @@ def row_line(row: dict, peers: bool = False) -> str:
         return f"{head} {row['status']} ({row['reason']})"
     if peers:
         best, t, x = peer_cells(row)
+        if row.get("peer_best"):
+            t = with_tflops(t, row, row["peers"][best])
         return f"{head} peer {best} {t} ({x} jaxkv's time)"
     best = row["xla"].get(row["xla_best"]) if row["xla_best"] else None
-    return (f"{head} jaxkv {fmt_time(device_time(row['jaxkv']))}, XLA "
+    jaxkv_time = with_tflops(fmt_time(device_time(row["jaxkv"])), row, row["jaxkv"])
+    return (f"{head} jaxkv {jaxkv_time}, XLA "
             f"{fmt_time(best['time_s']) if best else '-'}, fallback {fallback_cell(row)}")
 
 
@@ -227,10 +253,13 @@ def peer_lines(report: dict) -> list[str]:
             else:
                 bw = (f", {impl['gbps']:.0f} GB/s ({impl['copy_frac']:.0%} of copy)"
                       if impl.get("gbps") and r["min_bytes"] else "")
+                rate = tflops(r, impl)
+                bw += f", {fmt_tflops(rate)}" if rate is not None else ""
                 out.append(f"{head}: {fmt_time(peer_time(impl))} on the device "
                            f"({impl.get('profiler', 'profiler')}){bw}, "
                            f"{fmt_time(impl['time_s'])} per op wall ({impl['timing']}); jaxkv "
-                           f"{fmt_time(device_time(r['jaxkv']))}: peer / jaxkv "
+                           f"{with_tflops(fmt_time(device_time(r['jaxkv'])), r, r['jaxkv'])}: "
+                           f"peer / jaxkv "
                            f"{fmt_x(impl['vs_jaxkv'])}; checked {impl['checked']}")
     return ["", "peers (same inputs, cross-checked first):"] + out if out else []
 
@@ -264,7 +293,9 @@ def markdown(report: dict, plot_name: str | None) -> str:
            "time per op in the timed loop (median of the repetitions), which also carries the "
            "loop's own per-iteration cost. GB/s and % copy: minimum bytes (read + written) over "
            "the kernel time (the loop time where there is none), and that over the copy "
-           "bandwidth above; the targets are checked on these. XLA: the fastest XLA-native "
+           "bandwidth above; the targets are checked on these. On compute-bound rows (prefill) "
+           "GB/s is followed by TFLOP/s: the causal work's FLOPs (4 x head_dim per visible "
+           "(query, key) pair and query head) over the same time. XLA: the fastest XLA-native "
            "formulation, same loop, same donation (for paged 16-bit attention on a GPU, also "
            "the kernel jaxkv's default did not pick: cuDNN's, or jaxkv's own as \"jaxkv "
            "kernel\"); fallback: jaxkv's own op with every call traced as its XLA "
