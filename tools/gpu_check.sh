@@ -4,7 +4,7 @@
 # XLA baseline. Logs go to $OUT (default /tmp/jaxkv-gpu), packed at the end into logs.tgz (the
 # main ones also beside it). SKIP_TESTS=1 / SKIP_BENCH=1 / SKIP_DEMO=1
 # / SKIP_SANITIZE=1 / SKIP_SOAK=1 / SKIP_BUILD=1 / SKIP_SERVE=1 (SKIP_SERVE_8B=1) skip parts
-# (PREFILL_BLOCKS=0 the prefill tests' second run on a few persistent blocks); BENCH_OPS="op ..." limits the benchmark to those ops,
+# (PREFILL_BLOCKS=0 skips the prefill tests' second run on a few persistent blocks); BENCH_OPS="op ..." limits the benchmark to those ops,
 # BENCH_ARGS more arguments of the benchmark (e.g. "--match window"),
 # MEMCHECK / RACECHECK="test files" replace the sanitizers' default test lists, RACECHECK_SELECT
 # racecheck's -k expression, TESTS_BUDGET_S=N the tests file by file within N seconds (below).
@@ -151,7 +151,9 @@ fi
 sanitize_run() {  # sanitize_run TOOL LOG ids...
   local tool=$1 log=$2; shift 2
   local part="$log.part"
-  (cd tests && XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+  # JAXKV_PREFILL_BLOCKS: the wgmma prefill's blocks each take several items (as the second test
+  # run; 0: one a multiprocessor).
+  (cd tests && JAXKV_PREFILL_BLOCKS=${PREFILL_BLOCKS:-3} XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
     XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0 --xla_force_host_platform_device_count=8" \
     JAXKV_REQUIRE_GPU=1 compute-sanitizer --tool "$tool" --error-exitcode 99 \
     --kernel-regex kns=jaxkv ${SANITIZER_ARGS:-} \

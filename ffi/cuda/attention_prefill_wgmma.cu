@@ -18,8 +18,9 @@ namespace {
 // FlashAttention-3's forward, without its copy engine (TMA): persistent blocks (one a
 // multiprocessor, WgItems) of three warpgroups, each taking items (token tile, KV head, row b) of
 // 128 query rows (128 / group new tokens x the group's q heads) in turn, the stages' ring running
-// on from one item to the next (the producer loads an item's Q and first tiles while the
-// consumers finish the one before: a 16-bit cache's Q once their last MMAs have read it). The
+// on from one item to the next, so that no block starts or ends between items: the producer
+// loads an item's Q and tiles while the consumers write the one before's output (a 16-bit cache's
+// Q, and then its tiles, once their last MMAs have read Q; an 8-bit cache's tiles sooner). The
 // producer (warps 0-3, most of its registers given to the others by setmaxnreg; 16 lanes a key of
 // a 16-bit cache, two of an 8-bit one) looks up the pages and streams K/V tiles of 128 keys by
 // cp.async through three shared-memory stages (at head_dim 256 tiles of 64 keys through two),
@@ -58,7 +59,7 @@ namespace {
 // per-token scales. JAXKV_NO_WGMMA=1 in the environment takes the mma.sync kernel instead (to
 // compare).
 //
-// A window (*p.window, read once): both roles run the tiles from the one holding the block's first
+// A window (*p.window, read once): both roles run the tiles from the one holding the item's first
 // query's first key (the smallest; first keys grow with t) to its last query's end, so no tile
 // wholly before the window is loaded, and the producer treats keys before that first key as keys
 // without a page (never read). The consumers mask each row's keys before its own first key on the
@@ -79,7 +80,8 @@ constexpr int kWgKeys = kD == 256 ? 64 : 128;
 // Bytes from the 1024-aligned base: Q, per stage K, per stage V, an 8-bit cache's two stages of its
 // bytes (cp.async, converted from there: int8 K and V, fp8 V), per stage the key flags (a byte a
 // key), an 8-bit cache's per stage K scales (float a key) and V scales over vref (f16 a key), per
-// stage the last tile with a key without a page, the mbarriers (full, then empty, then q_free).
+// stage the ring's last tile (g + 1) with a key without a page, the mbarriers (full, then empty,
+// then q_free).
 // 227 KiB at most (Hopper's opt-in limit).
 template <bool k8, bool f8k = false, int kD = 128>
 struct WgLayout {
@@ -278,7 +280,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       return tile + (y / 4) * block + (off ^ ((2 * y % 8) << 4));
     };
     const KVView& kv = p.kv;
-    // ring: the tiles of the block's earlier items (stage ring + i % kStages); q_loads: its Qs.
+    // ring: the tiles of the block's earlier items (tile i's stage (ring + i) % kStages); q_loads:
+    // its Qs.
     int ring = 0, q_loads = 0;
     for (int round = 0, k; (k = items.at(round)) < items.count; ++round) {
       const Item item = item_at(k);
@@ -313,7 +316,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       const int layer = q_tile.layer_ok ? *p.layer : 0;
       const int64_t head_base = layer * kv.layer_stride + kvh * kv.head_stride;
       const int32_t* table = kv.page_table ? kv.page_table + int64_t{b} * kv.max_pages : nullptr;
-      // Whether key pos is one of the block's, [f_min, n_max) (one unsigned compare): a key before
+      // Whether key pos is one of the item's, [f_min, n_max) (one unsigned compare): a key before
       // the window is not read, as one past the last query's end (its page may be another row's).
       auto in_keys = [&](int32_t pos) {
         return static_cast<uint32_t>(pos - f_min) < static_cast<uint32_t>(n_max - f_min);
@@ -324,10 +327,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
         // where two lanes a key read 32 bytes of 16 lines (docs/perf-notes.md item 76). Warp w copies
         // keys [w kWarpKeys, (w + 1) kWarpKeys) of a tile; its lane l < kWarpKeys looks up key
         // w kWarpKeys + l a tile ahead and computes its offset, which the copying lanes take by
-        // shuffle (-1: no page holds the key, or it is not one of the block's).
+        // shuffle (-1: no page holds the key, or it is not one of the item's).
         constexpr int kKeyLanes = 16, kWarpKeys = kN / 4, kLaneChunks = kChunks / kKeyLanes;
         const int lane_c = lane % kKeyLanes, half = lane / kKeyLanes, own = warp * kWarpKeys + lane;
-        auto lookup = [&](int i) -> int32_t {  // the entry of key `own` of tile i (-1: not the block's)
+        auto lookup = [&](int i) -> int32_t {  // the entry of key `own` of tile i (-1: not the item's)
           const int32_t pos = key0 + i * kN + own;
           return lane < kWarpKeys && in_keys(pos) ? (table ? table[kv.column(pos)] : b) : -1;
         };
@@ -747,7 +750,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
 
     // Turns at the tensor cores: warpgroup w's turn is named barrier 1 + w (both warpgroups count
     // in it: w waits, the other arrives when its own turn is issued); warpgroup 0 goes first. Each
-    // takes tiles + 1 turns; warpgroup 1 does not arrive after its last (no turn of 0 follows).
+    // takes tiles + 1 turns an item; warpgroup 1 does not arrive after its last (warpgroup 0's
+    // next turn is the next item's first, which warpgroup 1's arrival at that item's start opens).
     // The MMAs are issued unconditionally (the compiler serializes wgmma issued under a branch): an
     // item without keys is skipped, and the last turn's S reads a stale stage (which the producer
     // may be refilling for the next item), unused.
@@ -923,8 +927,9 @@ bool wgmma_device() {
 bool launch_prefill_wgmma(cudaStream_t stream, const AttentionProblem& p, ffi::Error* status) {
   // head_dim 256 over an 8-bit cache is not built here: the mma.sync kernel serves it.
   const bool head_dim_ok = p.head_dim == 128 || (p.head_dim == 256 && p.kv_type == p.q_type);
-  const int64_t items = int64_t{WgItems::tiles_of(p)} * p.kv.heads * p.batch;  // an int in the kernel
-  if (!head_dim_ok || p.group > kWgRows || items > INT_MAX || p.batch > 65535 || p.kv.heads > 65535 ||
+  // An int in the kernel, with room for WgItems::at's round past the last (below 3x items).
+  const int64_t items = int64_t{WgItems::tiles_of(p)} * p.kv.heads * p.batch;
+  if (!head_dim_ok || p.group > kWgRows || items > INT_MAX / 4 || p.batch > 65535 || p.kv.heads > 65535 ||
       !wgmma_device())  // (v_max_kernel's grid: heads, rows)
     return false;
   bool launched = false;
