@@ -242,7 +242,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   }
   __syncthreads();
 
-
   // The window: an item's keys are [f_min, n_max), f_min its first query's first key; its tiles
   // (the producer's and the consumers' alike) start there, tile i's first key key0 + i kN (not
   // rounded down to a multiple of kN: a window's span of 1024 + 31 keys takes 9 tiles, not 9 or
@@ -518,7 +517,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     const int b = q_tile.b, kvh = q_tile.kvh, tiles = item.tiles;
     const int32_t n_max = q_tile.n_max, key0 = item.key0;
     // Its rows' keys [f_row, n_row) relative to key0 (a row without keys: n_rel <= 0), and the
-    // block's bounds of the masks: tiles ending past its first query's end (n_min) take the causal
+    // item's bounds of the masks: tiles ending past its first query's end (n_min) take the causal
     // mask, tiles starting below its last query's first key (f_max) the window's.
     int32_t n_rel[2], f_rel[2];
 #pragma unroll
@@ -839,34 +838,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
 #endif
 }
 
-// The device's multiprocessors (once per device).
-int multiprocessors() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[kMaxDevices] = {};  // 0: not asked yet
-  int device = 0;
-  cudaGetDevice(&device);
-  int n = known[device % kMaxDevices].load(std::memory_order_relaxed);
-  if (n == 0) {
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
-    n = std::max(n, 1);
-    known[device % kMaxDevices].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
+// blocks: the persistent blocks (WgItems).
 template <class T, class KT = T, int kD = 128>
-ffi::Error launch_wgmma(cudaStream_t stream, const AttentionProblem& p) {
+ffi::Error launch_wgmma(cudaStream_t stream, const AttentionProblem& p, unsigned blocks) {
   constexpr size_t bytes = WgLayout<!std::is_same_v<KT, T>, kFp8K<T, KT>, kD>::kBytes;
-  // One block a multiprocessor (WgItems), at most one an item. JAXKV_PREFILL_BLOCKS=N (read once)
-  // launches N instead: few, so that a test's few items still make each block take several; many,
-  // a block an item (no block takes a second: to compare).
-  static const int forced = [] {
-    const char* v = std::getenv("JAXKV_PREFILL_BLOCKS");
-    return v != nullptr ? std::max(std::atoi(v), 0) : 0;
-  }();
-  const int64_t items = int64_t{WgItems::tiles_of(p)} * p.kv.heads * p.batch;
-  const unsigned blocks = static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>(items, forced > 0 ? forced : multiprocessors())));
   auto launch = [&](auto kernel) {
     allow_shared_memory(kernel, bytes);
     kernel<<<blocks, kWgThreads, bytes, stream>>>(p);
@@ -898,27 +873,28 @@ ffi::Error launch_wgmma(cudaStream_t stream, const AttentionProblem& p) {
   return cuda_status("attention.prefill");
 }
 
-// Compute capability 9.0, the sm_90a code built (JAXKV_SM90A) and the shared memory there; once
-// per device.
-bool wgmma_device() {
+// The device's multiprocessors where the wgmma kernel runs there (compute capability 9.0, the
+// sm_90a code built (JAXKV_SM90A) and the shared memory), else 0; once per device.
+int wgmma_multiprocessors() {
 #if defined(JAXKV_SM90A)
   static const bool disabled = std::getenv("JAXKV_NO_WGMMA") != nullptr;
   constexpr int kMaxDevices = 64;
-  static std::atomic<signed char> known[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
+  static std::atomic<int> known[kMaxDevices] = {};  // 0 unknown, -1 no, else the multiprocessors
   int device = 0;
   cudaGetDevice(&device);
-  signed char k = known[device % kMaxDevices].load(std::memory_order_relaxed);
+  int k = known[device % kMaxDevices].load(std::memory_order_relaxed);
   if (k == 0) {  // two threads asking at once both find the same answer
-    int major = 0, minor = 0, limit = 0;
+    int major = 0, minor = 0, limit = 0, sms = 0;
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
     cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    k = major == 9 && minor == 0 && kWgMaxBytes <= static_cast<size_t>(limit) ? 1 : -1;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    k = major == 9 && minor == 0 && kWgMaxBytes <= static_cast<size_t>(limit) ? std::max(sms, 1) : -1;
     known[device % kMaxDevices].store(k, std::memory_order_relaxed);
   }
-  return k > 0 && !disabled;
+  return k > 0 && !disabled ? k : 0;
 #else
-  return false;
+  return 0;
 #endif
 }
 
@@ -929,18 +905,27 @@ bool launch_prefill_wgmma(cudaStream_t stream, const AttentionProblem& p, ffi::E
   const bool head_dim_ok = p.head_dim == 128 || (p.head_dim == 256 && p.kv_type == p.q_type);
   // An int in the kernel, with room for WgItems::at's round past the last (below 3x items).
   const int64_t items = int64_t{WgItems::tiles_of(p)} * p.kv.heads * p.batch;
-  if (!head_dim_ok || p.group > kWgRows || items > INT_MAX / 4 || p.batch > 65535 || p.kv.heads > 65535 ||
-      !wgmma_device())  // (v_max_kernel's grid: heads, rows)
-    return false;
+  if (!head_dim_ok || p.group > kWgRows || items > INT_MAX / 4 || p.batch > 65535 || p.kv.heads > 65535)
+    return false;  // (v_max_kernel's grid: heads, rows)
+  const int sms = wgmma_multiprocessors();
+  if (sms == 0) return false;
+  // One block a multiprocessor, at most one an item. JAXKV_PREFILL_BLOCKS=N (read once) launches N
+  // instead: few, so that a test's few items still make each block take several; many, a block an
+  // item (no block takes a second: to compare).
+  static const int forced = [] {
+    const char* v = std::getenv("JAXKV_PREFILL_BLOCKS");
+    return v != nullptr ? std::max(std::atoi(v), 0) : 0;
+  }();
+  const auto blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(items, forced > 0 ? forced : sms)));
   bool launched = false;
   with_attention_types(p.q_type, p.kv_type, [&](auto q, auto kv) {
     using T = typename decltype(q)::type;  // a 16-bit q only
     using KT = typename decltype(kv)::type;
     if constexpr (!std::is_same_v<T, float>) {
       if constexpr (std::is_same_v<KT, T>) {
-        *status = p.head_dim == 256 ? launch_wgmma<T, KT, 256>(stream, p) : launch_wgmma<T, KT>(stream, p);
+        *status = p.head_dim == 256 ? launch_wgmma<T, KT, 256>(stream, p, blocks) : launch_wgmma<T, KT>(stream, p, blocks);
       } else {
-        *status = launch_wgmma<T, KT>(stream, p);
+        *status = launch_wgmma<T, KT>(stream, p, blocks);
       }
       launched = true;
     }
