@@ -52,7 +52,7 @@ def handed_out(costs, blocks):
     for c in costs:
         t, g = heapq.heappop(free)
         heapq.heappush(free, (t + c, g))
-    return np.array(sorted(t for t, _ in free))
+    return np.array([t for t, _ in free])
 
 
 def main():
