@@ -371,10 +371,11 @@ def _call(target, q4, src: _Source, starts, counts, k_scale, v_scale, scale, hyb
     b, t, hq, d = q4.shape
     per_token = src.scaling == "per_token_head"
     work: tuple[int, ...] = (b, t, hq, splits, d + 2) if splits > 1 else (0,)
-    # The Hopper prefill over per-token scales keeps each row and KV head's largest V scale in
-    # [B, H] floats of the workspace; a split-KV workspace, when there is one, is larger and serves.
-    if target == "jaxkv_attention_prefill" and per_token and splits == 1:
-        work = (b, src.num_kv_heads)
+    # The Hopper prefill's workspace: word 0 counts the items its blocks have taken, and over
+    # per-token scales [B, H] floats after it keep each row and KV head's largest V scale; a
+    # split-KV workspace, when there is one, is larger and serves.
+    if target == "jaxkv_attention_prefill" and splits == 1:
+        work = (1 + b * src.num_kv_heads,) if per_token else (1,)
     none = jnp.zeros((0,), jnp.float32)
     out, _ = _ffi.call(
         target,

@@ -31,7 +31,10 @@ ffi::Error attention_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   if (splits < 1 || splits > 65535 || int64_t{p->batch} * p->tokens * p->q_heads > 0x7fffffff)
     return invalid("attention", "too many query rows, heads or splits for one launch");
   float* w = work->typed_data();
-  if (static_cast<int64_t>(work->element_count()) >= int64_t{p->batch} * p->kv.heads) p->v_maxima = w;
+  // The wgmma prefill's words (the split-KV kernels' workspace, when there is one, holds them).
+  const auto words = static_cast<int64_t>(work->element_count());
+  if (words >= 1) p->item_counter = reinterpret_cast<int*>(w);
+  if (words >= 1 + int64_t{p->batch} * p->kv.heads) p->v_maxima = w + 1;
   if (kPrefill) {
     ffi::Error status = ffi::Error::Success();
     if (launch_prefill_tc(stream, *p, &status)) return status;

@@ -80,8 +80,8 @@ constexpr int kWgKeys = kD == 256 ? 64 : 128;
 // Bytes from the 1024-aligned base: Q, per stage K, per stage V, an 8-bit cache's two stages of its
 // bytes (cp.async, converted from there: int8 K and V, fp8 V), per stage the key flags (a byte a
 // key), an 8-bit cache's per stage K scales (float a key) and V scales over vref (f16 a key), per
-// stage the ring's last tile (g + 1) with a key without a page, the mbarriers (full, then empty,
-// then q_free).
+// stage the ring's last tile (g + 1) with a key without a page, two slots of the items taken
+// (WgItems), the mbarriers (full, then empty, then q_free, then the slots' full and empty).
 // 227 KiB at most (Hopper's opt-in limit).
 template <bool k8, bool f8k = false, int kD = 128>
 struct WgLayout {
@@ -99,8 +99,9 @@ struct WgLayout {
   static constexpr unsigned kOk = kRaw + 2 * kBytesTile;
   static constexpr unsigned kKs = kOk + kStages * kN;
   static constexpr unsigned kMissing = kKs + (k8 ? (sizeof(float) + sizeof(__half)) * kStages * kN : 0);
-  static constexpr unsigned kBars = (kMissing + sizeof(int) * kStages + 7) & ~7u;
-  static constexpr size_t kBytes = kBars + 8 * (2 * kStages + 1) + 1024;  // + alignment slack
+  static constexpr unsigned kSlots = kMissing + sizeof(int) * kStages;
+  static constexpr unsigned kBars = (kSlots + sizeof(int) * 2 + 7) & ~7u;
+  static constexpr size_t kBytes = kBars + 8 * (2 * kStages + 5) + 1024;  // + alignment slack
   __device__ static unsigned kv(unsigned base, int stage, int kind) {
     return base + kQ + (kind == 0 ? stage * kKTile : kStages * kKTile + stage * kVTile);
   }
@@ -109,6 +110,10 @@ struct WgLayout {
   __device__ static unsigned empty(unsigned base, int stage) { return base + kBars + 8 * (kStages + stage); }
   // Q is free for the next item (a 16-bit cache's, which the producer loads): the consumers' arrivals.
   __device__ static unsigned q_free(unsigned base) { return base + kBars + 16 * kStages; }
+  // Slot s holds the item taken (WgItems::take), its index j with j % 2 == s: `slot_full`, the
+  // producer's thread 0 wrote it; `slot_empty`, the consumers read it (the slot free for j + 2).
+  __device__ static unsigned slot_full(unsigned base, int s) { return base + kBars + 8 * (2 * kStages + 1 + s); }
+  __device__ static unsigned slot_empty(unsigned base, int s) { return base + kBars + 8 * (2 * kStages + 3 + s); }
 };
 // The most any of them takes (an 8-bit cache only at head_dim 128).
 constexpr size_t kWgMaxBytes = std::max({WgLayout<false>::kBytes, WgLayout<true>::kBytes, WgLayout<true, true>::kBytes,
@@ -119,21 +124,30 @@ static_assert(kWgMaxBytes <= 227 * 1024, "shared memory");
 // head, row b) until none is left, so that an item's loads start while the consumers finish the
 // one before. Item k is token tile tiles - 1 - k % tiles (a row's longest first, causal) of KV head
 // j % heads of row j / heads, j = k / tiles (the order of a block an item's grid): the items that
-// run at once read few rows' keys. Block g of G takes item r G + g in round r, or r G + G - 1 - g
-// in an odd round (a snake: each block's sum of work about the same, within the 3% of a last
-// partial round at 31 items a block; at head_dim 256, 16 a block, this static order is 1-2% slower
-// than a block an item, which the hardware hands out as multiprocessors free: perf notes item 77).
+// run at once read few rows' keys. Block g takes item g first, then the next not taken (a counter
+// in global memory, p.item_counter, zeroed before the launch) as its producer starts on one: rows
+// of unequal lengths (a serving step's) leave each block's sum of work about the same, where a
+// static order left the slowest block at 1.99x the mean (serving step: 525 against 862 us on an
+// H100, the same output; 1-2% faster on uniform rows: perf notes item 79). The producer's
+// thread 0 takes each item and hands it to the block's other threads through two slots in shared
+// memory. With no counter (JAXKV_PREFILL_STATIC) a static snake instead: block g of G takes item
+// r G + g in round r, or r G + G - 1 - g in an odd round.
 struct WgItems {
   int token_tiles, count;
+  int* counter;
   __device__ explicit WgItems(const AttentionProblem& p)
-      : token_tiles(tiles_of(p)), count(token_tiles * p.kv.heads * p.batch) {}
+      : token_tiles(tiles_of(p)), count(token_tiles * p.kv.heads * p.batch), counter(p.item_counter) {}
   static __host__ __device__ int tiles_of(const AttentionProblem& p) {
     const int per = kWgRows / p.group;
     return (p.tokens + per - 1) / per;
   }
-  __device__ int at(int round) const {  // the block's item of the round (>= count: none)
+  __device__ int at(int round) const {  // the static snake's item of the round (>= count: none)
     const int g = blockIdx.x, n = gridDim.x;
     return round * n + (round % 2 ? n - 1 - g : g);
+  }
+  // The block's j-th item by the counter (>= count: none; the producer's thread 0 only).
+  __device__ int take(int j) const {
+    return j == 0 ? static_cast<int>(blockIdx.x) : static_cast<int>(gridDim.x) + atomicAdd(counter, 1);
   }
   __device__ PrefillTile tile(const AttentionProblem& p, int k) const {
     const int j = k / token_tiles;
@@ -231,6 +245,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   __half* const v_factors = reinterpret_cast<__half*>(k_scales + L::kStages * kN);  // k8 only
   constexpr bool token_scales = k8 && kTokenScales;
   int* const missing_at = reinterpret_cast<int*>(smem + (base - raw) + L::kMissing);
+  volatile int* const slots = reinterpret_cast<int*>(smem + (base - raw) + L::kSlots);
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int st = 0; st < L::kStages; ++st) {
@@ -239,6 +254,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
       missing_at[st] = 0;
     }
     mbar_init(L::q_free(base), kConsumers);
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(L::slot_full(base, s), 1);
+      mbar_init(L::slot_empty(base, s), kConsumers);
+    }
   }
   __syncthreads();
 
@@ -248,6 +267,29 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   // 10). A window <= 0 shows no key.
   const int32_t window = *p.window;
   const WgItems items(p);
+  // The block's j-th item: the producer's thread 0 takes it (once the consumers have read slot
+  // j % 2's item j - 2) and writes it to the slot; the producer's warps read it after a barrier of
+  // theirs, the consumers after its mbarrier (and then free the slot).
+  auto producer_item = [&](int j) {
+    if (items.counter == nullptr) return items.at(j);
+    const int s = j % 2;
+    if (threadIdx.x == 0) {
+      const int k = items.take(j);
+      if (j >= 2) mbar_wait(L::slot_empty(base, s), (j / 2 - 1) & 1);
+      slots[s] = k;
+      mbar_arrive(L::slot_full(base, s));
+    }
+    named_sync(3, 128);
+    return slots[s];
+  };
+  auto consumer_item = [&](int j) {
+    if (items.counter == nullptr) return items.at(j);
+    const int s = j % 2;
+    mbar_wait(L::slot_full(base, s), (j / 2) & 1);
+    const int k = slots[s];
+    mbar_arrive(L::slot_empty(base, s));
+    return k;
+  };
   struct Item {
     PrefillTile q_tile;
     int32_t key0;
@@ -282,7 +324,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
     // ring: the tiles of the block's earlier items (tile i's stage (ring + i) % kStages); q_loads:
     // its Qs.
     int ring = 0, q_loads = 0;
-    for (int round = 0, k; (k = items.at(round)) < items.count; ++round) {
+    for (int j = 0, k; (k = producer_item(j)) < items.count; ++j) {
       const Item item = item_at(k);
       const PrefillTile& q_tile = item.q_tile;
       const int b = q_tile.b, kvh = q_tile.kvh, tiles = item.tiles;
@@ -511,7 +553,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
   // Turns at the tensor cores (below): warpgroup w's is named barrier 1 + w.
   const int mine = 1 + wg, theirs = 2 - wg;
   int ring = 0;  // the tiles of the block's earlier items, as the producer's
-  for (int round = 0, k; (k = items.at(round)) < items.count; ++round) {
+  for (int j = 0, k; (k = consumer_item(j)) < items.count; ++j) {
     const Item item = item_at(k);
     const PrefillTile& q_tile = item.q_tile;
     const int b = q_tile.b, kvh = q_tile.kvh, tiles = item.tiles;
@@ -842,15 +884,23 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wgmma_kernel(const Atte
 template <class T, class KT = T, int kD = 128>
 ffi::Error launch_wgmma(cudaStream_t stream, const AttentionProblem& p, unsigned blocks) {
   constexpr size_t bytes = WgLayout<!std::is_same_v<KT, T>, kFp8K<T, KT>, kD>::kBytes;
+  // The items taken in a static order instead of by the counter where JAXKV_PREFILL_STATIC is set
+  // (read once; to compare).
+  static const bool static_order = std::getenv("JAXKV_PREFILL_STATIC") != nullptr;
+  AttentionProblem q = p;
+  if (static_order) q.item_counter = nullptr;
   auto launch = [&](auto kernel) {
     allow_shared_memory(kernel, bytes);
-    kernel<<<blocks, kWgThreads, bytes, stream>>>(p);
+    kernel<<<blocks, kWgThreads, bytes, stream>>>(q);
   };
+  const bool token_scales = !std::is_same_v<KT, T> && p.scales.k != nullptr;
+  if (token_scales && (p.item_counter == nullptr || p.v_maxima == nullptr))
+    return invalid("attention.prefill", "an 8-bit cache scaled per token needs a workspace of 1 + B H words");
+  // The counter and the V maxima after it (adjacent in the workspace), zeroed at once.
+  if (p.item_counter != nullptr)
+    cudaMemsetAsync(p.item_counter, 0, sizeof(int) * (1 + (token_scales ? int64_t{p.batch} * p.kv.heads : 0)), stream);
   if constexpr (!std::is_same_v<KT, T>) {
-    if (p.scales.k != nullptr) {  // scaled per token: the rows' largest V scales first
-      if (p.v_maxima == nullptr)
-        return invalid("attention.prefill", "an 8-bit cache scaled per token needs a workspace of [B, H] floats");
-      cudaMemsetAsync(p.v_maxima, 0, sizeof(float) * p.batch * p.kv.heads, stream);
+    if (token_scales) {  // scaled per token: the rows' largest V scales first
       const dim3 grid(static_cast<unsigned>(std::max(1, (p.kv.capacity + 255) / 256)), p.kv.heads, p.batch);
       v_max_kernel<<<grid, 256, 0, stream>>>(p);
       launch(prefill_wgmma_kernel<T, KT, true>);

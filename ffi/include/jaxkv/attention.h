@@ -36,7 +36,8 @@ struct AttentionProblem {
   const float* k_scale;   // []: dequantization scale of K (an 8-bit cache's per-tensor scale; else 1)
   const float* v_scale;   // []
   KVView scales;          // an 8-bit cache's scales per token and head (scales.k null: none)
-  float* v_maxima;        // [B, H] of the workspace, or null: the wgmma prefill's largest V scales
+  int* item_counter;      // word 0 of the workspace, or null: the wgmma prefill's items taken
+  float* v_maxima;        // [B, H] after it, or null: the wgmma prefill's largest V scales
   const int32_t* window;  // []: keys a query sees, itself included (INT32_MAX: all; <= 0: none)
   const float* sinks;     // [q_heads]: each head's sink logit, or null: no sink
   float scale;            // softmax scale
@@ -144,6 +145,7 @@ inline ffi::ErrorOr<AttentionProblem> make_attention(
   if (c.heads <= 0 || p.q_heads % c.heads != 0) return bad("q heads must be a multiple of KV heads");
   p.scales = KVView{};
   p.scales.k = p.scales.v = nullptr;
+  p.item_counter = nullptr;
   p.v_maxima = nullptr;
   if (k_scales.element_count() != 0) {
     if (k_scales.element_type() != ffi::DataType::F32) return bad("scales must be float32");
