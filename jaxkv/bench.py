@@ -52,6 +52,9 @@ def parse(argv):
                    help="cpu: tiny shapes; gpu: the issue's H200 sizes (default: by backend)")
     p.add_argument("--reps", type=int, default=5, help="timed calls per implementation (median)")
     p.add_argument("--no-sweep", action="store_true", help="skip the extra sizes for the plot")
+    p.add_argument("--no-fallback", action="store_true",
+                   help="skip the column of jaxkv's own XLA fallback (its slow loops are most of "
+                        "a GPU run's time)")
     p.add_argument("--json", metavar="PATH", help="write every number as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write the docs/benchmarks.md page")
     p.add_argument("--plot", metavar="PATH",
@@ -118,7 +121,8 @@ def _through_fallback(step):
     return run
 
 
-def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) -> dict:
+def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress,
+             with_fallback: bool = True) -> dict:
     row = dict(op=case.op, case=case.name, series=case.series, panel=case.panel or case.op,
                sweep=case.sweep, note=case.note, per_launch=case.per_launch,
                status="ok", reason="", min_bytes=case.min_bytes, cache_bytes=case.cache_bytes,
@@ -147,7 +151,7 @@ def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress) 
         # XLA's formulations, then jaxkv's own op with every call traced as its XLA formulation
         # (jaxkv/_fallback.py): the same loop, and the same handling of one that fails
         fallback = _through_fallback(kernel)
-        for name, step in [*xla.items(), ("fallback", fallback)]:
+        for name, step in [*xla.items(), *[("fallback", fallback)] * with_fallback]:
             progress.label(f"{case.op} {case.name}: "
                            + ("jaxkv's XLA fallback" if step is fallback else f"XLA {name}"))
             try:
@@ -218,6 +222,7 @@ def command(args, size: str) -> str:
     words += [f"--op {op}" for op in args.op or []]
     words += [f"--match '{text}'" for text in args.match or []]
     words += ["--peers"] if args.peers else []
+    words += ["--no-fallback"] if args.no_fallback else []
     return " ".join(words + (["--no-sweep"] if args.no_sweep else []))
 
 
@@ -276,7 +281,8 @@ def main(argv=None) -> dict:
     # still shows what it measured; the table follows at the end.
     rows = []
     for c in measured:
-        rows.append(run_case(c, args.reps, calibration["copy_gbps"], on_gpu, progress))
+        rows.append(run_case(c, args.reps, calibration["copy_gbps"], on_gpu, progress,
+                             with_fallback=not args.no_fallback))
         print(R.row_line(rows[-1]), flush=True)
     if args.peers:
         for row, case in zip(rows, measured):
