@@ -5,7 +5,8 @@
 # main ones also beside it). SKIP_TESTS=1 / SKIP_BENCH=1 / SKIP_DEMO=1
 # / SKIP_SANITIZE=1 / SKIP_SOAK=1 / SKIP_BUILD=1 / SKIP_SERVE=1 (SKIP_SERVE_8B=1) skip parts
 # (PREFILL_BLOCKS=0 skips the prefill tests' second run on a few persistent blocks); BENCH_OPS="op ..." limits the benchmark to those ops,
-# BENCH_ARGS more arguments of the benchmark (e.g. "--match window"),
+# BENCH_ARGS more arguments of the benchmark (e.g. "--match window"; "--no-fallback" leaves out the
+# column of jaxkv's XLA fallback, whose slow loops take about half of a prefill row's time),
 # MEMCHECK / RACECHECK="test files" replace the sanitizers' default test lists, RACECHECK_SELECT
 # racecheck's -k expression, TESTS_BUDGET_S=N the tests file by file within N seconds (below).
 # The output ends with a summary (each test file's line and failures, each sanitizer's line, the
