@@ -151,7 +151,8 @@ def run_case(case: C.Case, reps: int, copy_gbps: float, on_gpu: bool, progress,
         # XLA's formulations, then jaxkv's own op with every call traced as its XLA formulation
         # (jaxkv/_fallback.py): the same loop, and the same handling of one that fails
         fallback = _through_fallback(kernel)
-        for name, step in [*xla.items(), *[("fallback", fallback)] * with_fallback]:
+        steps = [*xla.items(), ("fallback", fallback)] if with_fallback else [*xla.items()]
+        for name, step in steps:
             progress.label(f"{case.op} {case.name}: "
                            + ("jaxkv's XLA fallback" if step is fallback else f"XLA {name}"))
             try:
